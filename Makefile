@@ -1,0 +1,39 @@
+# hybridflow: `make help` lists the targets.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.DEFAULT_GOAL := help
+.PHONY: help install test lint format bench quickstart clean
+
+help: ## List the targets
+	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
+
+$(STAMP): requirements.txt setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt -e .
+	touch $(STAMP)
+
+install: $(STAMP) ## Create .venv and install pinned dependencies (torch CPU wheel on CPU machines)
+
+test: $(STAMP) ## Run the test suite (what CI runs)
+	$(PY) -m pytest
+
+lint: $(STAMP) ## ruff lint and format check
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP) ## Apply ruff formatting and safe fixes
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+bench: $(STAMP) ## Run benchmarks/ and print result tables
+	$(PY) -m benchmarks
+
+quickstart: $(STAMP) ## Tiny model + arithmetic data, SFT warm start, then GRPO on 2 CPU processes
+	bash scripts/quickstart.sh
+
+clean: ## Remove the virtual environment and caches
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -1,0 +1,41 @@
+"""Settings of the Megatron-Core engine, named as Megatron-Core names them.
+
+This module imports nothing from Megatron-Core so that the recipe schema can compose it
+without pulling Megatron into `import hybridflow`.
+"""
+
+from dataclasses import dataclass
+
+
+@dataclass
+class MegatronConfig:
+    """Parallel layout, precision and memory placement of one Megatron-backed role."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = True  # GPU only; CPU runs use the numerically equal local update
+    params_dtype: str = "float32"  # "float32" | "bfloat16" (bf16 keeps fp32 master weights)
+    make_vocab_size_divisible_by: int = 128
+    param_offload: bool = False  # offload to CPU between phases; a no-op on CPU machines
+    grad_offload: bool = False
+    optimizer_offload: bool = False
+    seed: int = 42
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer and LR schedule (Megatron-Core `OptimizerConfig` / `OptimizerParamScheduler` names)."""
+
+    optimizer: str = "adam"
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    lr_warmup_iters: int = 0
+    lr_decay_iters: int | None = None  # None: no decay
+    lr_decay_style: str = "constant"  # "constant" | "linear" | "cosine"
