@@ -1,0 +1,12 @@
+"""Rollout engines and the hybrid engine's weight sync.
+
+Import the submodule you need; this package imports nothing on its own, so that the recipe schema
+can import `engines.rollout.config` cheaply and SGLang is only imported where an engine is built.
+
+- `config`: `RolloutConfig`, `SamplingConfig`
+- `base`: the `RolloutEngine` interface, output layout, `check_rollout_available`, `create_rollout_engine`
+- `hf_rollout`: transformers `generate` engine (CPU or CUDA)
+- `sglang_rollout`: SGLang offline engine (CUDA only)
+- `weight_sync`: buckets and exact checksums
+- `sharding_manager`: `MegatronRolloutShardingManager` (actor weights in, data resharded)
+"""

@@ -1,19 +1,47 @@
-"""Settings of the rollout engines (SGLang's names where SGLang has one)."""
+"""Settings of the rollout engines (SGLang's names where SGLang has one).
+
+Imports nothing heavy so that the recipe schema can compose these dataclasses. Each class checks
+its own values in `__post_init__` and raises `ValueError` naming the key and what was expected.
+"""
 
 from dataclasses import dataclass, field
+
+ROLLOUT_ENGINES = ("hf", "sglang")
+ROLLOUT_DTYPES = ("float32", "bfloat16", "float16")
+LOAD_FORMATS = ("dummy", "auto")
 
 
 @dataclass
 class SamplingConfig:
-    """How responses are sampled; validation uses its own (greedy by default)."""
+    """How responses are sampled; validation uses its own (greedy by default).
 
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
+    `do_sample: false` is greedy decoding (temperature, top_p and top_k are then unused).
+    """
+
+    n: int = 1  # samples per prompt; a caller that repeats the batch itself passes meta_info["n"]=1
+    temperature: float = 1.0  # must be > 0 when do_sample is true
+    top_p: float = 1.0  # 1.0: no nucleus filtering
     top_k: int = -1  # -1: no top-k filtering
-    max_new_tokens: int = 256
-    stop: list[str] = field(default_factory=list)
+    max_new_tokens: int | None = None  # None: the rollout's response_length
+    stop: list[str] = field(default_factory=list)  # stop strings; the response ends after the first one
     do_sample: bool = True
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"sampling.n must be >= 1, got {self.n}")
+        if self.do_sample and self.temperature <= 0:
+            raise ValueError(
+                f"sampling.temperature must be > 0 when do_sample is true, got {self.temperature}; "
+                "for greedy decoding set do_sample: false"
+            )
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k != -1 and self.top_k < 1:
+            raise ValueError(f"sampling.top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError(f"sampling.max_new_tokens must be >= 1 or null, got {self.max_new_tokens}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"sampling.stop must be a list of non-empty strings, got {self.stop!r}")
 
 
 @dataclass
@@ -21,14 +49,60 @@ class RolloutConfig:
     """Which engine generates, and how weights reach it."""
 
     name: str = "hf"  # "hf" (transformers generate, CPU or CUDA) | "sglang" (CUDA only)
-    tensor_model_parallel_size: int = 1
-    dtype: str = "float32"
-    response_length: int = 256
+    tensor_model_parallel_size: int = 1  # GPUs per SGLang engine; the hf engine has no TP (must be 1)
+    dtype: str = "float32"  # "float32" | "bfloat16" | "float16"
+    response_length: int = 256  # width of `responses`; max_new_tokens may not exceed it
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     val_sampling: SamplingConfig = field(
         default_factory=lambda: SamplingConfig(n=1, temperature=0.0, do_sample=False)
     )
+    load_format: str = (
+        "dummy"  # "dummy": random init, weights arrive with the first sync | "auto": read the dir
+    )
+    seed: int = 42  # base of the per-call sampling seed when meta_info carries no "seed"
+    calculate_log_probs: bool = False  # return the engine's own per-token log-probs as rollout_log_probs
     weight_sync_bucket_mb: int = 512
-    verify_weight_sync: bool = False  # checksum every tensor on both sides at every sync
+    verify_weight_sync: bool = False  # checksum every tensor on both sides at every sync (hf engine)
     gpu_memory_utilization: float = 0.5  # SGLang mem_fraction_static
     free_cache_engine: bool = True  # release the engine's memory after generation
+
+    def __post_init__(self) -> None:
+        if self.name not in ROLLOUT_ENGINES:
+            raise ValueError(f"rollout.name must be one of {ROLLOUT_ENGINES}, got {self.name!r}")
+        if self.tensor_model_parallel_size < 1:
+            raise ValueError(
+                f"rollout.tensor_model_parallel_size must be >= 1, got {self.tensor_model_parallel_size}"
+            )
+        if self.name == "hf" and self.tensor_model_parallel_size != 1:
+            raise ValueError(
+                "rollout.tensor_model_parallel_size must be 1 for rollout.name=hf (each rank holds a "
+                f"full replica), got {self.tensor_model_parallel_size}; use rollout.name=sglang for TP"
+            )
+        if self.dtype not in ROLLOUT_DTYPES:
+            raise ValueError(f"rollout.dtype must be one of {ROLLOUT_DTYPES}, got {self.dtype!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"rollout.load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.response_length < 1:
+            raise ValueError(f"rollout.response_length must be >= 1, got {self.response_length}")
+        for key in ("sampling", "val_sampling"):
+            limit = getattr(self, key).max_new_tokens
+            if limit is not None and limit > self.response_length:
+                raise ValueError(
+                    f"rollout.{key}.max_new_tokens={limit} exceeds rollout.response_length="
+                    f"{self.response_length}; raise response_length or lower max_new_tokens"
+                )
+        if self.weight_sync_bucket_mb <= 0:
+            raise ValueError(f"rollout.weight_sync_bucket_mb must be > 0, got {self.weight_sync_bucket_mb}")
+        if not 0.0 < self.gpu_memory_utilization < 1.0:
+            raise ValueError(
+                f"rollout.gpu_memory_utilization must be in (0, 1), got {self.gpu_memory_utilization}"
+            )
+        if self.verify_weight_sync and self.name != "hf":
+            raise ValueError(
+                "rollout.verify_weight_sync needs rollout.name=hf: SGLang exposes no exact read-back "
+                "of its (fused, TP-sharded) parameters"
+            )
+
+    def max_new_tokens(self, sampling: SamplingConfig) -> int:
+        """New tokens to generate under `sampling` (its own limit, else response_length)."""
+        return sampling.max_new_tokens or self.response_length

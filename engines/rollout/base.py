@@ -1,0 +1,293 @@
+"""The rollout engine interface, and the response assembly both engines (hf, sglang) share.
+
+Output of `generate_sequences(prompts)` for a batch of B prompt rows and n samples each (rows
+repeated in place, `[a, a, b, b]`, non-tensor data repeated the same way), R = response_length:
+
+| key | shape | meaning |
+| --- | --- | --- |
+| `prompts` | (B*n, P) | the input prompt ids, left-padded |
+| `responses` | (B*n, R) | generated ids, right-padded with the pad id after EOS / a stop string |
+| `response_mask` | (B*n, R) | 1 for generated tokens up to and including EOS (or the stop string's end) |
+| `input_ids` | (B*n, P+R) | prompts then responses |
+| `attention_mask` | (B*n, P+R) | prompt mask then response_mask |
+| `position_ids` | (B*n, P+R) | prompt positions, then the last prompt position + 1, + 2, ... |
+| `rollout_log_probs` | (B*n, R) | with `calculate_log_probs`: log p(token) at the rollout temperature |
+
+meta_info switches read by the engines:
+  - `validate: True` selects `val_sampling` instead of `sampling`;
+  - `n`: samples per row, overriding the selected config's `n`. The PPO driver repeats the batch
+    itself (`gen.repeat(n, interleave=True)`) and passes `n=1`;
+  - `seed`: the sampling seed of this call. Without it a call uses `rollout.seed + k`, k counting
+    the engine's previous calls; `get_rng_state()`/`set_rng_state()` save and restore k, so a
+    resumed run samples exactly as the uninterrupted one would have;
+  - `rollout_seed_stream`: set by the sharding manager to the global rank, mixed into the seed so
+    that slices of one batch generated on different ranks draw independent samples (the same
+    prompt repeated across ranks must not get the same sample). Removed from the output by it.
+"""
+
+import importlib.util
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from engines.rollout.config import RolloutConfig, SamplingConfig
+from hybridflow.protocol import DataProto
+
+PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
+SEED_STREAM_KEY = "rollout_seed_stream"
+_SEED_MODULUS = 2**62
+
+
+class RolloutEngine(Protocol):
+    """What the sharding manager and the rollout worker call on an engine."""
+
+    def generate_sequences(self, prompts: DataProto) -> DataProto: ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load full Hugging Face-named tensors in place; an unknown name or shape is an error."""
+
+    def flush_cache(self) -> None:
+        """Drop cached KV computed with the previous weights (called once after a sync)."""
+
+    def weight_checksums(self, names: list[str] | None = None) -> dict[str, str]:
+        """`tensor_checksum` of the named parameters (all of them when `names` is None)."""
+
+    def release_memory(self) -> None: ...
+
+    def resume_memory(self) -> None: ...
+
+    def get_rng_state(self) -> dict[str, Any]: ...
+
+    def set_rng_state(self, state: dict[str, Any]) -> None: ...
+
+
+class SeededGenerationMixin:
+    """`generate_sequences` and the RNG state shared by the engines.
+
+    An engine sets `cfg`, `eos_token_ids`, `pad_token_id`, `tokenizer` (None unless stop strings
+    are used) and `_calls = 0`, and implements `_generate(prompts, sampling, seed)` returning the
+    generated ids (B, L) and their log-probs (B, L) or None, on CPU.
+    """
+
+    cfg: RolloutConfig
+    eos_token_ids: list[int]
+    pad_token_id: int
+    tokenizer: Any
+    _calls: int
+
+    def _generate(self, prompts: DataProto, sampling: SamplingConfig, seed: int):
+        raise NotImplementedError
+
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        check_prompts(prompts)
+        sampling, n = select_sampling(self.cfg, prompts.meta_info)
+        seed = call_seed(prompts.meta_info, self.cfg.seed, self._calls)
+        self._calls += 1
+        if n > 1:
+            prompts = prompts.repeat(n, interleave=True)
+        responses, log_probs = self._generate(prompts, sampling, seed)
+        return assemble_rollout_output(
+            prompts,
+            responses,
+            eos_token_ids=self.eos_token_ids,
+            pad_token_id=self.pad_token_id,
+            response_length=self.cfg.response_length,
+            stop=sampling.stop,
+            tokenizer=self.tokenizer,
+            log_probs=log_probs,
+        )
+
+    def get_rng_state(self) -> dict[str, Any]:
+        return {"calls": self._calls}
+
+    def set_rng_state(self, state: dict[str, Any]) -> None:
+        calls = state.get("calls") if isinstance(state, dict) else None
+        if isinstance(calls, bool) or not isinstance(calls, int) or calls < 0:
+            raise ValueError(f"set_rng_state expects {{'calls': int >= 0}}, got {state!r}")
+        self._calls = calls
+
+
+def check_rollout_available(name: str) -> None:
+    """Raise a clear error if rollout engine `name` cannot run on this machine."""
+    if name == "hf":
+        return
+    if name != "sglang":
+        raise ValueError(f"rollout.name must be 'hf' or 'sglang', got {name!r}")
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            "rollout.name=sglang needs CUDA GPUs, and none is available here; use rollout.name=hf"
+        )
+    if importlib.util.find_spec("sglang") is None:
+        raise RuntimeError(
+            "rollout.name=sglang needs the `sglang` package, which is not installed; use rollout.name=hf"
+        )
+
+
+def create_rollout_engine(cfg: RolloutConfig, model_path: str, **engine_kwargs) -> RolloutEngine:
+    """The engine `cfg.name` names, built from the Hugging Face directory `model_path`."""
+    check_rollout_available(cfg.name)
+    if cfg.name == "hf":
+        from engines.rollout.hf_rollout import HFRolloutEngine
+
+        return HFRolloutEngine(model_path, cfg, **engine_kwargs)
+    from engines.rollout.sglang_rollout import SGLangRolloutEngine
+
+    return SGLangRolloutEngine(model_path, cfg, **engine_kwargs)
+
+
+def select_sampling(cfg: RolloutConfig, meta_info: dict) -> tuple[SamplingConfig, int]:
+    """The sampling settings of this call and the number of samples per prompt row."""
+    sampling = cfg.val_sampling if meta_info.get("validate", False) else cfg.sampling
+    n = meta_info.get("n", sampling.n)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"meta_info['n'] must be a positive int (samples per prompt), got {n!r}")
+    return sampling, n
+
+
+def call_seed(meta_info: dict, base_seed: int, calls_so_far: int) -> int:
+    """The sampling seed of one call: meta_info["seed"] when given, else base_seed + calls_so_far,
+    mixed with the seed stream when one is given."""
+    seed = meta_info.get("seed", base_seed + calls_so_far)
+    stream = meta_info.get(SEED_STREAM_KEY, 0)
+    for key, value in (("seed", seed), (SEED_STREAM_KEY, stream)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"meta_info[{key!r}] must be an int, got {value!r}")
+    if stream == 0:
+        return seed
+    return (seed * 1_000_003 + stream) % _SEED_MODULUS  # a prime multiplier keeps (seed, stream) pairs apart
+
+
+def check_prompts(prompts: DataProto) -> None:
+    """Raise ValueError unless `prompts` holds left-padded (B, P) prompt tensors."""
+    if prompts.batch is None:
+        raise ValueError(f"generate_sequences needs tensors {PROMPT_KEYS}, got a DataProto without tensors")
+    missing = [k for k in PROMPT_KEYS if k not in prompts.batch]
+    if missing:
+        raise ValueError(f"generate_sequences needs prompt tensors {PROMPT_KEYS}; missing {missing}")
+    shape = prompts.batch["input_ids"].shape
+    for key in PROMPT_KEYS:
+        if prompts.batch[key].dim() != 2 or prompts.batch[key].shape != shape:
+            raise ValueError(
+                f"prompt tensor {key!r} has shape {tuple(prompts.batch[key].shape)}, expected {tuple(shape)}"
+            )
+    mask = prompts.batch["attention_mask"]
+    if len(prompts) and not (mask[:, -1] == 1).all():
+        raise ValueError("prompts must be left-padded: attention_mask[:, -1] must be 1 on every row")
+    if not (mask[:, 1:] >= mask[:, :-1]).all():
+        raise ValueError("prompts must be left-padded: attention_mask must be 0s then 1s on each row")
+
+
+def response_mask_until_eos(responses: torch.Tensor, eos_token_ids: list[int]) -> torch.Tensor:
+    """1 for each token up to and including the first EOS of its row, 0 after it. (B, L) -> (B, L)."""
+    is_eos = torch.isin(responses, torch.tensor(eos_token_ids, device=responses.device))  # (B, L)
+    eos_before = is_eos.long().cumsum(dim=1) - is_eos.long()  # EOS count strictly before each token
+    return (eos_before == 0).long()
+
+
+def stop_string_lengths(
+    responses: torch.Tensor, mask: torch.Tensor, tokenizer, stops: list[str]
+) -> torch.Tensor:
+    """Per row, the number of tokens up to and including the one that completes the first stop
+    string; rows without a stop string keep their masked length. (B, L) -> (B,)."""
+    lengths = mask.sum(dim=1)  # (B,)
+    for row in range(responses.shape[0]):
+        ids = responses[row, : int(lengths[row])].tolist()
+        if not _has_stop(tokenizer.decode(ids), stops):
+            continue
+        # A decoded prefix only grows, so "contains a stop string" is monotone in the prefix length.
+        low, high = 1, len(ids)
+        while low < high:
+            middle = (low + high) // 2
+            if _has_stop(tokenizer.decode(ids[:middle]), stops):
+                high = middle
+            else:
+                low = middle + 1
+        lengths[row] = low
+    return lengths
+
+
+def _has_stop(text: str, stops: list[str]) -> bool:
+    return any(stop in text for stop in stops)
+
+
+def assemble_rollout_output(
+    prompts: DataProto,
+    responses: torch.Tensor,
+    *,
+    eos_token_ids: list[int],
+    pad_token_id: int,
+    response_length: int,
+    stop: list[str],
+    tokenizer=None,
+    log_probs: torch.Tensor | None = None,
+) -> DataProto:
+    """Build the `generate_sequences` output from raw generated ids.
+
+    `responses` (B, L), L <= response_length, holds each row's generated ids; tokens after a row's
+    first EOS (or after its first stop string, when `stop` is given) are masked and set to the pad
+    id. `log_probs` (B, L) are the chosen tokens' log-probs, or None.
+    """
+    batch_size, length = responses.shape
+    if length > response_length:
+        raise ValueError(f"generated {length} tokens, more than rollout.response_length={response_length}")
+    if batch_size != len(prompts):
+        raise ValueError(f"got {batch_size} response rows for {len(prompts)} prompt rows")
+    mask = response_mask_until_eos(responses, eos_token_ids)  # (B, L)
+    if stop:
+        if tokenizer is None:
+            raise ValueError(f"stop strings {stop} need the model's tokenizer, but the engine has none")
+        keep = stop_string_lengths(responses, mask, tokenizer, stop)  # (B,)
+        mask = mask * (torch.arange(length, device=mask.device)[None, :] < keep[:, None]).long()
+    padding = response_length - length
+    responses = torch.nn.functional.pad(
+        responses.masked_fill(mask == 0, pad_token_id), (0, padding), value=pad_token_id
+    )
+    mask = torch.nn.functional.pad(mask, (0, padding), value=0)  # (B, R)
+
+    prompt_ids = prompts.batch["input_ids"]  # (B, P)
+    prompt_positions = prompts.batch["position_ids"]  # (B, P)
+    steps = torch.arange(1, response_length + 1, device=prompt_positions.device)  # (R,)
+    response_positions = prompt_positions[:, -1:] + steps[None, :]  # (B, R)
+    tensors = {
+        "prompts": prompt_ids,
+        "responses": responses,
+        "response_mask": mask,
+        "input_ids": torch.cat([prompt_ids, responses], dim=1),
+        "attention_mask": torch.cat([prompts.batch["attention_mask"], mask], dim=1),
+        "position_ids": torch.cat([prompt_positions, response_positions], dim=1),
+    }
+    if log_probs is not None:
+        log_probs = torch.nn.functional.pad(log_probs.float() * mask[:, :length], (0, padding), value=0.0)
+        tensors["rollout_log_probs"] = log_probs
+    return DataProto.from_dict(
+        tensors=tensors, non_tensors=prompts.non_tensor_batch, meta_info=prompts.meta_info
+    )
+
+
+def read_special_token_ids(model_path: Path, hf_config) -> tuple[list[int], int]:
+    """EOS ids (generation_config.json first, then config.json) and the pad id (EOS if none)."""
+    from transformers import GenerationConfig
+
+    try:
+        generation = GenerationConfig.from_pretrained(model_path)
+    except OSError:
+        generation = GenerationConfig.from_model_config(hf_config)
+    eos = generation.eos_token_id if generation.eos_token_id is not None else hf_config.eos_token_id
+    if eos is None:
+        raise ValueError(f"{model_path}: neither generation_config.json nor config.json sets eos_token_id")
+    eos_ids = [eos] if isinstance(eos, int) else list(eos)
+    pad = generation.pad_token_id if generation.pad_token_id is not None else hf_config.pad_token_id
+    return eos_ids, eos_ids[0] if pad is None else int(pad)
+
+
+def load_tokenizer(model_path: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_path)
+    except (OSError, ValueError) as err:
+        raise ValueError(
+            f"stop strings need a tokenizer in {model_path}, and loading it failed: {err}"
+        ) from err

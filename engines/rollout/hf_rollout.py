@@ -1,0 +1,145 @@
+"""The `hf` rollout engine: a transformers causal LM generating with `model.generate` (KV cache,
+left-padded batches) on CPU or one CUDA device. The default where CUDA is absent.
+
+Weights are either read from the model directory (`load_format: auto`) or randomly initialised
+(`dummy`) and then overwritten in place by `update_weights`, which the sharding manager feeds with
+the actor's tensors. Each call seeds sampling deterministically (see `engines.rollout.base`).
+"""
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engines.rollout.base import SeededGenerationMixin, load_tokenizer, read_special_token_ids
+from engines.rollout.config import RolloutConfig, SamplingConfig
+from engines.rollout.weight_sync import tensor_checksum, torch_dtype
+from hybridflow.protocol import DataProto
+
+
+class HFRolloutEngine(SeededGenerationMixin):
+    """Batched generation with a transformers model held in this process."""
+
+    def __init__(self, model_path: str | Path, cfg: RolloutConfig, device: str | torch.device | None = None):
+        from transformers import AutoConfig
+
+        model_path = Path(model_path)
+        if not (model_path / "config.json").is_file():
+            raise ValueError(
+                f"rollout model path {model_path} has no config.json (expected a Hugging Face model dir)"
+            )
+        self.cfg = cfg
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        hf_config = AutoConfig.from_pretrained(model_path)
+        self.eos_token_ids, self.pad_token_id = read_special_token_ids(model_path, hf_config)
+        self.model = _load_model(model_path, hf_config, cfg).to(self.device).eval()
+        self.model.generation_config = _plain_generation_config(self.eos_token_ids, self.pad_token_id)
+        # Tied weights appear under each of their names, so either name can be synced.
+        self._params = dict(self.model.named_parameters(remove_duplicate=False))
+        uses_stop = bool(cfg.sampling.stop or cfg.val_sampling.stop)
+        self.tokenizer = load_tokenizer(model_path) if uses_stop else None
+        self._calls = 0
+
+    # ------------------------------------------------------------------ generation
+    def _generate(self, prompts: DataProto, sampling: SamplingConfig, seed: int):
+        """Generated ids (B, L) and, with calculate_log_probs, their log-probs (B, L), on CPU."""
+        input_ids = prompts.batch["input_ids"]  # (B, P)
+        if len(prompts) == 0:
+            empty = torch.zeros(0, 0, dtype=torch.long)
+            return empty, (empty.float() if self.cfg.calculate_log_probs else None)
+        generation_config = self._generation_config(sampling)
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            out = self.model.generate(
+                input_ids=input_ids.to(self.device),
+                attention_mask=prompts.batch["attention_mask"].to(self.device),
+                generation_config=generation_config,
+                tokenizer=self.tokenizer,
+            )
+        responses = out.sequences[:, input_ids.shape[1] :]  # (B, L)
+        log_probs = None
+        if self.cfg.calculate_log_probs:
+            temperature = sampling.temperature if sampling.do_sample else 1.0
+            logits = torch.stack(out.logits, dim=1).float() / temperature  # (B, L, V)
+            log_probs = logits.log_softmax(dim=-1).gather(-1, responses[..., None]).squeeze(-1).cpu()
+        return responses.cpu(), log_probs
+
+    def _generation_config(self, sampling: SamplingConfig):
+        from transformers import GenerationConfig
+
+        settings: dict[str, Any] = dict(
+            max_new_tokens=self.cfg.max_new_tokens(sampling),
+            do_sample=sampling.do_sample,
+            eos_token_id=self.eos_token_ids,
+            pad_token_id=self.pad_token_id,
+            use_cache=True,
+            return_dict_in_generate=True,
+            output_logits=self.cfg.calculate_log_probs,
+        )
+        if sampling.do_sample:
+            # top_k=0 switches transformers' top-k filter off (None would mean its default, 50).
+            settings.update(
+                temperature=sampling.temperature, top_p=sampling.top_p, top_k=max(sampling.top_k, 0)
+            )
+        if sampling.stop:
+            settings["stop_strings"] = list(sampling.stop)
+        return GenerationConfig(**settings)
+
+    # ------------------------------------------------------------------ weights
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in named_tensors:
+            param = self._params.get(name)
+            if param is None:
+                example = next(iter(self._params))
+                raise ValueError(
+                    f"update_weights: {name!r} is not a parameter of the rollout model "
+                    f"({type(self.model).__name__}); expected Hugging Face names like {example!r}"
+                )
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the rollout model's "
+                    f"parameter has {tuple(param.shape)}"
+                )
+            param.copy_(tensor)
+
+    def flush_cache(self) -> None:
+        """Nothing to drop: `generate` builds a fresh KV cache on every call."""
+
+    def weight_checksums(self, names: list[str] | None = None) -> dict[str, str]:
+        if names is None:
+            names = [name for name, _ in self.model.named_parameters()]
+        unknown = [name for name in names if name not in self._params]
+        if unknown:
+            raise ValueError(f"weight_checksums: {unknown[:5]} are not parameters of the rollout model")
+        return {name: tensor_checksum(self._params[name]) for name in names}
+
+    # ------------------------------------------------------------------ memory and RNG
+    def release_memory(self) -> None:
+        """On CUDA, move the weights to host memory so the actor can use the device; on CPU a no-op."""
+        if self.device.type == "cuda":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+
+    def resume_memory(self) -> None:
+        if self.device.type == "cuda":
+            self.model.to(self.device)
+
+
+def _load_model(model_path: Path, hf_config, cfg: RolloutConfig):
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch_dtype(cfg.dtype)
+    if cfg.load_format == "auto":
+        return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    return AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+
+
+def _plain_generation_config(eos_token_ids: list[int], pad_token_id: int):
+    """A generation config carrying only the special ids, so that sampling defaults shipped with a
+    checkpoint (repetition penalty, top_k, ...) never override the recipe's."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(eos_token_id=eos_token_ids, pad_token_id=pad_token_id)

@@ -1,0 +1,244 @@
+"""The hybrid engine's switch from training to generation: actor weights into the rollout engine,
+and the batch reshaped between the actor's data-parallel layout and the rollout engines.
+
+    with sharding_manager:                          # sync weights, resume the engine's memory
+        piece = sharding_manager.preprocess_data(prompts)
+        out = engine.generate_sequences(piece) if engine is not None else None
+        out = sharding_manager.postprocess_data(out)
+                                                    # on exit: release the engine's memory
+
+Weights. On entry every rank of the actor's model-parallel group iterates
+`engines.megatron.weights.iter_hf_tensors` in lockstep (it is a collective); the stream is cut into
+buckets of `rollout.weight_sync_bucket_mb` and loaded by `engine.update_weights` on the ranks that
+hold an engine. With `rollout.verify_weight_sync`, each tensor's checksum (cast to the rollout
+dtype) is compared with the engine's copy after the sync; the first differing name stops the run
+on every rank.
+
+Data. MEGATRON_COMPUTE_PROTO gives the same chunk to every rank of one actor data-parallel rank
+(its "replica group": all its TP/PP/CP ranks) and collects from one of them. So that each prompt
+is generated once:
+  - `preprocess_data`: rank i of a replica group of size M keeps the i-th of M near-equal slices of
+    the chunk; then, when an engine spans several ranks (SGLang TP = T: ranks [kT, (k+1)T) form a
+    rollout group and its first rank holds the engine), the group's slices are all-gathered in rank
+    order, so the engine sees its whole group's prompts;
+  - `postprocess_data`: the engine rank hands each member of its rollout group the output rows of
+    that member's slice (n output rows per prompt row when the engine samples n), then the replica
+    group all-gathers, so every rank (the collected tp0 / last-stage rank included) returns the
+    output of its whole chunk, in the chunk's row order.
+With the hf engine (no TP) every rank holds an engine and rollout groups are single ranks.
+"""
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from engines.rollout.base import SEED_STREAM_KEY, RolloutEngine
+from engines.rollout.config import RolloutConfig
+from engines.rollout.weight_sync import (
+    WeightSyncError,
+    bucket_named_tensors,
+    first_checksum_mismatch,
+    tensor_checksum,
+    tensor_nbytes,
+    torch_dtype,
+)
+from hybridflow.protocol import DataProto, all_gather_data_proto
+
+
+@dataclass
+class OffloadHooks:
+    """What the worker does around generation with the actor's own state (offload.py on GPU)."""
+
+    before_resume: Callable[[], None] | None = None  # e.g. move the actor's optimizer state to host
+    after_release: Callable[[], None] | None = None  # e.g. bring it back before the next update
+
+
+@dataclass
+class SyncStats:
+    """One weight sync: tensors and bytes streamed, wall time."""
+
+    tensors: int
+    bytes: int
+    seconds: float
+
+
+@dataclass
+class _Group:
+    """One process group this rank belongs to, with its rank in it."""
+
+    group: object
+    rank: int
+    size: int
+
+
+class MegatronRolloutShardingManager:
+    """Context manager around generation; construct it on every rank at the same time (collective)."""
+
+    def __init__(
+        self,
+        actor_chunks: list,
+        hf_config,
+        rollout_engine: RolloutEngine | None,
+        rollout_cfg: RolloutConfig,
+        offload_hooks: OffloadHooks | None = None,
+    ):
+        from megatron.core import parallel_state
+
+        self.actor_chunks = actor_chunks
+        self.hf_config = hf_config
+        self.engine = rollout_engine
+        self.cfg = rollout_cfg
+        self.hooks = offload_hooks or OffloadHooks()
+        self.last_sync: SyncStats | None = None
+        self._replica = _group_by_key(parallel_state.get_data_parallel_rank())
+        self._rollout = _group_by_key(dist.get_rank() // rollout_cfg.tensor_model_parallel_size)
+        holds_engine = self._rollout.rank == 0
+        if holds_engine != (rollout_engine is not None):
+            raise ValueError(
+                f"rank {dist.get_rank()}: the first rank of each group of rollout.tensor_model_parallel_size="
+                f"{rollout_cfg.tensor_model_parallel_size} ranks must hold the rollout engine and the others "
+                f"none; this rank {'lacks' if holds_engine else 'has'} one"
+            )
+        self._slice_sizes: list[int] = []
+
+    # ------------------------------------------------------------------ context
+    def __enter__(self):
+        if self.hooks.before_resume is not None:
+            self.hooks.before_resume()
+        if self.engine is not None:
+            self.engine.resume_memory()
+        self.sync_weights()
+        return self
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        if self.engine is not None and self.cfg.free_cache_engine:
+            self.engine.release_memory()
+        if self.hooks.after_release is not None:
+            self.hooks.after_release()
+        return False
+
+    # ------------------------------------------------------------------ weights
+    def sync_weights(self) -> SyncStats:
+        """Stream the actor's HF-named tensors into the engine (collective over all ranks)."""
+        from engines.megatron.weights import iter_hf_tensors
+
+        start = time.perf_counter()
+        sent: dict[str, str] = {}
+        count = nbytes = 0
+        stream = iter_hf_tensors(self.actor_chunks, self.hf_config)
+        if self.cfg.verify_weight_sync and self.engine is not None:
+            stream = _recording_checksums(stream, sent, torch_dtype(self.cfg.dtype))
+        for bucket in bucket_named_tensors(stream, self.cfg.weight_sync_bucket_mb):
+            count += len(bucket)
+            nbytes += sum(tensor_nbytes(tensor) for _, tensor in bucket)
+            if self.engine is not None:
+                self.engine.update_weights(bucket)
+        if self.engine is not None:
+            self.engine.flush_cache()
+        if self.cfg.verify_weight_sync:
+            self._verify(sent)
+        self.last_sync = SyncStats(tensors=count, bytes=nbytes, seconds=time.perf_counter() - start)
+        return self.last_sync
+
+    def _verify(self, sent: dict[str, str]) -> None:
+        """Compare the engine's checksums with the sent ones; raise on every rank if any rank differs."""
+        problem = None
+        if self.engine is not None:
+            received = self.engine.weight_checksums()
+            aliases = [name for name in sent if name not in received]  # e.g. a tied lm_head.weight
+            received.update(self.engine.weight_checksums(aliases))
+            mismatch = first_checksum_mismatch(sent, received)
+            unsynced = [name for name in received if name not in sent]
+            if mismatch is not None:
+                problem = (
+                    f"rollout weight {mismatch!r} differs from the actor's after the sync "
+                    f"(first mismatch in sync order, of {len(sent)} tensors)"
+                )
+            elif unsynced:
+                problem = f"rollout weights {unsynced[:5]} were not in the actor's weight stream"
+        problems: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+        for rank, text in enumerate(problems):
+            if text is not None:
+                raise WeightSyncError(f"verify_weight_sync on rank {rank}: {text}")
+
+    # ------------------------------------------------------------------ data
+    def preprocess_data(self, data: DataProto) -> DataProto:
+        """This rank's slice of its replica group's chunk, gathered over its rollout group, tagged
+        with this rank's seed stream (see `engines.rollout.base`)."""
+        bounds = _even_bounds(len(data), self._replica.size)
+        piece = data[bounds[self._replica.rank] : bounds[self._replica.rank + 1]]
+        if self._rollout.size == 1:
+            self._slice_sizes = [len(piece)]
+        else:
+            sizes: list[int | None] = [None] * self._rollout.size
+            dist.all_gather_object(sizes, len(piece), group=self._rollout.group)
+            self._slice_sizes = sizes
+            piece = all_gather_data_proto(piece, self._rollout.group)
+        piece.meta_info[SEED_STREAM_KEY] = dist.get_rank()
+        return piece
+
+    def postprocess_data(self, output: DataProto | None) -> DataProto:
+        """The output of this rank's whole chunk (on every rank); `output` is None off engine ranks."""
+        if self.engine is not None and output is None:
+            raise ValueError("postprocess_data: this rank holds the rollout engine but got no output")
+        if output is not None:
+            output.meta_info.pop(SEED_STREAM_KEY, None)
+        mine = output if self._rollout.size == 1 else self._scatter_in_rollout_group(output)
+        if self._replica.size == 1:
+            return mine
+        return all_gather_data_proto(mine, self._replica.group)
+
+    def _scatter_in_rollout_group(self, output: DataProto | None) -> DataProto:
+        parts: list[DataProto] | None = None
+        if self._rollout.rank == 0:
+            rows_per_prompt, rest = divmod(len(output), sum(self._slice_sizes))
+            if rest or rows_per_prompt < 1:
+                raise ValueError(f"engine returned {len(output)} rows for {sum(self._slice_sizes)} prompts")
+            bounds = _offsets([s * rows_per_prompt for s in self._slice_sizes])
+            parts = [output[bounds[i] : bounds[i + 1]] for i in range(self._rollout.size)]
+        received: list[DataProto | None] = [None]
+        leader = dist.get_global_rank(self._rollout.group, 0)
+        dist.scatter_object_list(received, parts, src=leader, group=self._rollout.group)
+        return received[0]
+
+
+def _recording_checksums(
+    stream: Iterable[tuple[str, torch.Tensor]], sent: dict[str, str], dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pass the stream through, recording each tensor's checksum as the engine will store it."""
+    for name, tensor in stream:
+        sent[name] = tensor_checksum(tensor.to(dtype))
+        yield name, tensor
+
+
+def _group_by_key(key: int) -> _Group:
+    """Partition the world by `key` (collective: every rank calls it with its own key)."""
+    keys: list[int | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(keys, key)
+    members: dict[int, list[int]] = {}
+    for rank, k in enumerate(keys):
+        members.setdefault(k, []).append(rank)
+    mine = None
+    for k in sorted(members):  # the same order on every rank, as new_group requires
+        group = dist.new_group(members[k], backend="gloo")
+        if k == key:
+            mine = group
+    ranks = members[key]
+    return _Group(group=mine, rank=ranks.index(dist.get_rank()), size=len(ranks))
+
+
+def _even_bounds(rows: int, parts: int) -> list[int]:
+    """Start offsets of `parts` contiguous slices of `rows` whose sizes differ by at most one."""
+    base, extra = divmod(rows, parts)
+    return _offsets([base + (i < extra) for i in range(parts)])
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    bounds = [0]
+    for size in sizes:
+        bounds.append(bounds[-1] + size)
+    return bounds

@@ -1,0 +1,200 @@
+"""Worker for test_rollout_sync.py: run under torchrun on 4 gloo processes (actor TP2 x PP2).
+
+    python -m torch.distributed.run --nproc_per_node 4 tests/rollout/_sync_worker.py HF_DIR OUT_DIR
+
+One launch checks, printing "OK <check>" on rank 0 after each:
+  sync-exact      after perturbing the actor and syncing (verify_weight_sync on), every weight of
+                  every rank's hf engine equals the HF export of the actor bit for bit, and differs
+                  from the original checkpoint;
+  greedy-export   greedy generation through the manager (each rank generates a slice, outputs
+                  gathered) equals transformers' greedy generation from the exported checkpoint,
+                  on every rank, rows and uids in order;
+  independent     one prompt repeated 8 times (a GRPO group spread over the 4 ranks) gets 8
+                  different samples: ranks' slices do not share a random stream;
+  rollout-groups  with engines on every other rank (rollout groups of 2, as SGLang TP=2 would be),
+                  only engine ranks load weights, and the gathered output is again exact;
+  verify-catches  a corrupted tensor on rank 1 stops every rank with a WeightSyncError naming it;
+  dp2-chunks      re-initialised as TP2 x DP2 with the original weights, each data-parallel rank's
+                  chunk comes back as transformers' greedy output of the original checkpoint.
+"""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from engines.megatron.config import MegatronConfig
+from engines.megatron.model import build_model, unwrap_model
+from engines.megatron.parallel import init_megatron
+from engines.megatron.weights import save_hf_checkpoint
+from engines.rollout.config import RolloutConfig, SamplingConfig
+from engines.rollout.hf_rollout import HFRolloutEngine
+from engines.rollout.sharding_manager import MegatronRolloutShardingManager
+from engines.rollout.weight_sync import WeightSyncError
+from hybridflow.protocol import DataProto
+
+EOS, PAD = 1, 0
+MAX_NEW = 8
+CORRUPTED = "model.layers.1.mlp.down_proj.weight"
+
+
+def rollout_cfg(**overrides) -> RolloutConfig:
+    greedy = SamplingConfig(do_sample=False, temperature=0.0)
+    fields = dict(response_length=MAX_NEW, val_sampling=greedy, weight_sync_bucket_mb=1)
+    return RolloutConfig(**{**fields, **overrides})
+
+
+@torch.no_grad()
+def perturb(chunks) -> None:
+    """Noise on every actor parameter, identical on the TP ranks that replicate a parameter."""
+    from megatron.core import parallel_state
+
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    for name, param in unwrap_model(chunks[0]).named_parameters():
+        split = getattr(param, "tensor_model_parallel", False)
+        seed = (sum(map(ord, name)) * 31 + pp_rank) * 7 + (tp_rank if split else 0)
+        noise = torch.randn(param.shape, generator=torch.Generator().manual_seed(seed))
+        param.add_(0.05 * noise.to(param.dtype))
+
+
+def make_prompts(rows: int = 6, width: int = 5) -> DataProto:
+    gen = torch.Generator().manual_seed(0)
+    lengths = [1 + (3 * row) % width for row in range(rows)]
+    mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths])
+    ids = torch.randint(3, 100, mask.shape, generator=gen) * mask
+    uids = np.array([f"uid-{row}" for row in range(rows)], dtype=object)
+    return DataProto.from_dict(
+        {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)},
+        {"uid": uids},
+        {"validate": True},
+    )
+
+
+def generate_through(manager, engine, prompts: DataProto) -> DataProto:
+    piece = manager.preprocess_data(prompts)
+    out = engine.generate_sequences(piece) if engine is not None else None
+    return manager.postprocess_data(out)
+
+
+def reference_greedy(export_dir: Path, prompts: DataProto) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=prompts.batch["input_ids"],
+            attention_mask=prompts.batch["attention_mask"],
+            do_sample=False,
+            max_new_tokens=MAX_NEW,
+            eos_token_id=EOS,
+            pad_token_id=PAD,
+        )
+    return out[:, prompts.batch["input_ids"].shape[1] :]
+
+
+def check_greedy(out: DataProto, prompts: DataProto, expected: torch.Tensor) -> None:
+    assert len(out) == len(prompts), (len(out), len(prompts))
+    assert list(out.non_tensor_batch["uid"]) == list(prompts.non_tensor_batch["uid"])
+    assert torch.equal(out.batch["prompts"], prompts.batch["input_ids"])
+    width = expected.shape[1]
+    mask = out.batch["response_mask"][:, :width]
+    assert torch.equal(out.batch["responses"][:, :width], expected.masked_fill(mask == 0, PAD))
+
+
+def check_sync_exact(engine: HFRolloutEngine, export_dir: Path, original_dir: Path) -> None:
+    from safetensors.torch import load_file
+
+    def load(directory: Path) -> dict[str, torch.Tensor]:
+        tensors = {}
+        for file in sorted(directory.glob("*.safetensors")):
+            tensors.update(load_file(file))
+        return tensors
+
+    exported, original = load(export_dir), load(original_dir)
+    params = dict(engine.model.named_parameters())
+    assert set(params) == set(exported), sorted(set(params) ^ set(exported))
+    for name, param in params.items():
+        assert param.dtype == exported[name].dtype and torch.equal(param, exported[name]), name
+        assert not torch.equal(param, original[name]), f"{name} did not move"
+
+
+class CorruptingEngine(HFRolloutEngine):
+    """Loads weights like the hf engine, then changes one element of CORRUPTED (a bad transport)."""
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors):
+        bucket = list(named_tensors)
+        super().update_weights(bucket)
+        if any(name == CORRUPTED for name, _ in bucket):
+            self.model.get_parameter(CORRUPTED).view(-1)[7] += 1e-3
+
+
+def check_data_parallel_chunks(hf_dir: Path, engine, cfg: RolloutConfig, prompts: DataProto) -> None:
+    """Actor at TP2 x DP2: chunk d goes to both ranks of data-parallel rank d, as dispatch does."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    megatron_cfg = MegatronConfig(tensor_model_parallel_size=2)
+    ranks = init_megatron(megatron_cfg)
+    chunks = build_model(hf_dir, megatron_cfg, for_training=False)
+    chunk = prompts.chunk(ranks.dp_size)[ranks.dp]
+    with MegatronRolloutShardingManager(chunks, unwrap_model(chunks[0]).hf_config, engine, cfg) as manager:
+        check_greedy(generate_through(manager, engine, chunk), chunk, reference_greedy(hf_dir, chunk))
+
+
+def say(message: str) -> None:
+    if dist.get_rank() == 0:
+        print(f"OK {message}", flush=True)
+
+
+def main(hf_dir: Path, out_dir: Path) -> None:
+    megatron_cfg = MegatronConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    init_megatron(megatron_cfg)
+    chunks = build_model(hf_dir, megatron_cfg, for_training=False)
+    hf_config = unwrap_model(chunks[0]).hf_config
+    perturb(chunks)
+    export_dir = out_dir / "export"
+    save_hf_checkpoint(chunks, hf_config, export_dir)
+    prompts = make_prompts()
+    expected = reference_greedy(export_dir, prompts)
+
+    cfg = rollout_cfg(verify_weight_sync=True)
+    engine = HFRolloutEngine(hf_dir, cfg, device="cpu")
+    with MegatronRolloutShardingManager(chunks, hf_config, engine, cfg) as manager:
+        check_sync_exact(engine, export_dir, hf_dir)
+        say("sync-exact")
+        check_greedy(generate_through(manager, engine, prompts), prompts, expected)
+        say("greedy-export")
+        group = make_prompts()[[0] * 8]
+        group.meta_info.pop("validate")
+        samples = generate_through(manager, engine, group).batch["responses"]
+        assert len({tuple(row.tolist()) for row in samples}) == 8, samples
+        say("independent")
+
+    grouped_cfg = rollout_cfg(name="sglang", tensor_model_parallel_size=2)
+    grouped_engine = HFRolloutEngine(hf_dir, grouped_cfg, device="cpu") if dist.get_rank() % 2 == 0 else None
+    with MegatronRolloutShardingManager(chunks, hf_config, grouped_engine, grouped_cfg) as manager:
+        assert manager.last_sync.tensors == len(dict(engine.model.named_parameters()))
+        check_greedy(generate_through(manager, grouped_engine, prompts), prompts, expected)
+        say("rollout-groups")
+
+    corrupting = (CorruptingEngine if dist.get_rank() == 1 else HFRolloutEngine)(hf_dir, cfg, device="cpu")
+    bad_manager = MegatronRolloutShardingManager(chunks, hf_config, corrupting, cfg)
+    try:
+        with bad_manager:
+            raise AssertionError("the corrupted sync was not caught")
+    except WeightSyncError as err:
+        assert CORRUPTED in str(err) and "rank 1" in str(err), str(err)
+    say("verify-catches")
+
+    check_data_parallel_chunks(hf_dir, engine, cfg, prompts)
+    say("dp2-chunks")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), Path(sys.argv[2]))
