@@ -1,0 +1,217 @@
+"""`RayWorkerGroup`: one Ray actor per resource-pool slot, driven SPMD from the driver.
+
+    pool = RayResourcePool([4])
+    critic = RayWorkerGroup(pool, RayClassWithInitArgs(CriticWorker, config))
+    critic.init_model()                        # ONE_TO_ALL: every rank runs it
+    values = critic.compute_values(batch)      # MEGATRON_COMPUTE_PROTO: split by dp, concat back
+
+Rank r runs in slot r (slots laid out node by node) with `RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
+`LOCAL_WORLD_SIZE`, `MASTER_ADDR` (rank 0's node) and `MASTER_PORT` (free on that node) in its
+environment before the worker class's `__init__` runs. Large arguments (DataProto, tensors,
+arrays) are put in the object store once per call however many ranks read them. Blocking
+calls wait on all ranks and raise the first failure as soon as it happens (a rank stuck in a
+collective with a dead peer cannot hide it), as a `WorkerError` that is also the original
+exception type.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import ray
+import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+
+from hybridflow.protocol import DataProto
+from hybridflow.single_controller.dispatch import Dispatched
+from hybridflow.single_controller.errors import worker_error
+from hybridflow.single_controller.resource_pool import RayResourcePool
+from hybridflow.single_controller.worker import ParallelRanks, Worker, free_port
+from hybridflow.single_controller.worker_group import WorkerGroup
+
+# Arguments worth one object-store copy shared by every rank that reads them.
+_SHARED_TYPES = (DataProto, torch.Tensor, np.ndarray)
+
+
+class RayClassWithInitArgs:
+    """A `Worker` subclass and the arguments to build it with, in every slot of a worker group.
+
+    Pass the plain class, not a `ray.remote`-decorated one: the worker group adds the Ray
+    options (placement, resources, environment) itself.
+    """
+
+    def __init__(self, cls: type, *args, **kwargs):
+        if isinstance(cls, ray.actor.ActorClass):
+            raise TypeError(
+                "RayClassWithInitArgs takes the plain worker class, not a @ray.remote-decorated one"
+            )
+        if not (isinstance(cls, type) and issubclass(cls, Worker)):
+            raise TypeError(f"RayClassWithInitArgs needs a subclass of Worker, got {cls!r}")
+        self.cls = cls
+        self.args = args
+        self.kwargs = kwargs
+
+    def instantiate(self) -> Worker:
+        """Build the worker in this process (the SPMD environment must already be set)."""
+        return self.cls(*self.args, **self.kwargs)
+
+
+class RayWorkerGroup(WorkerGroup):
+    """Ray actors of one worker class over a `RayResourcePool`, with driver-side `@register`-ed methods.
+
+    Args:
+        resource_pool: where the actors go (one per slot); its placement groups are created here
+            if they do not exist yet.
+        ray_cls_with_init: the worker class and its constructor arguments.
+
+    The constructor returns once every actor finished `__init__` (a failing `__init__` raises here,
+    naming the rank). `spawn(prefix_set)` gives per-role views of a colocated class;
+    `shutdown()` kills the actors.
+    """
+
+    def __init__(self, resource_pool: RayResourcePool, ray_cls_with_init: RayClassWithInitArgs):
+        if not isinstance(resource_pool, RayResourcePool):
+            raise TypeError(f"resource_pool must be a RayResourcePool, got {type(resource_pool).__name__}")
+        if not isinstance(ray_cls_with_init, RayClassWithInitArgs):
+            raise TypeError(
+                f"ray_cls_with_init must be a RayClassWithInitArgs, got {type(ray_cls_with_init).__name__}"
+            )
+        super().__init__(ray_cls_with_init.cls)
+        self._actors = _start_actors(resource_pool, ray_cls_with_init)
+        try:
+            self._wait([actor.__ray_ready__.remote() for actor in self._actors], self._ranks(), "__init__")
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @classmethod
+    def _view(cls, actors: list, worker_cls: type, prefix: str | None) -> RayWorkerGroup:
+        view = cls.__new__(cls)
+        view._actors = actors
+        WorkerGroup.__init__(view, worker_cls, prefix)
+        return view
+
+    @property
+    def world_size(self) -> int:
+        return len(self._actors)
+
+    @property
+    def actors(self) -> list:
+        """The Ray actor handles, by rank."""
+        return list(self._actors)
+
+    def spawn(self, prefix_set) -> dict[str, RayWorkerGroup]:
+        """Role -> view of this group whose methods are the role's, without the `<role>_` prefix.
+
+        Views share this group's actors (one process per slot for all roles).
+        """
+        return {prefix: self._view(self._actors, self._worker_cls, prefix) for prefix in prefix_set}
+
+    def shutdown(self) -> None:
+        """Kill every actor of this group (and so of the views spawned from it)."""
+        for actor in self._actors:
+            ray.kill(actor, no_restart=True)
+
+    # ------------------------------------------------------------------ backend interface
+    def _execute(self, method: str, ranks: list[int], dispatched: Dispatched) -> list:
+        shared: dict[int, ray.ObjectRef] = {}
+
+        def share(value):
+            if not isinstance(value, _SHARED_TYPES):
+                return value
+            if id(value) not in shared:
+                shared[id(value)] = ray.put(value)
+            return shared[id(value)]
+
+        return [
+            getattr(self._actors[rank], method).remote(
+                *(share(arg[i]) for arg in dispatched.args),
+                **{key: share(values[i]) for key, values in dispatched.kwargs.items()},
+            )
+            for i, rank in enumerate(ranks)
+        ]
+
+    def _wait(self, handles: list, ranks: list[int], method: str) -> list:
+        position = {ref: i for i, ref in enumerate(handles)}
+        values = [None] * len(handles)
+        pending = list(handles)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            for ref in ready:
+                i = position[ref]
+                try:
+                    values[i] = ray.get(ref)
+                except ray.exceptions.RayError as err:  # task errors and dead actors alike
+                    raise worker_error(err, ranks[i], method) from err
+        return values
+
+    def _query_parallel_ranks(self, role: str | None) -> list[ParallelRanks | None]:
+        refs = [actor._hf_parallel_ranks.remote(role) for actor in self._actors]
+        return self._wait(refs, self._ranks(), "_hf_parallel_ranks")
+
+    def _ranks(self) -> list[int]:
+        return list(range(len(self._actors)))
+
+
+def _start_actors(pool: RayResourcePool, cls_with_init: RayClassWithInitArgs) -> list:
+    placement_groups = pool.placement_groups()
+    slots = [
+        (pg, bundle)
+        for pg, count in zip(placement_groups, pool.process_on_nodes, strict=True)
+        for bundle in range(count)
+    ]
+    envs = spmd_envs(pool.slot_nodes())
+    remote_cls = ray.remote(_with_spmd_env(cls_with_init.cls))
+    return [
+        remote_cls.options(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle),
+            **pool.actor_resources(),
+        ).remote(env, *cls_with_init.args, **cls_with_init.kwargs)
+        for (pg, bundle), env in zip(slots, envs, strict=True)
+    ]
+
+
+def _with_spmd_env(cls: type) -> type:
+    """`cls` whose constructor first sets the SPMD environment it is given.
+
+    Passing the environment as a constructor argument, rather than as a per-actor Ray
+    runtime_env, lets actors start in Ray's already-running idle worker processes.
+    """
+
+    def __init__(self, spmd_env: dict[str, str], *args, **kwargs):
+        os.environ.update(spmd_env)
+        cls.__init__(self, *args, **kwargs)
+
+    return type(cls.__name__, (cls,), {"__init__": __init__, "__doc__": cls.__doc__})
+
+
+def spmd_envs(slot_nodes: list[str]) -> list[dict[str, str]]:
+    """The torch.distributed environment of every rank, given the node id of each slot."""
+    master_addr, master_port = _rendezvous_address(slot_nodes[0])
+    envs = []
+    for rank, node in enumerate(slot_nodes):
+        envs.append(
+            {
+                "RANK": str(rank),
+                "WORLD_SIZE": str(len(slot_nodes)),
+                "LOCAL_RANK": str(slot_nodes[:rank].count(node)),
+                "LOCAL_WORLD_SIZE": str(slot_nodes.count(node)),
+                "MASTER_ADDR": master_addr,
+                "MASTER_PORT": str(master_port),
+            }
+        )
+    return envs
+
+
+def _rendezvous_address(node_id: str) -> tuple[str, int]:
+    """Rank 0's node address and a port free there."""
+    if node_id == ray.get_runtime_context().get_node_id():
+        return ray.util.get_node_ip_address(), free_port()
+    on_node = NodeAffinitySchedulingStrategy(node_id, soft=False)
+    return ray.get(_node_address_and_free_port.options(scheduling_strategy=on_node).remote())
+
+
+@ray.remote(num_cpus=0)
+def _node_address_and_free_port() -> tuple[str, int]:
+    return ray.util.get_node_ip_address(), free_port()

@@ -1,0 +1,118 @@
+"""`Worker`: the base class of every role worker (actor, rollout, critic, reward model, ...).
+
+A worker group starts one process per slot and sets the SPMD environment before the worker
+class is built: `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`,
+`MASTER_PORT`. So `torch.distributed.init_process_group(backend)` works inside a worker without
+arguments. After building its Megatron model a role calls `set_parallel_ranks(...)`; the
+MEGATRON_* dispatch modes read that layout once per worker group.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ParallelRanks:
+    """One process's place in the Megatron layout: ranks and sizes along each parallel dimension."""
+
+    dp: int
+    tp: int
+    pp: int
+    cp: int
+    dp_size: int
+    tp_size: int
+    pp_size: int
+    cp_size: int
+
+    def __post_init__(self):
+        for dim in ("dp", "tp", "pp", "cp"):
+            rank, size = getattr(self, dim), getattr(self, f"{dim}_size")
+            if not (isinstance(size, int) and size >= 1 and isinstance(rank, int) and 0 <= rank < size):
+                raise ValueError(f"parallel rank {dim}={rank!r} must be an int in [0, {dim}_size={size!r})")
+
+    @property
+    def is_collect_rank(self) -> bool:
+        """True on the ranks whose outputs MEGATRON_COMPUTE(_PROTO) collects: tp 0, cp 0, last pp stage."""
+        return self.tp == 0 and self.cp == 0 and self.pp == self.pp_size - 1
+
+
+class Worker:
+    """Base class for role workers run by `RayWorkerGroup` or `LocalWorkerGroup`.
+
+    Subclasses expose methods decorated with `@register(dispatch_mode=...)`; the worker group
+    turns each into a driver-side method. Subclasses need not call `super().__init__()`.
+
+    Properties: `rank`, `world_size`, `local_rank`, `master_addr`, `master_port` (read from the
+    environment), `parallel_ranks` (None until `set_parallel_ranks` is called).
+
+    On GPU, Ray gives each worker process exactly its own device (`CUDA_VISIBLE_DEVICES`), so the
+    worker's device is `cuda:0` in that process whatever its `LOCAL_RANK`.
+    """
+
+    @property
+    def rank(self) -> int:
+        return int(_spmd_env("RANK"))
+
+    @property
+    def world_size(self) -> int:
+        return int(_spmd_env("WORLD_SIZE"))
+
+    @property
+    def local_rank(self) -> int:
+        return int(_spmd_env("LOCAL_RANK"))
+
+    @property
+    def master_addr(self) -> str:
+        return _spmd_env("MASTER_ADDR")
+
+    @property
+    def master_port(self) -> int:
+        return int(_spmd_env("MASTER_PORT"))
+
+    @property
+    def parallel_ranks(self) -> ParallelRanks | None:
+        """This process's Megatron layout, once `set_parallel_ranks` was called."""
+        return getattr(self, "_parallel_ranks", None)
+
+    def set_parallel_ranks(
+        self,
+        *,
+        dp: int,
+        tp: int,
+        pp: int,
+        cp: int = 0,
+        dp_size: int,
+        tp_size: int,
+        pp_size: int,
+        cp_size: int = 1,
+    ) -> None:
+        """Record this process's data/tensor/pipeline/context-parallel ranks and sizes.
+
+        Call it after Megatron's parallel state is initialised (e.g. from
+        `engines.megatron.parallel.parallel_ranks()`), in a method the driver calls before the
+        first MEGATRON_* method. The worker group validates the whole layout when it reads it.
+        """
+        self._parallel_ranks = ParallelRanks(dp, tp, pp, cp, dp_size, tp_size, pp_size, cp_size)
+
+    def _hf_parallel_ranks(self, role: str | None = None) -> ParallelRanks | None:
+        """What the worker group reads for MEGATRON_* dispatch (`role` is for colocated classes)."""
+        return self.parallel_ranks
+
+
+def free_port() -> int:
+    """A TCP port that was free on this host a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def _spmd_env(key: str) -> str:
+    if key not in os.environ:
+        raise RuntimeError(
+            f"environment variable {key} is not set: a Worker reads the SPMD environment its worker "
+            "group sets; build workers through RayWorkerGroup or LocalWorkerGroup"
+        )
+    return os.environ[key]

@@ -1,0 +1,136 @@
+"""Colocated roles in one process per slot, dead workers, and pools the cluster cannot place.
+
+Uses the session Ray cluster (16 logical CPUs, one node): at most 2 actors alive at a time.
+"""
+
+import time
+
+import pytest
+import ray
+import torch
+from single_controller_workers import ActorRole, CriticRole, ProbeWorker
+
+from hybridflow.protocol import DataProto
+from hybridflow.single_controller import (
+    Dispatch,
+    RayClassWithInitArgs,
+    RayResourcePool,
+    RayWorkerGroup,
+    ResourcePoolManager,
+    Role,
+    WorkerError,
+    create_colocated_worker_cls,
+    register,
+)
+
+
+@pytest.fixture
+def pool_of_two(ray_cluster):
+    pool = RayResourcePool([2], name_prefix="test_colocate")
+    yield pool
+    pool.release()
+
+
+def test_colocated_roles_share_one_process_per_slot_and_route_by_prefix(pool_of_two):
+    fused = create_colocated_worker_cls(
+        {
+            "actor_rollout": RayClassWithInitArgs(ActorRole, "actor"),
+            "critic": RayClassWithInitArgs(CriticRole, "critic"),
+        }
+    )
+    group = RayWorkerGroup(pool_of_two, fused)
+    try:
+        # The fused group exposes role-prefixed methods; views drop the prefix.
+        assert [name for name, _, _ in group.critic_whoami()] == ["critic", "critic"]
+        views = group.spawn(prefix_set={"actor_rollout", "critic"})
+        actor, critic = views["actor_rollout"], views["critic"]
+        actor_who, critic_who = actor.whoami(), critic.whoami()
+        assert [(name, rank) for name, rank, _ in actor_who] == [("actor", 0), ("actor", 1)]
+        assert [(name, rank) for name, rank, _ in critic_who] == [("critic", 0), ("critic", 1)]
+        assert [pid for *_, pid in actor_who] == [pid for *_, pid in critic_who]  # same process per slot
+        assert len({pid for *_, pid in actor_who}) == 2
+        assert not hasattr(critic, "generate_sequences") and not hasattr(actor, "compute_values")
+
+        actor.setup(2)
+        critic.setup(2)
+        data = DataProto.from_dict({"x": torch.arange(4)})
+        assert actor.generate_sequences(data).batch["responses"].tolist() == [1000, 1001, 1002, 1003]
+        assert critic.compute_values(data).batch["values"].tolist() == [0.0, 0.5, 1.0, 1.5]
+    finally:
+        group.shutdown()
+
+
+class RoleWithXSetup(ActorRole):
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def x_setup(self):
+        return 0
+
+
+def test_colocated_method_names_must_not_collide():
+    # Role "a" method "x_setup" and role "a_x" method "setup" would both be "a_x_setup".
+    with pytest.raises(ValueError, match="'a_x_setup' is produced by both role 'a' and role 'a_x'"):
+        create_colocated_worker_cls(
+            {"a": RayClassWithInitArgs(RoleWithXSetup, "x"), "a_x": RayClassWithInitArgs(ActorRole, "y")}
+        )
+
+
+@pytest.mark.timeout(180)
+def test_dead_worker_is_reported_with_rank_and_method_without_hanging(pool_of_two):
+    group = RayWorkerGroup(pool_of_two, RayClassWithInitArgs(ProbeWorker, "doomed"))
+    try:
+        start = time.monotonic()
+        # Rank 1 exits; rank 0 would stay busy for 120 s (a collective waiting on its dead peer).
+        with pytest.raises(ray.exceptions.ActorDiedError) as info:
+            group.exit_on(1, others_sleep_s=120)
+        assert time.monotonic() - start < 60
+        assert isinstance(info.value, WorkerError) and info.value.rank == 1
+        assert "rank 1" in str(info.value) and "exit_on" in str(info.value)
+
+        ray.kill(group.actors[0], no_restart=True)  # the busy rank, killed from outside
+        with pytest.raises(ray.exceptions.RayActorError, match=r"`on_rank_zero` failed on rank 0"):
+            group.on_rank_zero("anyone there?")
+    finally:
+        group.shutdown()
+
+
+def test_pool_larger_than_cluster_fails_before_creating_anything(ray_cluster):
+    before = len(ray.util.placement_group_table())
+    with pytest.raises(ValueError, match=r"needs 1 distinct nodes hosting \[64\] slots"):
+        RayWorkerGroup(RayResourcePool([64], name_prefix="too_big"), RayClassWithInitArgs(ProbeWorker, "x"))
+    with pytest.raises(ValueError, match=r"needs 2 distinct nodes"):  # the session cluster has one node
+        RayResourcePool([1, 1], name_prefix="two_nodes").placement_groups()
+    assert len(ray.util.placement_group_table()) == before
+
+
+@pytest.mark.timeout(120)
+def test_pool_waits_a_bounded_time_when_resources_are_held(ray_cluster):
+    held = RayResourcePool([int(ray.cluster_resources()["CPU"]) - 1], name_prefix="holder")
+    held.placement_groups()
+    try:
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match="was not placed within 2s"):
+            RayResourcePool([2], name_prefix="starved", placement_timeout_s=2).placement_groups()
+        assert time.monotonic() - start < 30
+    finally:
+        held.release()
+
+
+def test_resource_pool_manager_maps_roles_and_names_missing_resources(ray_cluster):
+    manager = ResourcePoolManager(
+        resource_pool_spec={"global_pool": [2], "rm_pool": [1]},
+        mapping={Role.ActorRollout: "global_pool", Role.Critic: "global_pool", Role.RewardModel: "rm_pool"},
+    )
+    manager.check_resources_available()
+    manager.create_resource_pool()
+    assert manager.get_resource_pool(Role.Critic) is manager.get_resource_pool(Role.ActorRollout)
+    assert manager.get_resource_pool(Role.RewardModel).world_size == 1
+    assert manager.get_n_procs() == 3
+    with pytest.raises(KeyError, match="RefPolicy"):
+        manager.get_resource_pool(Role.RefPolicy)
+
+    cpus = int(ray.cluster_resources()["CPU"])
+    too_big = ResourcePoolManager(resource_pool_spec={"a": [cpus], "b": [1]}, mapping={Role.Critic: "a"})
+    with pytest.raises(ValueError, match=rf"need {cpus + 1} CPU in all .* the cluster has {cpus} CPU"):
+        too_big.check_resources_available()
+    with pytest.raises(ValueError, match="not in resource_pool_spec"):
+        ResourcePoolManager(resource_pool_spec={"a": [1]}, mapping={Role.Critic: "missing"})
