@@ -39,3 +39,37 @@ class OptimConfig:
     lr_warmup_iters: int = 0
     lr_decay_iters: int | None = None  # None: no decay
     lr_decay_style: str = "constant"  # "constant" | "linear" | "cosine"
+
+
+@dataclass
+class ActorUpdateConfig:
+    """How `MegatronActor.update_policy` / `update_sft` consume a batch (verl's names).
+
+    Batch sizes count sequences. `ppo_mini_batch_size` is global (all data-parallel ranks
+    together; one optimizer step each), `ppo_micro_batch_size` is per rank (one forward/backward).
+    """
+
+    ppo_mini_batch_size: int = 8
+    ppo_micro_batch_size: int = 2
+    ppo_epochs: int = 1
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2  # > clip_ratio_low is DAPO's clip-higher
+    clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages
+    loss_agg_mode: str = "token-mean"  # "token-mean" | "seq-mean-token-sum" | "seq-mean-token-mean"
+    entropy_coeff: float = 0.0  # entropy bonus weight (loss -= coeff * entropy)
+    use_kl_loss: bool = False  # KL to the reference policy as a loss term (needs ref_log_prob)
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"  # "kl"/"k1", "abs", "mse"/"k2", "low_var_kl"/"k3"
+    shuffle: bool = False  # shuffle rows within this rank's shard before each epoch
+    seed: int = 0  # seeds the shuffle
+
+
+@dataclass
+class CriticUpdateConfig:
+    """How `MegatronCritic.update_critic` consumes a batch; sizes as in `ActorUpdateConfig`."""
+
+    ppo_mini_batch_size: int = 8
+    ppo_micro_batch_size: int = 2
+    ppo_epochs: int = 1
+    cliprange_value: float = 0.5
+    loss_agg_mode: str = "token-mean"

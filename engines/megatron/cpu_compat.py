@@ -1,0 +1,99 @@
+"""Every accommodation that lets Megatron-Core run on a CPU-only build of torch, in one place.
+
+Each function here does nothing (or defers to Megatron-Core's own call) when CUDA is present,
+so the GPU path runs Megatron-Core untouched. What is accommodated, and why (measured in
+docs/megatron-on-cpu.md beside the repo):
+
+- Megatron's schedules, p2p communication, tensor-parallel mappings and checkpointing allocate
+  with `device="cuda"` / `torch.cuda.current_device()` and call `torch.cuda.synchronize()`.
+  `install()` replaces `torch.cuda.current_device` / `torch.cuda.synchronize` by CPU
+  equivalents for the process; `cuda_calls_on_cpu()` is a scope in which a `TorchFunctionMode`
+  rewrites CUDA device arguments (and `Tensor.cuda()`) to the CPU. Wrap calls into Megatron-Core
+  in it (model construction, the schedules, dist_checkpointing); it is a scope rather than
+  process-wide because a function mode puts every torch call through Python (transformers
+  `generate` in the same process ran twice as slow under it).
+- `seed_all(seed)`: `model_parallel_cuda_manual_seed` asserts on a CPU build; on CPU the torch
+  generator is seeded directly (dropout is 0 in RL fine-tuning, so no per-rank RNG streams are
+  needed).
+- The core attention: Megatron's local `DotProductAttention` allocates on CUDA; the SDPA module
+  in `engines/megatron/attention.py` replaces it through the layer spec (Megatron's extension
+  point). It is used on GPU too when Transformer Engine is absent (see model.py).
+"""
+
+from contextlib import contextmanager
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_installed = False
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def _names_cuda(value) -> bool:
+    if isinstance(value, torch.device):
+        return value.type == "cuda"
+    if isinstance(value, str):
+        return value.startswith("cuda")
+    return False
+
+
+class CudaArgumentsToCpu(TorchFunctionMode):
+    """Rewrites CUDA device arguments of torch calls to "cpu" and makes `Tensor.cuda()` a no-op."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if _names_cuda(kwargs.get("device")):
+            kwargs = {**kwargs, "device": "cpu"}
+        if any(_names_cuda(a) for a in args):
+            args = tuple("cpu" if _names_cuda(a) else a for a in args)
+        return func(*args, **kwargs)
+
+
+def _current_device_cpu() -> str:
+    return "cpu"
+
+
+def _synchronize_noop(device=None) -> None:
+    return None
+
+
+def install() -> None:
+    """Point `torch.cuda.current_device` / `synchronize` at the CPU (idempotent; a no-op with CUDA)."""
+    global _installed
+    if _installed or cuda_available():
+        return
+    torch.cuda.current_device = _current_device_cpu
+    torch.cuda.synchronize = _synchronize_noop
+    _installed = True
+
+
+@contextmanager
+def cuda_calls_on_cpu():
+    """Scope in which torch calls naming CUDA run on the CPU (nothing happens with CUDA)."""
+    if cuda_available():
+        yield
+        return
+    install()
+    with CudaArgumentsToCpu():
+        yield
+
+
+def seed_all(seed: int) -> None:
+    """Seed torch the way Megatron-Core would: its CUDA RNG tracker on GPU, torch's generator on CPU."""
+    if cuda_available():
+        from megatron.core import tensor_parallel
+
+        torch.manual_seed(seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        return
+    torch.manual_seed(seed)
+
+
+def transformer_config_overrides() -> dict:
+    """TransformerConfig settings that differ on CPU: build parameters on the CPU, not on CUDA."""
+    return {"use_cpu_initialization": not cuda_available()}

@@ -1,0 +1,211 @@
+"""Forward (and backward) over micro-batches with Megatron-Core's schedules; vocab-parallel log-probs.
+
+`run_micro_batches` drives `get_forward_backward_func()`: the no-pipelining schedule at PP=1 and
+the 1F1B pipeline schedule at PP>1 (p2p tensors of shape (T, micro_batch_size, hidden), T being
+the padded sequence length of the batch).
+
+Loss-function contract (used by the actor and critic):
+    loss_fn(output, micro_batch) -> (loss, metrics)
+- `output`: what the last pipeline stage's GPTModel returns for the micro-batch: logits
+  (b, T, Vp / tp) sharded over the tensor-parallel group (padded vocabulary; mask it with
+  `vocab_size=` in the functions below), or values (b, T, 1) for a value-head model. Position t
+  predicts token t + 1. Only called on the last pipeline stage.
+- `micro_batch`: the TensorDict slice of `data.batch` for these b rows (every key of the batch).
+- returns `loss`, a scalar tensor, and `metrics`, any object (typically a dict of tensors).
+  Megatron's schedule (the 2-tuple form of `forward_step_calc_loss`) divides `loss` by the number
+  of micro-batches before backward, so a loss that is a mean over its micro-batch gives gradients
+  of the mean over the whole batch (with equal-size micro-batches). It modifies `loss` in place:
+  return a fresh tensor. With forward_only=True `loss` is ignored (return e.g. a zero).
+`run_micro_batches` returns the list of `metrics`, one per micro-batch, on the last pipeline
+stage and an empty list on the others. Gradients land in the DDP buffers (`param.main_grad`) and
+are averaged over data-parallel ranks (DDP pre-scales by 1/dp, then sums) by the schedule's
+finalize hook, which also sums the two copies of tied embeddings under PP (see model.py).
+
+Positions and RoPE: Megatron applies rotary embeddings at positions 0..T-1 and ignores
+`position_ids` for RoPE. Rows here are left-padded prompt + right-padded response, so each row's
+real tokens are contiguous, and RoPE attention scores depend only on relative offsets: the result
+equals using `position_ids` (checked against transformers in the parity test).
+"""
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from engines.megatron import cpu_compat
+from engines.megatron.model import unwrap_model
+
+
+def build_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(b, T) 1/0 padding mask -> (b, 1, T, T) bool, True where query t may NOT attend to key s.
+
+    Allowed: causal (s <= t) and key s is a real token.
+    """
+    seq = attention_mask.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=attention_mask.device).tril()  # (T, T)
+    allowed = causal[None] & attention_mask.bool()[:, None, :]  # (b, T, T)
+    return ~allowed[:, None]  # (b, 1, T, T)
+
+
+def _forward_step(loss_fn, device, data_iterator, model):
+    micro_batch = next(data_iterator).to(device)
+    output = model(
+        input_ids=micro_batch["input_ids"],
+        position_ids=micro_batch["position_ids"],
+        attention_mask=build_attention_mask(micro_batch["attention_mask"]),
+    )
+    return output, partial(loss_fn, micro_batch=micro_batch)
+
+
+def _batch_of(data):
+    batch = getattr(data, "batch", None)
+    if batch is None:
+        raise TypeError(f"expected a DataProto with a tensor batch, got {type(data).__name__}")
+    missing = [k for k in ("input_ids", "attention_mask", "position_ids") if k not in batch]
+    if missing:
+        raise ValueError(f"batch lacks keys {missing} needed for the model forward")
+    return batch
+
+
+def run_micro_batches(chunks, data, micro_batch_size: int, loss_fn, forward_only: bool) -> list:
+    """Run `data` through the model in micro-batches with Megatron's schedule (contract above)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    batch = _batch_of(data)
+    rows, seq_len = batch["input_ids"].shape
+    if micro_batch_size < 1 or rows % micro_batch_size:
+        raise ValueError(
+            f"micro_batch_size={micro_batch_size} must be positive and divide the batch size {rows}"
+        )
+    micro_batches = batch.split(micro_batch_size)
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    schedule = get_forward_backward_func()
+    with torch.no_grad() if forward_only else torch.enable_grad(), cpu_compat.cuda_calls_on_cpu():
+        return schedule(
+            forward_step_func=partial(_forward_step, loss_fn, device),
+            data_iterator=iter(micro_batches),
+            model=list(chunks),
+            num_microbatches=len(micro_batches),
+            seq_length=seq_len,
+            micro_batch_size=micro_batch_size,
+            forward_only=forward_only,
+        )
+
+
+def _tp_rank_and_size() -> tuple[int, int]:
+    from megatron.core import parallel_state
+
+    return (
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_world_size(),
+    )
+
+
+def padded_vocab_columns(local_vocab: int, vocab_size: int | None, device) -> torch.Tensor | None:
+    """Bool (local_vocab,) marking this TP rank's columns beyond the real vocabulary, or None."""
+    rank, _ = _tp_rank_and_size()
+    start = rank * local_vocab
+    if vocab_size is None or start + local_vocab <= vocab_size:
+        return None
+    return torch.arange(start, start + local_vocab, device=device) >= vocab_size
+
+
+def vocab_parallel_log_probs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int | None = None):
+    """log softmax(logits)[label] with logits (..., Vp / tp) sharded over the TP group; fp32 (...).
+
+    Never gathers the vocabulary: Megatron's `vocab_parallel_cross_entropy` all-reduces the max,
+    the sum of exponentials and the target logit. Columns >= `vocab_size` (padding) get no mass.
+    """
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    padded = padded_vocab_columns(logits.shape[-1], vocab_size, logits.device)
+    if padded is None:
+        # Megatron's function works in place on fp32 input: hand it a copy.
+        fresh = logits.float() if logits.dtype != torch.float32 else logits.clone()
+    else:
+        fresh = logits.float().masked_fill(padded, float("-inf"))
+    return -vocab_parallel_cross_entropy(fresh, labels)
+
+
+class _VocabParallelEntropy(torch.autograd.Function):
+    """H = -sum_v p_v log p_v over a TP-sharded vocabulary, with the analytic gradient
+    dH/dz_v = -p_v (log p_v + H), which each rank computes for its own columns.
+
+    Autograd through all-reduced sums would miss the other ranks' terms in dH/dS (S, the
+    global sum of exponentials, enters every rank's probabilities), hence a custom backward.
+    """
+
+    @staticmethod
+    def forward(ctx, z, padded):
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_tensor_model_parallel_group()
+        if padded is not None:
+            z = z.masked_fill(padded, float("-inf"))
+        z_max = z.max(dim=-1, keepdim=True).values  # (..., 1)
+        dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = z - z_max  # (..., Vp / tp), -inf on padding
+        sum_exp = shifted.exp().sum(dim=-1, keepdim=True)  # (..., 1)
+        dist.all_reduce(sum_exp, group=group)
+        log_p = shifted - sum_exp.log()
+        if padded is not None:
+            log_p = log_p.masked_fill(padded, 0.0)  # p = 0 there; 0 * -inf would be NaN
+        p = log_p.exp() if padded is None else log_p.exp().masked_fill(padded, 0.0)
+        entropy = -(p * log_p).sum(dim=-1)  # (...)
+        dist.all_reduce(entropy, group=group)
+        ctx.save_for_backward(p, log_p, entropy)
+        return entropy
+
+    @staticmethod
+    def backward(ctx, grad_entropy):
+        p, log_p, entropy = ctx.saved_tensors
+        grad_z = -grad_entropy.unsqueeze(-1) * p * (log_p + entropy.unsqueeze(-1))
+        return grad_z, None
+
+
+def vocab_parallel_entropy(logits: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
+    """Entropy of softmax(logits) with logits (..., Vp / tp) sharded over the TP group; fp32 (...).
+
+    Never gathers the vocabulary: the max, the sum of exponentials and the entropy terms are
+    all-reduced over the TP group; gradients are exact on every rank (see `_VocabParallelEntropy`).
+    Padded columns (>= `vocab_size`) are excluded.
+    """
+    z = logits.float()
+    return _VocabParallelEntropy.apply(z, padded_vocab_columns(z.shape[-1], vocab_size, z.device))
+
+
+def _log_prob_loss(response_len, temperature, vocab_size, calculate_entropy, logits, micro_batch):
+    logits = logits[:, -response_len - 1 : -1] / temperature  # (b, R, Vp / tp): predicts responses
+    metrics = {"log_probs": vocab_parallel_log_probs(logits, micro_batch["responses"], vocab_size)}
+    if calculate_entropy:
+        metrics["entropys"] = vocab_parallel_entropy(logits, vocab_size)
+    return logits.new_zeros(()), metrics
+
+
+def compute_log_prob(
+    chunks, data, micro_batch_size: int, temperature: float = 1.0, calculate_entropy: bool = True
+):
+    """Log-probs (and entropies) of `responses` under the model: DataProto with `old_log_probs`
+    (B, R) and `entropys` (B, R), fp32, on the last pipeline stage; None on the other stages.
+
+    Logits at positions P-1 .. P+R-2 predict the R response tokens. Padded response positions get
+    values too (mask them with `response_mask`).
+    """
+    from megatron.core import parallel_state
+
+    from hybridflow.protocol import DataProto
+
+    batch = _batch_of(data)
+    if "responses" not in batch:
+        raise ValueError("compute_log_prob needs 'responses' (B, R) in the batch")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    vocab_size = unwrap_model(chunks[0]).hf_config.vocab_size
+    loss_fn = partial(_log_prob_loss, batch["responses"].shape[1], temperature, vocab_size, calculate_entropy)
+    results = run_micro_batches(chunks, data, micro_batch_size, loss_fn, forward_only=True)
+    if not parallel_state.is_pipeline_last_stage():
+        return None
+    tensors = {"old_log_probs": torch.cat([r["log_probs"] for r in results]).cpu()}
+    if calculate_entropy:
+        tensors["entropys"] = torch.cat([r["entropys"] for r in results]).cpu()
+    return DataProto.from_dict(tensors=tensors)

@@ -1,0 +1,295 @@
+"""Hugging Face config -> Megatron-Core `TransformerConfig` -> `GPTModel` chunks for this pipeline stage.
+
+Supported architectures: Llama and Qwen2 (which covers Qwen2.5): RMSNorm, SwiGLU MLP, RoPE,
+grouped-query attention, optional QKV bias, tied or untied embeddings.
+
+Layer spec: Transformer Engine's when `transformer_engine` imports and CUDA is present, else
+Megatron-Core's local spec; in both, the core attention is `SDPACoreAttention` so that the
+padding mask means the same on every path (see attention.py).
+
+`build_model(..., value_head=True)` replaces the vocabulary output layer with a replicated
+`hidden -> 1` linear (critics, reward models): loaded from `score.weight` when the checkpoint
+has one (a `*ForSequenceClassification` export), else freshly initialised.
+"""
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engines.megatron import cpu_compat
+from engines.megatron.config import MegatronConfig
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "LlamaForSequenceClassification": "llama",
+    "Qwen2ForSequenceClassification": "qwen2",
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class HFModelConfig:
+    """The fields of a Hugging Face config.json that the Megatron model needs (plus the raw dict)."""
+
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    initializer_range: float = 0.02
+    source_dir: str = ""
+    raw: dict = field(default_factory=dict, repr=False, compare=False)
+
+
+def _rope_theta(raw: dict, where: str) -> float:
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"{where}: rope type {rope_type!r} is not supported (only 'default' RoPE)")
+    theta = params.get("rope_theta", raw.get("rope_theta"))
+    if theta is None:
+        raise ValueError(f"{where}: no rope_theta in config.json (top level or rope_parameters)")
+    return float(theta)
+
+
+def _check_unsupported_features(raw: dict, family: str, where: str) -> None:
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{where}: hidden_act {raw['hidden_act']!r} is not supported (expected 'silu')")
+    if family == "llama" and (raw.get("attention_bias") or raw.get("mlp_bias")):
+        raise ValueError(f"{where}: Llama with attention_bias or mlp_bias is not supported")
+    if family == "qwen2" and raw.get("use_sliding_window"):
+        raise ValueError(f"{where}: Qwen2 sliding-window attention is not supported")
+
+
+def load_hf_config(path) -> HFModelConfig:
+    """Read `<path>/config.json`; ValueError naming the architecture if it is not supported."""
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"no config.json in Hugging Face model directory {path}")
+    raw = json.loads(config_file.read_text())
+    architectures = raw.get("architectures") or []
+    if len(architectures) != 1 or architectures[0] not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"{config_file}: unsupported architecture {architectures}; supported: "
+            f"{sorted(SUPPORTED_ARCHITECTURES)}"
+        )
+    architecture = architectures[0]
+    family = SUPPORTED_ARCHITECTURES[architecture]
+    _check_unsupported_features(raw, family, str(config_file))
+    heads = raw["num_attention_heads"]
+    return HFModelConfig(
+        architecture=architecture,
+        model_type=raw.get("model_type", family),
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_hidden_layers=raw["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=raw.get("num_key_value_heads") or heads,
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        rope_theta=_rope_theta(raw, str(config_file)),
+        max_position_embeddings=raw.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        qkv_bias=family == "qwen2",
+        initializer_range=raw.get("initializer_range", 0.02),
+        source_dir=str(Path(path).resolve()),
+        raw=raw,
+    )
+
+
+def padded_vocab_size(vocab_size: int, cfg: MegatronConfig) -> int:
+    """Vocabulary rounded up to a multiple of make_vocab_size_divisible_by x TP (Megatron's rule)."""
+    multiple = cfg.make_vocab_size_divisible_by * cfg.tensor_model_parallel_size
+    return -(-vocab_size // multiple) * multiple
+
+
+def params_dtype(cfg: MegatronConfig) -> torch.dtype:
+    if cfg.params_dtype not in DTYPES:
+        raise ValueError(f"params_dtype must be one of {sorted(DTYPES)}, got {cfg.params_dtype!r}")
+    return DTYPES[cfg.params_dtype]
+
+
+def use_transformer_engine() -> bool:
+    """Transformer Engine layers only where they can run: TE importable and CUDA present."""
+    if not cpu_compat.cuda_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def to_transformer_config(hf_config: HFModelConfig, cfg: MegatronConfig):
+    """Megatron-Core TransformerConfig for this HF model and parallel layout."""
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    dtype = params_dtype(cfg)
+    if cfg.sequence_parallel and not use_transformer_engine():
+        raise ValueError("sequence_parallel=True needs Transformer Engine on CUDA; set it to false")
+    return TransformerConfig(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=hf_config.num_attention_heads,
+        num_query_groups=hf_config.num_key_value_heads,
+        kv_channels=hf_config.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=hf_config.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=hf_config.initializer_range,
+        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+        pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+        context_parallel_size=cfg.context_parallel_size,
+        sequence_parallel=cfg.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        attention_softmax_in_fp32=True,
+        # No bias in these models, and the fused kernels need CUDA (and TE/apex): keep them off.
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        variable_seq_lengths=False,
+        **cpu_compat.transformer_config_overrides(),
+    )
+
+
+def layer_spec():
+    """GPT layer spec (TE or local) with the SDPA core attention in Megatron's extension slot."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    from engines.megatron.attention import SDPACoreAttention
+
+    if use_transformer_engine():
+        spec = get_gpt_layer_with_transformer_engine_spec()
+    else:
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    return spec
+
+
+class ValueHead(torch.nn.Linear):
+    """hidden -> 1 scalar head, replicated on every tensor-parallel rank (GPTModel's output-layer call)."""
+
+    def __init__(self, hidden_size: int, init_std: float, seed: int, dtype: torch.dtype):
+        super().__init__(hidden_size, 1, bias=False, dtype=dtype)
+        # A fixed generator makes every TP/DP replica start from the same head.
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            self.weight.copy_(torch.randn(self.weight.shape, generator=gen) * init_std)
+
+    def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        return super().forward(hidden_states), None  # (s, b, 1)
+
+
+def unwrap_model(chunk):
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def build_gpt_model(hf_config: HFModelConfig, cfg: MegatronConfig, *, value_head: bool = False):
+    """This pipeline stage's GPTModel (unwrapped, weights uninitialised unless CPU init runs)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    tf_config = to_transformer_config(hf_config, cfg)
+    model = GPTModel(
+        config=tf_config,
+        transformer_layer_spec=layer_spec(),
+        vocab_size=padded_vocab_size(hf_config.vocab_size, cfg),
+        max_sequence_length=hf_config.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        parallel_output=True,
+        share_embeddings_and_output_weights=hf_config.tie_word_embeddings and not value_head,
+        position_embedding_type="rope",
+        rotary_base=hf_config.rope_theta,
+    )
+    if value_head and model.post_process:
+        model.output_layer = ValueHead(
+            hf_config.hidden_size, hf_config.initializer_range, cfg.seed, tf_config.params_dtype
+        )
+    if not cpu_compat.cuda_available():
+        return model
+    return model.cuda(torch.cuda.current_device())
+
+
+def _wrap_for_training(model, tf_config, cfg: MegatronConfig):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=cfg.use_distributed_optimizer and cpu_compat.cuda_available(),
+    )
+    wrapped = DistributedDataParallel(config=tf_config, ddp_config=ddp_config, module=model)
+    # What Megatron's training loop wires up: the schedule syncs grads through these.
+    tf_config.no_sync_func = wrapped.no_sync
+    tf_config.finalize_model_grads_func = finalize_model_grads
+    return wrapped
+
+
+def build_model(
+    hf_dir,
+    cfg: MegatronConfig,
+    *,
+    value_head: bool = False,
+    load_weights: bool = True,
+    for_training: bool = True,
+) -> list:
+    """Model chunks of this pipeline stage (one chunk: no virtual pipeline), built from `hf_dir`.
+
+    Requires `init_megatron(cfg)` first. The returned GPTModel carries `hf_config` (the
+    HFModelConfig it was built from), `megatron_config` and `value_head`, which the weight and
+    log-prob functions read. `for_training` wraps
+    the chunk in Megatron-Core's DistributedDataParallel and sets the schedule's grad-sync hooks.
+    """
+    from engines.megatron.parallel import validate_parallel_layout
+    from engines.megatron.weights import load_hf_weights
+
+    hf_config = load_hf_config(hf_dir)
+    validate_parallel_layout(hf_config, cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size)
+    if hf_config.architecture.endswith("ForSequenceClassification") and not value_head:
+        raise ValueError(
+            f"{hf_dir} holds a {hf_config.architecture} (a scalar head): build it with value_head=True"
+        )
+    with cpu_compat.cuda_calls_on_cpu():  # tied embeddings under PP call .cuda() at construction
+        model = build_gpt_model(hf_config, cfg, value_head=value_head)
+    model.hf_config = hf_config
+    model.megatron_config = cfg
+    model.value_head = value_head
+    if load_weights:
+        load_hf_weights([model], hf_dir, hf_config)
+    if not for_training:
+        return [model]
+    with cpu_compat.cuda_calls_on_cpu():
+        return [_wrap_for_training(model, model.config, cfg)]

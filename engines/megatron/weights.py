@@ -1,0 +1,453 @@
+"""The one mapping between Hugging Face (Llama / Qwen2) tensors and Megatron-Core's sharded parameters.
+
+`weight_plan` lists every parameter of the whole model once, in HF order, with the pipeline stage
+that owns it and how it is split over tensor-parallel ranks. Loading (`load_hf_weights`) and
+export (`iter_hf_tensors`, `save_hf_checkpoint`) both walk this plan, so they cannot disagree.
+
+Layouts (Megatron-Core 0.16, checked against its source):
+- "vocab": rows split over TP; the vocabulary is padded to a multiple of
+  make_vocab_size_divisible_by x TP, padded rows are zero on load and dropped on export.
+- "row" (RowParallelLinear: o_proj, down_proj): input columns split over TP.
+- "qkv": the fused QKV rows are grouped per KV head, [q heads of group g, k_g, v_g] for each g,
+  and TP rank r holds the r-th contiguous chunk of that layout. When TP exceeds the KV head
+  count, a chunk is a part of one group (Megatron all-gathers and re-slices in attention).
+- "gate_up": TP rank r holds [gate rows of r; up rows of r] (split with chunk(2) in the MLP).
+- "replicated": norms (and the value head) are whole on every TP rank.
+
+Shapes: h hidden, V real vocab, Vp padded vocab, f intermediate, d head dim.
+"""
+
+import json
+import shutil
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from engines.megatron.model import HFModelConfig, padded_vocab_size, unwrap_model, use_transformer_engine
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """One Megatron parameter: where it lives, how it is split, which HF tensors it holds."""
+
+    megatron_name: str  # parameter path inside the owning stage's GPTModel
+    kind: str  # "replicated" | "vocab" | "row" | "qkv" | "gate_up"
+    hf_names: tuple[str, ...]
+    full_shape: tuple[int, ...]  # Megatron layout, all TP shards concatenated, vocab padded
+    owner_pp: int
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """What the plan depends on besides the HF config."""
+
+    tp: int
+    pp: int
+    padded_vocab: int
+    value_head: bool
+    fused_norms: bool  # Transformer Engine layers hold the norms inside linear_qkv / linear_fc1
+
+
+def _layer_plan(hf: HFModelConfig, layout: ModelLayout, g: int) -> list[TensorPlan]:
+    per_stage = hf.num_hidden_layers // layout.pp
+    stage, i = divmod(g, per_stage)
+    m, p = f"decoder.layers.{i}.", f"model.layers.{g}."
+    h, d, f = hf.hidden_size, hf.head_dim, hf.intermediate_size
+    qkv_rows = (hf.num_attention_heads + 2 * hf.num_key_value_heads) * d
+    qkv_names = tuple(f"{p}self_attn.{x}_proj.weight" for x in "qkv")
+    if layout.fused_norms:
+        input_norm, post_norm = (
+            "self_attention.linear_qkv.layer_norm_weight",
+            "mlp.linear_fc1.layer_norm_weight",
+        )
+    else:
+        input_norm, post_norm = "input_layernorm.weight", "pre_mlp_layernorm.weight"
+    plans = [
+        TensorPlan(m + input_norm, "replicated", (p + "input_layernorm.weight",), (h,), stage),
+        TensorPlan(m + "self_attention.linear_qkv.weight", "qkv", qkv_names, (qkv_rows, h), stage),
+    ]
+    if hf.qkv_bias:
+        bias_names = tuple(n.replace(".weight", ".bias") for n in qkv_names)
+        plans.append(TensorPlan(m + "self_attention.linear_qkv.bias", "qkv", bias_names, (qkv_rows,), stage))
+    plans += [
+        TensorPlan(
+            m + "self_attention.linear_proj.weight",
+            "row",
+            (p + "self_attn.o_proj.weight",),
+            (h, hf.num_attention_heads * d),
+            stage,
+        ),
+        TensorPlan(m + post_norm, "replicated", (p + "post_attention_layernorm.weight",), (h,), stage),
+        TensorPlan(
+            m + "mlp.linear_fc1.weight",
+            "gate_up",
+            (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+            (2 * f, h),
+            stage,
+        ),
+        TensorPlan(m + "mlp.linear_fc2.weight", "row", (p + "mlp.down_proj.weight",), (h, f), stage),
+    ]
+    return plans
+
+
+def weight_plan(hf: HFModelConfig, layout: ModelLayout) -> list[TensorPlan]:
+    """Every parameter of the model once, in HF order (embedding, layers 0.., norm, head)."""
+    h, last = hf.hidden_size, layout.pp - 1
+    plans = [
+        TensorPlan(
+            "embedding.word_embeddings.weight",
+            "vocab",
+            ("model.embed_tokens.weight",),
+            (layout.padded_vocab, h),
+            0,
+        )
+    ]
+    for g in range(hf.num_hidden_layers):
+        plans += _layer_plan(hf, layout, g)
+    plans.append(
+        TensorPlan("decoder.final_layernorm.weight", "replicated", ("model.norm.weight",), (h,), last)
+    )
+    if layout.value_head:
+        plans.append(TensorPlan("output_layer.weight", "replicated", ("score.weight",), (1, h), last))
+    elif not hf.tie_word_embeddings:
+        plans.append(
+            TensorPlan("output_layer.weight", "vocab", ("lm_head.weight",), (layout.padded_vocab, h), last)
+        )
+    return plans
+
+
+def model_layout(model) -> ModelLayout:
+    """The layout of a GPTModel built by `build_model` (which attaches its configs)."""
+    from megatron.core import parallel_state
+
+    return ModelLayout(
+        tp=parallel_state.get_tensor_model_parallel_world_size(),
+        pp=parallel_state.get_pipeline_model_parallel_world_size(),
+        padded_vocab=padded_vocab_size(model.hf_config.vocab_size, model.megatron_config),
+        value_head=model.value_head,
+        fused_norms=use_transformer_engine(),
+    )
+
+
+# ---------------------------------------------------------------- fused QKV layout
+
+
+def qkv_row_sources(start: int, end: int, groups: int, q_per_group: int, head_dim: int):
+    """Rows [start, end) of the fused QKV layout as (0=q|1=k|2=v, src_start, src_end) segments."""
+    block = (q_per_group + 2) * head_dim
+    parts = (
+        (0, 0, q_per_group * head_dim),
+        (1, q_per_group * head_dim, block - head_dim),
+        (2, block - head_dim, block),
+    )
+    segments = []
+    for g in range(start // block, -(-end // block)):
+        for which, lo, hi in parts:
+            a, b = max(start, g * block + lo), min(end, g * block + hi)
+            if a < b:
+                src = g * (hi - lo) + (a - g * block - lo)
+                segments.append((which, src, src + b - a))
+    return segments
+
+
+def split_fused_qkv(full: torch.Tensor, groups: int, q_per_group: int, head_dim: int):
+    """Full fused QKV (rows grouped per KV head) -> (q, k, v) in HF row order."""
+    rest = full.shape[1:]
+    blocks = full.reshape(groups, (q_per_group + 2) * head_dim, *rest)
+    q_rows = q_per_group * head_dim
+    q = blocks[:, :q_rows].reshape(-1, *rest)  # (heads * d, ...)
+    k = blocks[:, q_rows : q_rows + head_dim].reshape(-1, *rest)  # (groups * d, ...)
+    v = blocks[:, q_rows + head_dim :].reshape(-1, *rest)  # (groups * d, ...)
+    return q, k, v
+
+
+# ---------------------------------------------------------------- loading
+
+
+class SafetensorsReader:
+    """Reads whole tensors or row/column slices from a HF directory's safetensors shards."""
+
+    def __init__(self, hf_dir, stack: ExitStack):
+        from safetensors import safe_open
+
+        self.hf_dir = Path(hf_dir)
+        index_file = self.hf_dir / "model.safetensors.index.json"
+        if index_file.is_file():
+            weight_map = json.loads(index_file.read_text())["weight_map"]
+        elif (self.hf_dir / "model.safetensors").is_file():
+            with safe_open(self.hf_dir / "model.safetensors", framework="pt") as f:
+                weight_map = dict.fromkeys(f.keys(), "model.safetensors")
+        else:
+            raise ValueError(f"{hf_dir}: neither model.safetensors.index.json nor model.safetensors found")
+        self.weight_map = weight_map
+        self._stack, self._open, self._safe_open = stack, {}, safe_open
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def _slice(self, name: str, expected_shape: tuple[int, ...]):
+        if name not in self.weight_map:
+            raise ValueError(f"{self.hf_dir}: tensor {name!r} is missing from the checkpoint")
+        file = self.weight_map[name]
+        if file not in self._open:
+            self._open[file] = self._stack.enter_context(
+                self._safe_open(self.hf_dir / file, framework="pt", device="cpu")
+            )
+        tensor_slice = self._open[file].get_slice(name)
+        shape = tuple(tensor_slice.get_shape())
+        if shape != expected_shape:
+            raise ValueError(f"{self.hf_dir}: tensor {name!r} has shape {shape}, expected {expected_shape}")
+        return tensor_slice
+
+    def rows(self, name: str, expected_shape: tuple[int, ...], start: int, end: int) -> torch.Tensor:
+        return self._slice(name, expected_shape)[start:end]
+
+    def cols(self, name: str, expected_shape: tuple[int, ...], start: int, end: int) -> torch.Tensor:
+        return self._slice(name, expected_shape)[:, start:end]
+
+    def full(self, name: str, expected_shape: tuple[int, ...]) -> torch.Tensor:
+        return self._slice(name, expected_shape)[:]
+
+
+def hf_shapes(hf: HFModelConfig, plan: TensorPlan) -> list[tuple[int, ...]]:
+    """Shapes of the plan's HF tensors."""
+    if plan.kind == "vocab":
+        return [(hf.vocab_size, *plan.full_shape[1:])]
+    if plan.kind == "qkv":
+        d, rest = hf.head_dim, plan.full_shape[1:]
+        return [
+            (hf.num_attention_heads * d, *rest),
+            (hf.num_key_value_heads * d, *rest),
+            (hf.num_key_value_heads * d, *rest),
+        ]
+    if plan.kind == "gate_up":
+        return [(plan.full_shape[0] // 2, plan.full_shape[1])] * 2
+    return [plan.full_shape]
+
+
+def read_shard(
+    reader: SafetensorsReader, hf: HFModelConfig, plan: TensorPlan, rank: int, tp: int
+) -> torch.Tensor:
+    """This TP rank's shard of `plan`'s parameter, reading only the needed slices."""
+    shapes = hf_shapes(hf, plan)
+    if plan.kind == "replicated":
+        return reader.full(plan.hf_names[0], shapes[0])
+    if plan.kind == "vocab":
+        rows = plan.full_shape[0] // tp
+        start, end = rank * rows, (rank + 1) * rows
+        shard = torch.zeros(rows, *plan.full_shape[1:])  # padded rows stay zero
+        real_end = min(end, hf.vocab_size)
+        if real_end > start:
+            real = reader.rows(plan.hf_names[0], shapes[0], start, real_end)
+            shard = shard.to(real.dtype)
+            shard[: real_end - start] = real
+        return shard
+    if plan.kind == "row":
+        cols = plan.full_shape[1] // tp
+        return reader.cols(plan.hf_names[0], shapes[0], rank * cols, (rank + 1) * cols)
+    if plan.kind == "gate_up":
+        rows = plan.full_shape[0] // 2 // tp
+        gate, up = (
+            reader.rows(n, s, rank * rows, (rank + 1) * rows)
+            for n, s in zip(plan.hf_names, shapes, strict=True)
+        )
+        return torch.cat([gate, up])
+    if plan.kind == "qkv":
+        rows = plan.full_shape[0] // tp
+        groups = hf.num_key_value_heads
+        segments = qkv_row_sources(
+            rank * rows, (rank + 1) * rows, groups, hf.num_attention_heads // groups, hf.head_dim
+        )
+        return torch.cat([reader.rows(plan.hf_names[w], shapes[w], a, b) for w, a, b in segments])
+    raise ValueError(f"unknown tensor kind {plan.kind!r}")
+
+
+def _check_layer_numbers(model, hf: HFModelConfig, layout: ModelLayout, pp_rank: int) -> None:
+    per_stage = hf.num_hidden_layers // layout.pp
+    for i, layer in enumerate(model.decoder.layers):
+        if layer.layer_number != pp_rank * per_stage + i + 1:
+            raise RuntimeError(
+                f"pipeline stage {pp_rank} layer {i} has global number {layer.layer_number}, expected "
+                f"{pp_rank * per_stage + i + 1} (only even layer splits are supported)"
+            )
+
+
+def _load_plans(hf: HFModelConfig, layout: ModelLayout, pp_rank: int) -> list[TensorPlan]:
+    plans = [p for p in weight_plan(hf, layout) if p.owner_pp == pp_rank]
+    if hf.tie_word_embeddings and not layout.value_head and layout.pp > 1 and pp_rank == layout.pp - 1:
+        # The last stage keeps its own copy of the tied embedding as the output layer.
+        plans.append(
+            TensorPlan(
+                "output_layer.weight",
+                "vocab",
+                ("model.embed_tokens.weight",),
+                (layout.padded_vocab, hf.hidden_size),
+                pp_rank,
+            )
+        )
+    return plans
+
+
+@torch.no_grad()
+def load_hf_weights(chunks, hf_dir, hf_config: HFModelConfig) -> None:
+    """Copy this rank's slices of the HF checkpoint at `hf_dir` into the model chunks."""
+    from megatron.core import parallel_state
+
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    with ExitStack() as stack:
+        reader = SafetensorsReader(hf_dir, stack)
+        for chunk in chunks:
+            model = unwrap_model(chunk)
+            layout = model_layout(model)
+            _check_layer_numbers(model, hf_config, layout, pp_rank)
+            for plan in _load_plans(hf_config, layout, pp_rank):
+                if layout.value_head and plan.hf_names == ("score.weight",) and "score.weight" not in reader:
+                    continue  # a fresh value head on a causal-LM checkpoint keeps its initialisation
+                param = model.get_parameter(plan.megatron_name)
+                shard = read_shard(reader, hf_config, plan, tp_rank, layout.tp)
+                if shard.shape != param.shape:
+                    raise RuntimeError(
+                        f"{plan.megatron_name}: shard shape {tuple(shard.shape)} != parameter shape "
+                        f"{tuple(param.shape)}"
+                    )
+                param.copy_(shard)
+
+
+# ---------------------------------------------------------------- export
+
+
+def _gather_full(local: torch.Tensor, plan: TensorPlan, tp_group, tp: int) -> torch.Tensor:
+    """All TP shards of `plan` concatenated along the split dimension (the Megatron full layout)."""
+    if plan.kind == "replicated" or tp == 1:
+        return local.detach()
+    shards = [torch.empty_like(local) for _ in range(tp)]
+    dist.all_gather(shards, local.detach().contiguous(), group=tp_group)
+    return torch.cat(shards, dim=1 if plan.kind == "row" else 0)
+
+
+def _to_hf(full: torch.Tensor, plan: TensorPlan, hf: HFModelConfig, tp: int) -> list[torch.Tensor]:
+    if plan.kind == "vocab":
+        return [full[: hf.vocab_size]]
+    if plan.kind == "gate_up":
+        per_rank = [shard.chunk(2) for shard in full.chunk(tp)]
+        return [torch.cat([g for g, _ in per_rank]), torch.cat([u for _, u in per_rank])]
+    if plan.kind == "qkv":
+        groups = hf.num_key_value_heads
+        return list(split_fused_qkv(full, groups, hf.num_attention_heads // groups, hf.head_dim))
+    return [full]
+
+
+def iter_hf_tensors(chunks, hf_config: HFModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, full tensor) for the whole model on every rank, in lockstep.
+
+    Collective: every rank of the model-parallel group must iterate to the end together. The
+    owning pipeline stage all-gathers each parameter over its TP group, then broadcasts it over
+    the pipeline group. Tensors are contiguous copies in the parameter dtype, vocab padding
+    removed, fused QKV and gate/up split; `lm_head.weight` only when embeddings are untied.
+    """
+    from megatron.core import parallel_state
+
+    model = unwrap_model(chunks[0])
+    layout = model_layout(model)
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    dtype = model.config.params_dtype
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    for plan in weight_plan(hf_config, layout):
+        if plan.owner_pp == pp_rank:
+            full = _gather_full(model.get_parameter(plan.megatron_name), plan, tp_group, layout.tp)
+        else:
+            full = torch.empty(plan.full_shape, dtype=dtype, device=device)
+        if layout.pp > 1:
+            full = full.contiguous()
+            dist.broadcast(full, group=pp_group, group_src=plan.owner_pp)
+        for name, tensor in zip(plan.hf_names, _to_hf(full, plan, hf_config, layout.tp), strict=True):
+            yield name, tensor.contiguous().clone()
+
+
+def hf_export_config(hf_config: HFModelConfig, dtype: torch.dtype, value_head: bool) -> dict:
+    """config.json of the exported model: the source's, with dtype (and head) updated."""
+    config = dict(hf_config.raw)
+    dtype_key = "dtype" if "dtype" in config else "torch_dtype"  # transformers 5 writes "dtype"
+    config[dtype_key] = str(dtype).removeprefix("torch.")
+    if value_head:
+        family = hf_config.architecture.split("For")[0]
+        config["architectures"] = [f"{family}ForSequenceClassification"]
+        config["num_labels"] = 1
+        config["tie_word_embeddings"] = False
+    return config
+
+
+def _write_shard(out: Path, shard: dict[str, torch.Tensor], number: int) -> tuple[Path, dict[str, int]]:
+    from safetensors.torch import save_file
+
+    path = out / f"tmp-shard-{number:05d}.safetensors"
+    save_file(shard, str(path), metadata={"format": "pt"})
+    return path, {name: t.numel() * t.element_size() for name, t in shard.items()}
+
+
+def _finish_export(out: Path, written: list, hf_config: HFModelConfig, model, tokenizer_dir) -> None:
+    """Name the shards model-0000i-of-0000n, write the index, config.json and tokenizer files."""
+    weight_map, total = {}, 0
+    for i, (path, sizes) in enumerate(written, start=1):
+        file = f"model-{i:05d}-of-{len(written):05d}.safetensors"
+        path.rename(out / file)
+        weight_map.update(dict.fromkeys(sizes, file))
+        total += sum(sizes.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    config = hf_export_config(hf_config, model.config.params_dtype, model.value_head)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    source = Path(tokenizer_dir or hf_config.source_dir)
+    for file in TOKENIZER_FILES:
+        if (source / file).is_file():
+            shutil.copy2(source / file, out / file)
+
+
+def save_hf_checkpoint(
+    chunks, hf_config: HFModelConfig, out_dir, tokenizer_dir=None, max_shard_bytes: int = 5 * 2**30
+) -> None:
+    """Write a transformers-loadable directory: sharded safetensors + index, config, tokenizer files.
+
+    Collective (see `iter_hf_tensors`); global rank 0 writes, one shard at a time, replacing the
+    safetensors of an earlier export in `out_dir`. Tokenizer files are copied from
+    `tokenizer_dir` (default: the directory the model was loaded from).
+    """
+    writer = dist.get_rank() == 0
+    out = Path(out_dir)
+    if writer:
+        out.mkdir(parents=True, exist_ok=True)
+        for stale in [*out.glob("model*.safetensors"), *out.glob("tmp-shard-*.safetensors")]:
+            stale.unlink()
+    shard, shard_bytes, written = {}, 0, []
+    for name, tensor in iter_hf_tensors(chunks, hf_config):
+        if not writer:
+            continue
+        size = tensor.numel() * tensor.element_size()
+        if shard and shard_bytes + size > max_shard_bytes:
+            written.append(_write_shard(out, shard, len(written)))
+            shard, shard_bytes = {}, 0
+        shard[name] = tensor
+        shard_bytes += size
+    if writer:
+        written.append(_write_shard(out, shard, len(written)))
+        _finish_export(out, written, hf_config, unwrap_model(chunks[0]), tokenizer_dir)
+    dist.barrier()

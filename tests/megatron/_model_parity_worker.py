@@ -1,0 +1,224 @@
+"""torchrun worker: the Megatron model against transformers, for each (TP, PP) layout given.
+
+Run by test_model_parity.py; also a debugging entry point:
+    torchrun --nproc_per_node 4 tests/megatron/_model_parity_worker.py --work-dir /tmp/w --layouts 2x2
+(checkpoints are made in --work-dir if absent). For every layout and both tiny models (Qwen2:
+QKV bias, GQA, untied; Llama: tied embeddings, one KV head so TP=2 exercises Megatron's KV-head
+sharing) it checks, on every rank:
+  1. logits equal transformers' on real tokens of a left/right-padded batch (1e-5);
+  2. compute_log_prob's log-probs and entropies equal a full-softmax reference (temperature 0.7);
+  3. gradients of a token-mean NLL through Megatron's schedule and DDP equal transformers';
+  4. iter_hf_tensors equals the original safetensors bit for bit;
+  5. save_hf_checkpoint loads in transformers with identical tensors and a working tokenizer;
+  6. a value-head model gives final-norm hidden states @ head, exports as *ForSequenceClassification
+     (transformers loads `score.weight`) and loads back with the same values.
+Prints "PARITY OK <arch> tp=.. pp=.." per passed combination.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+from safetensors.torch import load_file
+from tiny_hf import make_tiny_hf_checkpoint, padded_batch
+
+from engines.megatron.config import MegatronConfig
+from engines.megatron.forward import compute_log_prob, run_micro_batches
+from engines.megatron.model import build_model, load_hf_config, unwrap_model
+from engines.megatron.parallel import init_megatron
+from engines.megatron.weights import iter_hf_tensors, save_hf_checkpoint
+from hybridflow.protocol import DataProto
+
+MODELS = {
+    "qwen2": dict(arch="qwen2", vocab_size=200, num_kv_heads=2, tie_word_embeddings=False),
+    "llama": dict(arch="llama", vocab_size=120, num_kv_heads=1, tie_word_embeddings=True),
+}
+PROMPT_LEN, RESPONSE_LEN = 5, 4
+TEMPERATURE = 0.7
+
+
+def make_checkpoints(work_dir: Path) -> None:
+    for name, kwargs in MODELS.items():
+        if not (work_dir / name / "config.json").exists():
+            make_tiny_hf_checkpoint(work_dir / name, num_layers=4, **kwargs)
+
+
+def the_batch(vocab_size: int) -> dict[str, torch.Tensor]:
+    return padded_batch([3, 5, 2, 4], [4, 2, 4, 1], PROMPT_LEN, RESPONSE_LEN, vocab_size, seed=1)
+
+
+def hf_reference(hf_dir: Path, batch: dict):
+    """transformers' logits, final hidden states and NLL gradients (HF names) for `batch`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    out = model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        position_ids=batch["position_ids"],
+        output_hidden_states=True,
+    )
+    logp = torch.log_softmax(out.logits[:, PROMPT_LEN - 1 : -1].float(), dim=-1)  # (B, R, V)
+    mask = batch["response_mask"].float()
+    nll = -(logp.gather(-1, batch["responses"][..., None]).squeeze(-1) * mask).sum() / mask.sum()
+    nll.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return out.logits.detach(), out.hidden_states[-1].detach(), grads
+
+
+def full_softmax_reference(logits: torch.Tensor):
+    """Log-probs of the responses and entropies at temperature TEMPERATURE, from full logits."""
+    logp = torch.log_softmax(logits[:, PROMPT_LEN - 1 : -1] / TEMPERATURE, dim=-1)  # (B, R, V)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return logp, entropy
+
+
+def check(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: float = 1e-5) -> None:
+    torch.testing.assert_close(actual, expected, atol=tol, rtol=tol, msg=lambda m: f"{name}: {m}")
+
+
+def check_logits(chunks, data, batch, ref_logits, vocab_size):
+    def gather_logits(output, micro_batch):
+        return output.new_zeros(()), gather_from_tensor_model_parallel_region(output)
+
+    results = run_micro_batches(chunks, data, 2, gather_logits, forward_only=True)
+    if not parallel_state.is_pipeline_last_stage():
+        assert results == [], "non-last pipeline stages return no outputs"
+        return
+    logits = torch.cat(results)  # (B, T, Vp)
+    real = batch["attention_mask"].bool()
+    check("logits", logits[..., :vocab_size][real], ref_logits[real])
+
+
+def check_log_probs(chunks, data, batch, ref_logits):
+    out = compute_log_prob(chunks, data, micro_batch_size=2, temperature=TEMPERATURE)
+    if not parallel_state.is_pipeline_last_stage():
+        assert out is None
+        return
+    ref_logp, ref_entropy = full_softmax_reference(ref_logits)
+    expected_logp = ref_logp.gather(-1, batch["responses"][..., None]).squeeze(-1)
+    mask = batch["response_mask"].bool()
+    assert torch.isfinite(out.batch["old_log_probs"]).all() and torch.isfinite(out.batch["entropys"]).all()
+    check("old_log_probs", out.batch["old_log_probs"][mask], expected_logp[mask])
+    check("entropys", out.batch["entropys"][mask], ref_entropy[mask])
+
+
+def nll_loss(vocab_size, total_tokens, num_micro_batches, logits, micro_batch):
+    from engines.megatron.forward import vocab_parallel_log_probs
+
+    logp = vocab_parallel_log_probs(logits[:, PROMPT_LEN - 1 : -1], micro_batch["responses"], vocab_size)
+    mask = micro_batch["response_mask"].float()
+    # The schedule divides by the number of micro-batches: undo it to get the batch token-mean.
+    loss = -(logp * mask).sum() / total_tokens * num_micro_batches
+    return loss, {"nll": loss.detach()}
+
+
+def check_gradients(hf_dir, cfg, data, batch, hf_config, ref_grads):
+    from functools import partial
+
+    chunks = build_model(hf_dir, cfg, for_training=True)
+    total = batch["response_mask"].sum().item()
+    run_micro_batches(chunks, data, 2, partial(nll_loss, hf_config.vocab_size, total, 2), forward_only=False)
+    model = unwrap_model(chunks[0])
+    with torch.no_grad():  # the weight mapping is linear: export the gradients through it
+        for param in model.parameters():
+            param.copy_(param.main_grad)
+    for name, grad in iter_hf_tensors(chunks, hf_config):
+        check(f"grad {name}", grad, ref_grads[name], tol=1e-5)
+
+
+def check_weights_roundtrip(chunks, hf_dir: Path, hf_config, out_dir: Path):
+    original = {}
+    for shard in sorted(hf_dir.glob("*.safetensors")):
+        original.update(load_file(shard))
+    exported = dict(iter_hf_tensors(chunks, hf_config))
+    assert sorted(exported) == sorted(original), (sorted(exported), sorted(original))
+    for name, tensor in original.items():
+        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
+    save_hf_checkpoint(chunks, hf_config, out_dir, max_shard_bytes=40_000)
+    if dist.get_rank() == 0:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        index = json.loads((out_dir / "model.safetensors.index.json").read_text())
+        assert len(set(index["weight_map"].values())) >= 2, "expected a sharded export"
+        reloaded = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).state_dict()
+        source = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).state_dict()
+        assert sorted(reloaded) == sorted(source)
+        for name, tensor in source.items():
+            assert torch.equal(reloaded[name], tensor), name
+        tokenizer = AutoTokenizer.from_pretrained(out_dir)
+        assert tokenizer.decode(tokenizer("12+3=15")["input_ids"]) == "12+3=15"
+    dist.barrier()
+
+
+def check_value_head(hf_dir, cfg, data, batch, hf_config, ref_hidden, export_dir: Path):
+    chunks = build_model(hf_dir, cfg, value_head=True, for_training=False)
+    head = dict(iter_hf_tensors(chunks, hf_config))["score.weight"]  # (1, h), replicated
+
+    def values_of(model_chunks):
+        results = run_micro_batches(
+            model_chunks, data, 2, lambda out, micro_batch: (out.new_zeros(()), out), True
+        )
+        return torch.cat(results) if results else None  # (B, T, 1) on the last stage
+
+    values = values_of(chunks)
+    real = batch["attention_mask"].bool()
+    if parallel_state.is_pipeline_last_stage():
+        check("values", values[real], (ref_hidden @ head.T)[real])
+    # export as *ForSequenceClassification, then load it back: transformers and Megatron agree
+    save_hf_checkpoint(chunks, hf_config, export_dir)
+    if dist.get_rank() == 0:
+        from transformers import AutoModelForSequenceClassification
+
+        reloaded = AutoModelForSequenceClassification.from_pretrained(export_dir, dtype=torch.float32)
+        assert torch.equal(reloaded.score.weight, head)
+    reloaded_chunks = build_model(export_dir, cfg, value_head=True, for_training=False)
+    if parallel_state.is_pipeline_last_stage():
+        assert torch.equal(values_of(reloaded_chunks), values)
+    else:
+        values_of(reloaded_chunks)
+
+
+def run_layout(work_dir: Path, tp: int, pp: int) -> None:
+    cfg = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    for arch in MODELS:
+        hf_dir = work_dir / arch
+        hf_config = load_hf_config(hf_dir)
+        init_megatron(cfg, hf_config)
+        batch = the_batch(hf_config.vocab_size)
+        data = DataProto.from_dict(tensors=batch)
+        ref_logits, ref_hidden, ref_grads = hf_reference(hf_dir, batch)
+        chunks = build_model(hf_dir, cfg, for_training=False)
+        check_logits(chunks, data, batch, ref_logits, hf_config.vocab_size)
+        check_log_probs(chunks, data, batch, ref_logits)
+        check_weights_roundtrip(chunks, hf_dir, hf_config, work_dir / f"export_{arch}_tp{tp}_pp{pp}")
+        check_gradients(hf_dir, cfg, data, batch, hf_config, ref_grads)
+        value_dir = work_dir / f"export_value_{arch}_tp{tp}_pp{pp}"
+        check_value_head(hf_dir, cfg, data, batch, hf_config, ref_hidden, value_dir)
+        print(f"PARITY OK {arch} tp={tp} pp={pp} rank={dist.get_rank()}", flush=True)
+    parallel_state.destroy_model_parallel()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--work-dir", type=Path, required=True)
+    parser.add_argument("--layouts", default="1x1", help="comma-separated TPxPP, e.g. 1x1,2x1,1x2")
+    args = parser.parse_args()
+    torch.use_deterministic_algorithms(True)
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 0:
+        make_checkpoints(args.work_dir)
+    dist.barrier()
+    for layout in args.layouts.split(","):
+        tp, pp = (int(x) for x in layout.split("x"))
+        run_layout(args.work_dir, tp, pp)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""Run a worker script under `torchrun --nproc_per_node N` and fail loudly with its output.
+
+`run_distributed(script, nproc, *args, timeout=300)` picks a free port, runs the script with
+the repo's Python (OMP_NUM_THREADS=1), and returns the combined stdout+stderr on success; on a
+non-zero exit or timeout it raises `RuntimeError` carrying the output's tail, so pytest shows
+which rank failed and why.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+TESTS_MEGATRON_DIR = Path(__file__).resolve().parent
+REPO_ROOT = TESTS_MEGATRON_DIR.parents[1]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_distributed(script, nproc: int, *args, timeout: float = 300, env: dict | None = None) -> str:
+    """Run `script` (a path, or a file name in tests/megatron/) on `nproc` local processes."""
+    script_path = Path(script)
+    if not script_path.is_absolute() and not script_path.exists():
+        script_path = TESTS_MEGATRON_DIR / script_path
+    if not script_path.exists():
+        raise ValueError(f"worker script not found: {script}")
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nproc_per_node", str(nproc), "--nnodes", "1",
+        "--master_addr", "127.0.0.1", "--master_port", str(port),
+        str(script_path), *[str(a) for a in args],
+    ]  # fmt: skip
+    run_env = dict(os.environ)
+    run_env.update({"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})
+    run_env["PYTHONPATH"] = os.pathsep.join(
+        p for p in [str(REPO_ROOT), str(TESTS_MEGATRON_DIR), run_env.get("PYTHONPATH", "")] if p
+    )
+    run_env.update(env or {})
+    try:
+        proc = subprocess.run(
+            cmd, cwd=REPO_ROOT, env=run_env, capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired as err:
+        # TimeoutExpired carries bytes even under text=True.
+        parts = [p.decode(errors="replace") if isinstance(p, bytes) else p for p in (err.stdout, err.stderr)]
+        output = "".join(p or "" for p in parts)
+        raise RuntimeError(
+            f"{script_path.name} x{nproc} timed out after {timeout}s:\n{output[-8000:]}"
+        ) from err
+    output = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise RuntimeError(f"{script_path.name} x{nproc} exited with {proc.returncode}:\n{output[-8000:]}")
+    return output
