@@ -1,0 +1,105 @@
+"""Loads a recipe: YAML file + `key.path=value` overrides -> a typed `RecipeConfig`.
+
+OmegaConf structured configs do the typed merge (unknown keys and wrong types are rejected
+against the dataclasses, override values parse as YAML so lists and booleans work); writing that
+by hand would re-implement a well-kept library. This module only turns OmegaConf's errors into
+messages that name the key path and the fix, and writes the resolved recipe.
+"""
+
+import dataclasses
+import difflib
+import typing
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException, ValidationError
+
+from hybridflow.config.schema import RecipeConfig
+
+
+def load_recipe(path: str | Path, overrides: list[str] = ()) -> RecipeConfig:
+    """The recipe at `path` with `overrides` ("a.b=1", "data.train_files=[x.parquet]") applied."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"recipe {path} does not exist")
+    merged = OmegaConf.structured(RecipeConfig)
+    merged = _merge(merged, OmegaConf.load(path), source=str(path))
+    merged = _merge(merged, _parse_overrides(overrides), source="command-line override")
+    try:
+        return OmegaConf.to_object(merged)
+    except MissingMandatoryValue as err:
+        raise ValueError(
+            f"{path}: {err.full_key} is required; set it in the recipe or pass {err.full_key}=<value>"
+        ) from None
+    except ValueError as err:  # an engine config's own __post_init__ check
+        raise ValueError(f"{path}: {err}") from None
+
+
+def _parse_overrides(overrides: list[str]) -> DictConfig:
+    malformed = [o for o in overrides if "=" not in o or o.startswith("=")]
+    if malformed:
+        raise ValueError(f"overrides must look like key.path=value, got {malformed}")
+    return OmegaConf.from_dotlist(list(overrides))
+
+
+def _merge(base: DictConfig, update: DictConfig, source: str) -> DictConfig:
+    try:
+        return OmegaConf.merge(base, update)
+    except ConfigKeyError as err:
+        raise ValueError(f"{source}: unknown key '{err.full_key}'{_suggestion(err.full_key)}") from None
+    except ValidationError as err:
+        expected = _field_type(err.full_key)
+        reason = str(err.msg).splitlines()[0]  # the rest repeats the key and the dataclass
+        raise TypeError(f"{source}: {err.full_key}: {reason}; expected {expected}") from None
+    except OmegaConfBaseException as err:
+        raise ValueError(f"{source}: {err}") from None
+
+
+def _schema_at(key_path: list[str]) -> type | None:
+    """The dataclass reached by following `key_path` from RecipeConfig, or None."""
+    node = RecipeConfig
+    for key in key_path:
+        fields = {f.name: f for f in dataclasses.fields(node)} if dataclasses.is_dataclass(node) else {}
+        if key not in fields:
+            return None
+        node = typing.get_type_hints(node)[key]
+    return node if dataclasses.is_dataclass(node) else None
+
+
+def _suggestion(full_key: str) -> str:
+    *parents, leaf = full_key.split(".")
+    node = _schema_at(parents)
+    if node is None:
+        return ""
+    valid = [f.name for f in dataclasses.fields(node)]
+    nearest = difflib.get_close_matches(leaf, valid, n=1)
+    prefix = ".".join(parents) + "." if parents else ""
+    if nearest:
+        return f"; did you mean '{prefix}{nearest[0]}'?"
+    return f"; valid keys under '{prefix.rstrip('.') or 'the top level'}': {valid}"
+
+
+def _field_type(full_key: str) -> str:
+    *parents, leaf = full_key.split(".")
+    node = _schema_at(parents)
+    if node is None or leaf not in {f.name for f in dataclasses.fields(node)}:
+        return "a value of the schema's type"
+    hint = typing.get_type_hints(node)[leaf]
+    return getattr(hint, "__name__", str(hint)) if not typing.get_args(hint) else str(hint)
+
+
+def to_yaml(cfg: RecipeConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def to_dict(cfg: RecipeConfig) -> dict:
+    """The recipe as plain dicts/lists/scalars (for checkpoints and experiment trackers)."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg))
+
+
+def write_resolved_recipe(cfg: RecipeConfig, output_dir: str | Path) -> Path:
+    """Writes the fully resolved recipe to `<output_dir>/config.yaml`."""
+    out = Path(output_dir) / "config.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(to_yaml(cfg))
+    return out

@@ -1,0 +1,156 @@
+"""The recipe schema: typed dataclasses whose defaults are documented; a recipe states only what
+differs. Engine settings are the engines' own config classes (Megatron-Core and SGLang names).
+
+Top level: model, data, actor, ref, rollout, critic, reward_model, reward, algorithm, trainer.
+`load_recipe` (loader.py) fills these from YAML plus `key.path=value` overrides.
+"""
+
+from dataclasses import dataclass, field
+
+from omegaconf import MISSING
+
+from engines.megatron.config import ActorUpdateConfig, CriticUpdateConfig, MegatronConfig, OptimConfig
+from engines.rollout.config import RolloutConfig
+
+
+@dataclass
+class ModelConfig:
+    """The policy: a local Hugging Face directory (config.json, weights, tokenizer)."""
+
+    path: str = MISSING
+    tokenizer_path: str | None = None  # None: the tokenizer in `path`
+
+
+@dataclass
+class DataConfig:
+    """Prompt parquet files (rows as scripts/prepare_gsm8k.py writes them) and batching."""
+
+    train_files: list[str] = MISSING
+    val_files: list[str] = field(default_factory=list)
+    prompt_key: str = "prompt"
+    max_prompt_length: int = 512  # longer prompts are dropped (and counted) when the data loads
+    train_batch_size: int = 256  # prompts per step; each gets rollout.sampling.n responses
+    val_batch_size: int | None = None  # None: the whole validation set in one batch
+    train_max_samples: int | None = None  # None: every row; an int keeps the first rows
+    val_max_samples: int | None = None
+    shuffle: bool = True
+    seed: int = 1
+
+
+@dataclass
+class ActorConfig:
+    """The trained policy: Megatron layout, optimizer and PPO update settings."""
+
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    update: ActorUpdateConfig = field(default_factory=ActorUpdateConfig)
+    log_prob_micro_batch_size: int = 8  # per data-parallel rank, when recomputing old log-probs
+
+
+@dataclass
+class RefConfig:
+    """The frozen reference policy (built from model.path with the actor's layout); it runs only
+    when KL is used (algorithm.use_kl_in_reward or actor.update.use_kl_loss)."""
+
+    log_prob_micro_batch_size: int = 8
+
+
+@dataclass
+class CriticConfig:
+    """The value model for GAE, initialised from `model_path` with a fresh scalar value head."""
+
+    enable: bool = False
+    model_path: str | None = None  # None: model.path
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    update: CriticUpdateConfig = field(default_factory=CriticUpdateConfig)
+    warmup_steps: int = 0  # steps that update only the critic before the actor starts learning
+    n_gpus_per_node: int = 0  # 0: colocated with the actor; >0: its own pool of this many per node
+
+
+@dataclass
+class RewardModelConfig:
+    """A learned reward model: a value-style Megatron model scored at the last real token.
+    It shares the policy's tokenizer."""
+
+    enable: bool = False
+    path: str | None = None
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    micro_batch_size: int = 8
+
+
+@dataclass
+class RewardConfig:
+    """The rule reward: chosen by each row's data_source, or a user function."""
+
+    custom_fn: str | None = (
+        None  # "package.module.fn" taking (data_source, solution_str, ground_truth, extra_info)
+    )
+    format_score: float = 0.0  # reward of a well-formatted but wrong answer
+
+
+@dataclass
+class KLControlConfig:
+    """KL coefficient for KL-in-reward: fixed, or adaptive (Ziegler et al. 2019)."""
+
+    type: str = "fixed"  # "fixed" | "adaptive"
+    kl_coef: float = 0.001
+    target_kl: float = 0.1  # adaptive only
+    horizon: int = 10000  # adaptive only
+
+
+@dataclass
+class AlgorithmConfig:
+    """How advantages are estimated and whether KL enters the reward."""
+
+    adv_estimator: str = (
+        "grpo"  # gae | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax
+    )
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std_in_grpo: bool = True  # False: Dr. GRPO (mean-centred only)
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"  # estimator of the KL in the reward: kl/k1, abs, mse/k2, low_var_kl/k3
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+
+
+@dataclass
+class TrainerConfig:
+    """The run: devices, length, validation, checkpoints, logging and output."""
+
+    mode: str = "rl"  # "rl": the PPO-family loop | "sft": supervised warm start (hybridflow.trainer.sft)
+    project_name: str = "hybridflow"
+    experiment_name: str = "run"
+    output_dir: str = "outputs/run"
+    nnodes: int = 1
+    n_gpus_per_node: int = 8  # devices per node; on CPU machines, worker processes per node
+    use_gpu: bool = True
+    total_epochs: int = 1
+    total_training_steps: int | None = None  # None: total_epochs passes over the data
+    test_freq: int = 0  # validate every this many steps (0: never)
+    val_before_train: bool = False
+    save_freq: int = 0  # checkpoint every this many steps and after the last one (0: never)
+    max_ckpt_to_keep: int | None = None  # None: keep every checkpoint
+    resume_mode: str = (
+        "auto"  # "auto": continue from <output_dir>/checkpoints/latest when present | "disable"
+    )
+    resume_from_path: str | None = None  # a global_step_N directory to continue from (overrides auto)
+    logger: list[str] = field(default_factory=lambda: ["console", "progress"])  # + tensorboard, wandb
+    balance_batch: bool = True  # reorder each batch so every DP rank gets a similar token count
+    export_hf: bool = False  # write the final actor as a Hugging Face checkpoint to <output_dir>/hf
+
+
+@dataclass
+class RecipeConfig:
+    """A whole run. `actor`, `rollout` and `ref` are colocated in one worker per device."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)

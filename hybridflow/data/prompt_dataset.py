@@ -1,0 +1,117 @@
+"""Prompt rows from parquet, tokenized with the model's chat template, batched left-padded.
+
+Each parquet row has `prompt` (chat messages), `data_source`, `reward_model` ({"ground_truth"}),
+and optionally `ability` and `extra_info` (the rows `scripts/prepare_gsm8k.py` writes). Prompts
+longer than `max_prompt_length` tokens are dropped when the dataset is built, and the count is
+reported, so a batch never carries a truncated question.
+"""
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+logger = logging.getLogger(__name__)
+
+REQUIRED_COLUMNS = ("data_source", "reward_model")
+NON_TENSOR_KEYS = ("data_source", "reward_model", "raw_prompt", "ability", "extra_info", "index")
+
+
+def read_parquet_rows(files: list[str], required: tuple[str, ...]) -> list[dict]:
+    """All rows of `files`, in order; each file must have the `required` columns."""
+    tables = []
+    for file in files:
+        if not Path(file).is_file():
+            raise FileNotFoundError(f"parquet file {file} does not exist")
+        table = pq.read_table(file)
+        missing = [c for c in required if c not in table.column_names]
+        if missing:
+            raise ValueError(f"{file} lacks columns {missing}; it has {table.column_names}")
+        tables.append(table)
+    return pa.concat_tables(tables, promote_options="default").to_pylist()
+
+
+class PromptDataset(torch.utils.data.Dataset):
+    """Tokenized chat prompts; `num_dropped` counts prompts over `max_prompt_length`."""
+
+    def __init__(
+        self,
+        files: list[str],
+        tokenizer,
+        max_prompt_length: int,
+        prompt_key: str = "prompt",
+        max_samples: int | None = None,
+    ):
+        rows = read_parquet_rows(files, (prompt_key, *REQUIRED_COLUMNS))
+        if max_samples is not None:
+            rows = rows[:max_samples]
+        self.prompt_key = prompt_key
+        self.rows, self.token_ids = [], []
+        for row in rows:
+            ids = tokenize_chat(tokenizer, row[prompt_key])
+            if len(ids) <= max_prompt_length:
+                self.rows.append(row)
+                self.token_ids.append(ids)
+        self.num_dropped = len(rows) - len(self.rows)
+        if self.num_dropped:
+            logger.warning(
+                "dropped %d of %d prompts from %s longer than max_prompt_length=%d tokens",
+                self.num_dropped,
+                len(rows),
+                files,
+                max_prompt_length,
+            )
+        if not self.rows:
+            raise ValueError(
+                f"every prompt in {files} is longer than data.max_prompt_length={max_prompt_length}; "
+                "raise data.max_prompt_length"
+            )
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        row = self.rows[i]
+        return {
+            "input_ids": torch.tensor(self.token_ids[i], dtype=torch.long),
+            "data_source": row["data_source"],
+            "reward_model": row["reward_model"],
+            "raw_prompt": row[self.prompt_key],
+            "ability": row.get("ability", ""),
+            "extra_info": row.get("extra_info") or {},
+            "index": i,
+        }
+
+
+def tokenize_chat(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of `messages` rendered by the tokenizer's chat template, ending with the
+    assistant prefix (where the response starts)."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    # The template already wrote any BOS/role tokens; adding special tokens again would double them.
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def object_array(values: list) -> np.ndarray:
+    """A 1-D object array even when the values are lists (np.array would make them a 2-D array)."""
+    out = np.empty(len(values), dtype=object)
+    out[:] = values
+    return out
+
+
+def collate_prompts(items: list[dict], pad_token_id: int) -> dict:
+    """Left-pads prompts to the longest in the batch: input_ids, attention_mask, position_ids
+    (B, P) plus the non-tensor columns as object arrays."""
+    length = max(len(item["input_ids"]) for item in items)
+    input_ids = torch.full((len(items), length), pad_token_id, dtype=torch.long)  # (B, P)
+    attention_mask = torch.zeros((len(items), length), dtype=torch.long)  # (B, P)
+    for row, item in enumerate(items):
+        ids = item["input_ids"]
+        input_ids[row, length - len(ids) :] = ids
+        attention_mask[row, length - len(ids) :] = 1
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # (B, P)
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+    batch.update({key: object_array([item[key] for item in items]) for key in NON_TENSOR_KEYS})
+    return batch

@@ -1,0 +1,47 @@
+"""Scores a batch of responses: decode each response, score it, put the score on its last token.
+
+Shapes: B responses, R response positions (right-padded; `response_mask` is 1 up to and
+including EOS).
+"""
+
+import torch
+
+from hybridflow.protocol import DataProto
+from hybridflow.reward.registry import RewardFn
+
+
+def sequence_scores(batch: DataProto, tokenizer, reward_fn: RewardFn) -> torch.Tensor:
+    """One float per response: `reward_fn(data_source, decoded response, ground truth, extra_info)`."""
+    responses = batch.batch["responses"]  # (B, R)
+    lengths = batch.batch["response_mask"].sum(dim=-1).long()  # (B,)
+    texts = tokenizer.batch_decode(
+        [row[:n].tolist() for row, n in zip(responses, lengths, strict=True)], skip_special_tokens=True
+    )
+    non_tensor = batch.non_tensor_batch
+    extra_infos = non_tensor.get("extra_info", [{}] * len(texts))
+    scores = [
+        float(reward_fn(source, text, reward_model["ground_truth"], extra or {}))
+        for source, text, reward_model, extra in zip(
+            non_tensor["data_source"], texts, non_tensor["reward_model"], extra_infos, strict=True
+        )
+    ]
+    return torch.tensor(scores, dtype=torch.float32)  # (B,)
+
+
+def place_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) sequence scores -> (B, R) token-level scores, nonzero only at each last valid token."""
+    token_scores = torch.zeros(response_mask.shape, dtype=torch.float32)  # (B, R)
+    last = (response_mask.sum(dim=-1).long() - 1).clamp(min=0)  # (B,)
+    token_scores[torch.arange(len(scores)), last] = scores
+    return token_scores
+
+
+def compute_rewards(batch: DataProto, tokenizer, reward_fn: RewardFn) -> DataProto:
+    """`token_level_scores` (B, R) for the batch; a reward model's `rm_scores`, when the batch
+    carries them, are the scores instead of the rule."""
+    if "rm_scores" in batch.batch:
+        return DataProto.from_dict({"token_level_scores": batch.batch["rm_scores"].float()})
+    scores = sequence_scores(batch, tokenizer, reward_fn)
+    return DataProto.from_dict(
+        {"token_level_scores": place_on_last_token(scores, batch.batch["response_mask"])}
+    )

@@ -1,0 +1,53 @@
+"""Which rule scores which data source, and loading a user's reward function by dotted path.
+
+A custom reward function has the fixed signature
+`fn(data_source, solution_str, ground_truth, extra_info) -> float` (tests pin it).
+"""
+
+import importlib
+import inspect
+from collections.abc import Callable
+
+from hybridflow.reward import gsm8k
+
+RewardFn = Callable[[str, str, str, dict], float]
+REWARD_FN_PARAMETERS = ("data_source", "solution_str", "ground_truth", "extra_info")
+
+# data_source -> fn(solution_str, ground_truth, format_score) -> float
+RULE_SCORES: dict[str, Callable[..., float]] = {
+    "openai/gsm8k": gsm8k.compute_score,
+    "arith": gsm8k.compute_score,  # hybridflow.data.arith writes GSM8K-style "#### <number>" answers
+}
+
+
+def rule_reward_fn(format_score: float = 0.0) -> RewardFn:
+    """The built-in reward: the rule registered for each sample's data source."""
+
+    def score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict) -> float:
+        if data_source not in RULE_SCORES:
+            raise ValueError(
+                f"no reward rule for data_source {data_source!r} (known: {sorted(RULE_SCORES)}); "
+                "set reward.custom_fn to a function 'module.fn' that scores it"
+            )
+        return RULE_SCORES[data_source](solution_str, ground_truth, format_score=format_score)
+
+    return score
+
+
+def load_reward_fn(dotted_path: str) -> RewardFn:
+    """Imports `package.module.fn` and checks it takes
+    (data_source, solution_str, ground_truth, extra_info)."""
+    module_name, _, fn_name = dotted_path.rpartition(".")
+    if not module_name:
+        raise ValueError(f"reward.custom_fn={dotted_path!r} must be a dotted path 'package.module.function'")
+    try:
+        fn = getattr(importlib.import_module(module_name), fn_name)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"reward.custom_fn={dotted_path!r} cannot be imported: {err}") from err
+    names = tuple(inspect.signature(fn).parameters)[: len(REWARD_FN_PARAMETERS)]
+    if names != REWARD_FN_PARAMETERS:
+        raise TypeError(
+            f"reward.custom_fn={dotted_path!r} takes {names}; a reward function must take "
+            f"{REWARD_FN_PARAMETERS} and return a float"
+        )
+    return fn

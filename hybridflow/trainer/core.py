@@ -1,0 +1,63 @@
+"""The driver's own math between worker calls: prompt ids, rewards with KL, advantages.
+
+Pure functions over DataProto batches; the estimators and KL estimators themselves live in
+hybridflow.algorithms.
+"""
+
+import uuid
+
+import numpy as np
+
+from hybridflow.algorithms import AdaptiveKLController, FixedKLController, apply_kl_penalty
+from hybridflow.algorithms import compute_advantage as run_estimator
+from hybridflow.config.schema import AlgorithmConfig, KLControlConfig
+from hybridflow.protocol import DataProto
+
+
+def new_uids(count: int) -> np.ndarray:
+    """One fresh id per prompt; the responses to a prompt share it (the estimators' groups)."""
+    return np.array([str(uuid.uuid4()) for _ in range(count)], dtype=object)
+
+
+def make_kl_controller(cfg: KLControlConfig) -> FixedKLController | AdaptiveKLController:
+    if cfg.type == "adaptive":
+        return AdaptiveKLController(value=cfg.kl_coef, target=cfg.target_kl, horizon=cfg.horizon)
+    return FixedKLController(value=cfg.kl_coef)
+
+
+def token_level_rewards(
+    batch: DataProto, algorithm: AlgorithmConfig, kl_ctrl: FixedKLController | AdaptiveKLController
+) -> tuple[DataProto, dict[str, float]]:
+    """`token_level_rewards`: the scores, minus beta * KL per token when KL is in the reward."""
+    tensors = batch.batch
+    if not algorithm.use_kl_in_reward:
+        return DataProto.from_dict({"token_level_rewards": tensors["token_level_scores"]}), {}
+    rewards, metrics = apply_kl_penalty(
+        tensors["token_level_scores"],
+        tensors["old_log_probs"],
+        tensors["ref_log_prob"],
+        tensors["response_mask"],
+        kl_ctrl,
+        kind=algorithm.kl_penalty,
+    )
+    return DataProto.from_dict({"token_level_rewards": rewards}), {
+        "kl/reward_penalty": metrics["reward_kl_penalty"],
+        "kl/reward_coef": metrics["reward_kl_penalty_coeff"],
+    }
+
+
+def compute_advantage(batch: DataProto, algorithm: AlgorithmConfig) -> DataProto:
+    """`advantages` and `returns` (B, R) by the recipe's estimator."""
+    tensors = batch.batch
+    advantages, returns = run_estimator(
+        algorithm.adv_estimator,
+        tensors["token_level_rewards"],
+        tensors["response_mask"],
+        values=tensors.get("values", None),
+        index=batch.non_tensor_batch["uid"],
+        reward_baselines=tensors.get("reward_baselines", None),
+        gamma=algorithm.gamma,
+        lam=algorithm.lam,
+        norm_adv_by_std=algorithm.norm_adv_by_std_in_grpo,
+    )
+    return DataProto.from_dict({"advantages": advantages, "returns": returns})

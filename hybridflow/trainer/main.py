@@ -1,0 +1,120 @@
+"""Entry point: run a recipe.
+
+    python -m hybridflow.trainer.main recipes/gsm8k_grpo.yaml [key.path=value ...]
+    bash scripts/run_recipe.sh recipes/gsm8k_grpo.yaml [key.path=value ...]     # the same
+
+The recipe is loaded and checked before anything starts (a bad recipe exits with status 2 and
+every problem listed), the resolved recipe goes to <output_dir>/config.yaml, then the trainer
+joins a Ray cluster (RAY_ADDRESS, or one already running on this machine; RAY_ADDRESS=local
+forces a fresh one) or starts a local one sized to the machine, and runs.
+"""
+
+import argparse
+import os
+import sys
+
+from hybridflow.config.loader import load_recipe, write_resolved_recipe
+from hybridflow.config.schema import RecipeConfig
+from hybridflow.config.validate import Layout, validate_recipe
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m hybridflow.trainer.main",
+        description="Run a hybridflow recipe (PPO / GRPO and the other advantage estimators).",
+        epilog="example: python -m hybridflow.trainer.main recipes/gsm8k_grpo.yaml "
+        "trainer.total_training_steps=10 data.train_files=[data/gsm8k/train.parquet]",
+    )
+    parser.add_argument("recipe", help="path of the YAML recipe")
+    parser.add_argument("overrides", nargs="*", help="key.path=value settings applied over the recipe")
+    return parser.parse_args(argv)
+
+
+def check_model_layouts(cfg: RecipeConfig) -> None:
+    """Each model must split over its Megatron TP / PP sizes (read from its config.json only)."""
+    from engines.megatron.model import load_hf_config
+    from engines.megatron.parallel import validate_parallel_layout
+
+    models = [("actor.megatron", cfg.model.path, cfg.actor.megatron)]
+    if cfg.critic.enable:
+        models.append(("critic.megatron", cfg.critic.model_path or cfg.model.path, cfg.critic.megatron))
+    if cfg.reward_model.enable:
+        models.append(("reward_model.megatron", cfg.reward_model.path, cfg.reward_model.megatron))
+    for key, path, megatron in models:
+        try:
+            validate_parallel_layout(
+                load_hf_config(path),
+                megatron.tensor_model_parallel_size,
+                megatron.pipeline_model_parallel_size,
+            )
+        except ValueError as err:
+            raise ValueError(f"{key} does not fit the model in {path}: {err}") from None
+
+
+def connect_ray(cfg: RecipeConfig) -> None:
+    """Join RAY_ADDRESS or the cluster running on this machine, else start one for this run."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, include_dashboard=False, configure_logging=False)
+        return
+    try:
+        ray.init(address="auto", configure_logging=False)
+        return
+    except ConnectionError as err:  # several clusters running is ambiguous: that error stands
+        if "Could not find any running Ray instance" not in str(err):
+            raise
+    devices = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    # Logical CPUs: one per worker process even on a machine with fewer cores.
+    ray.init(num_cpus=max(os.cpu_count() or 1, devices + 1), include_dashboard=False, configure_logging=False)
+
+
+def prepare(argv: list[str] | None) -> tuple[RecipeConfig, Layout]:
+    """Load, check and record the recipe; nothing has started yet."""
+    args = parse_args(argv)
+    cfg = load_recipe(args.recipe, args.overrides)
+    layout = validate_recipe(cfg)
+    check_model_layouts(cfg)
+    write_resolved_recipe(cfg, cfg.trainer.output_dir)
+    return cfg, layout
+
+
+def connect_and_check_cluster(cfg: RecipeConfig) -> None:
+    """Connect to Ray and check it can place every worker process (a ValueError names what is missing)."""
+    from hybridflow.launch.cluster import check_cluster_resources
+
+    connect_ray(cfg)
+    check_cluster_resources(cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, cfg.trainer.use_gpu)
+
+
+def run(cfg: RecipeConfig, layout: Layout) -> None:
+    """Start the roles on the connected cluster and train."""
+    from hybridflow.trainer.roles import start_roles
+
+    if cfg.trainer.mode == "sft":
+        from hybridflow.trainer.sft import SFTTrainer as Trainer
+    else:
+        from hybridflow.trainer.ppo_trainer import PPOTrainer as Trainer
+    roles = start_roles(cfg)
+    try:
+        Trainer(cfg, roles, actor_dp=layout.actor_dp).fit()
+    finally:
+        roles.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg, layout = prepare(argv)
+        connect_and_check_cluster(cfg)
+    except (ValueError, TypeError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    run(cfg, layout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

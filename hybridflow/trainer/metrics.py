@@ -1,0 +1,70 @@
+"""Step metrics computed on the driver from the batch, plus timing and throughput.
+
+Names are the ones metrics.jsonl promises (`reward/mean`, `response_length/mean`, `kl/mean`,
+`timing/<stage>`, `throughput/tokens_per_s`, ...); worker metrics arrive as lists in
+`meta_info["metrics"]` and are averaged.
+"""
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+from hybridflow.algorithms import masked_mean
+from hybridflow.protocol import DataProto
+
+
+@contextmanager
+def timer(stage: str, timings: dict[str, float]) -> Iterator[None]:
+    """Adds the wall time of the block to `timings[stage]` (seconds)."""
+    start = time.perf_counter()
+    yield
+    timings[stage] = timings.get(stage, 0.0) + time.perf_counter() - start
+
+
+def mean_worker_metrics(output: DataProto) -> dict[str, float]:
+    """The mean of each metric a worker call reported (one value per micro-batch and rank)."""
+    return {key: float(np.mean(values)) for key, values in output.meta_info.get("metrics", {}).items()}
+
+
+def batch_metrics(batch: DataProto) -> dict[str, float]:
+    """Reward, lengths, advantages (and values/returns, KL when present) of a trained batch."""
+    tensors = batch.batch
+    response_mask = tensors["response_mask"].float()  # (B, R)
+    response_length = response_mask.sum(dim=-1)  # (B,)
+    prompt_length = tensors["attention_mask"].sum(dim=-1).float() - response_length  # (B,)
+    scores = tensors["token_level_scores"].sum(dim=-1)  # (B,)
+    metrics = {
+        "reward/mean": scores.mean().item(),
+        "reward/max": scores.max().item(),
+        "reward/min": scores.min().item(),
+        "response_length/mean": response_length.mean().item(),
+        "response_length/max": response_length.max().item(),
+        # a response that fills every position was cut off rather than ending with EOS
+        "response_length/clip_ratio": (response_length == response_mask.size(1)).float().mean().item(),
+        "prompt_length/mean": prompt_length.mean().item(),
+        "advantages/mean": masked_mean(tensors["advantages"], response_mask).item(),
+    }
+    if "values" in tensors:
+        metrics["critic/values_mean"] = masked_mean(tensors["values"], response_mask).item()
+        metrics["critic/returns_mean"] = masked_mean(tensors["returns"], response_mask).item()
+    if "ref_log_prob" in tensors:
+        metrics["kl/mean"] = policy_ref_kl(tensors["old_log_probs"], tensors["ref_log_prob"], response_mask)
+    return metrics
+
+
+def policy_ref_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, response_mask: torch.Tensor) -> float:
+    """Mean per-token log(pi / pi_ref) of the sampled tokens (the k1 estimate of KL(pi || pi_ref))."""
+    return masked_mean(log_probs - ref_log_probs, response_mask).item()
+
+
+def throughput(batch: DataProto, step_seconds: float) -> dict[str, float]:
+    """Tokens (prompt + response, no padding) processed per second of the step."""
+    tokens = batch.batch["attention_mask"].sum().item()
+    return {"throughput/tokens_per_s": tokens / max(step_seconds, 1e-9)}
+
+
+def timing_metrics(timings: dict[str, float]) -> dict[str, float]:
+    return {f"timing/{stage}": seconds for stage, seconds in timings.items()}

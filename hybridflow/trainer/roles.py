@@ -1,0 +1,95 @@
+"""Places the recipe's roles on Ray worker groups.
+
+One pool ("global_pool") holds one process per device with the actor, rollout and reference
+colocated (and the critic and reward model too unless the critic asks for its own pool); the
+driver gets one worker-group view per role. Models are built critic first and actor last, so
+the rollout engine sees what memory the others left.
+"""
+
+from dataclasses import dataclass
+
+from hybridflow.config.schema import RecipeConfig
+from hybridflow.single_controller import (
+    RayClassWithInitArgs,
+    RayWorkerGroup,
+    ResourcePoolManager,
+    Role,
+    create_colocated_worker_cls,
+)
+from hybridflow.workers.actor_rollout_ref import ActorRolloutRefWorker
+from hybridflow.workers.critic import CriticWorker
+from hybridflow.workers.reward_model import RewardModelWorker
+
+
+@dataclass
+class RoleGroups:
+    """Driver-side handles of each role (None when the recipe does not use the role)."""
+
+    actor_rollout: RayWorkerGroup
+    critic: RayWorkerGroup | None
+    reward_model: RayWorkerGroup | None
+    groups: list[RayWorkerGroup]  # the underlying groups, for shutdown
+
+    def shutdown(self) -> None:
+        for group in self.groups:
+            group.shutdown()
+
+
+def uses_reference(cfg: RecipeConfig) -> bool:
+    """The reference policy is needed only when KL is in the reward or in the loss."""
+    return cfg.trainer.mode == "rl" and (cfg.algorithm.use_kl_in_reward or cfg.actor.update.use_kl_loss)
+
+
+def role_classes(cfg: RecipeConfig) -> dict[str, dict[str, RayClassWithInitArgs]]:
+    """Pool name -> {role prefix: worker class with its init args}."""
+    actor_role = "actor_rollout_ref" if uses_reference(cfg) else "actor_rollout"
+    pools = {
+        "global_pool": {"actor_rollout": RayClassWithInitArgs(ActorRolloutRefWorker, cfg, role=actor_role)}
+    }
+    if cfg.trainer.mode == "sft":  # supervised warm start: the policy alone
+        return pools
+    if cfg.critic.enable:
+        pool = "critic_pool" if cfg.critic.n_gpus_per_node > 0 else "global_pool"
+        pools.setdefault(pool, {})["critic"] = RayClassWithInitArgs(CriticWorker, cfg)
+    if cfg.reward_model.enable:
+        pools["global_pool"]["reward_model"] = RayClassWithInitArgs(RewardModelWorker, cfg)
+    return pools
+
+
+def resource_pool_manager(cfg: RecipeConfig) -> ResourcePoolManager:
+    trainer, critic = cfg.trainer, cfg.critic
+    own_critic = critic.enable and critic.n_gpus_per_node > 0
+    spec = {
+        "global_pool": [trainer.n_gpus_per_node - (critic.n_gpus_per_node if own_critic else 0)]
+        * trainer.nnodes
+    }
+    mapping = {
+        Role.ActorRolloutRef: "global_pool",
+        Role.RewardModel: "global_pool",
+        Role.Critic: "global_pool",
+    }
+    if own_critic:
+        spec["critic_pool"] = [critic.n_gpus_per_node] * trainer.nnodes
+        mapping[Role.Critic] = "critic_pool"
+    return ResourcePoolManager(resource_pool_spec=spec, mapping=mapping, use_gpu=trainer.use_gpu)
+
+
+def start_roles(cfg: RecipeConfig) -> RoleGroups:
+    """Starts every worker process and builds every model (a Ray cluster must be connected)."""
+    manager = resource_pool_manager(cfg)
+    manager.create_resource_pool()
+    views, groups = {}, []
+    for pool_name, classes in role_classes(cfg).items():
+        pool = manager.resource_pool_dict[pool_name]
+        if len(classes) == 1:
+            ((role, cls_with_init),) = classes.items()
+            group = RayWorkerGroup(pool, cls_with_init)
+            views[role] = group
+        else:
+            group = RayWorkerGroup(pool, create_colocated_worker_cls(classes))
+            views.update(group.spawn(prefix_set=list(classes)))
+        groups.append(group)
+    for role in ("critic", "reward_model", "actor_rollout"):
+        if role in views:
+            views[role].init_model()
+    return RoleGroups(views["actor_rollout"], views.get("critic"), views.get("reward_model"), groups)

@@ -1,0 +1,38 @@
+"""Validation: greedy responses to the validation prompts, scored by the rule reward; accuracy
+overall and per data source."""
+
+from collections import defaultdict
+
+import numpy as np
+
+from hybridflow.protocol import DataProto, DataProtoConfig
+from hybridflow.reward.manager import sequence_scores
+from hybridflow.reward.registry import RewardFn
+
+PROMPT_KEYS = ["input_ids", "attention_mask", "position_ids"]
+
+
+def accuracy_metrics(scores: list[float], data_sources: list[str]) -> dict[str, float]:
+    """`val/accuracy` (mean score) and `val/<data_source>/accuracy` for each source."""
+    by_source = defaultdict(list)
+    for score, source in zip(scores, data_sources, strict=True):
+        by_source[source].append(score)
+    metrics = {"val/accuracy": float(np.mean(scores))}
+    metrics.update({f"val/{source}/accuracy": float(np.mean(values)) for source, values in by_source.items()})
+    return metrics
+
+
+def run_validation(actor_rollout, batches, tokenizer, reward_fn: RewardFn) -> dict[str, float]:
+    """Generates with the rollout's validation sampling (greedy by default) for every batch of
+    prompts and scores the responses. With the rule reward and format_score 0 the mean score is
+    the accuracy."""
+    scores, sources = [], []
+    for batch_dict in batches:
+        batch = DataProto.from_single_dict(batch_dict)
+        prompts = batch.pop(batch_keys=PROMPT_KEYS)
+        # the validation set need not split evenly over the data-parallel ranks
+        prompts.meta_info.update({"validate": True, "n": 1, DataProtoConfig.auto_padding_key: True})
+        batch = batch.union(actor_rollout.generate_sequences(prompts))
+        scores += sequence_scores(batch, tokenizer, reward_fn).tolist()
+        sources += list(batch.non_tensor_batch["data_source"])
+    return accuracy_metrics(scores, sources)

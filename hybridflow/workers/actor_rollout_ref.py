@@ -1,0 +1,141 @@
+"""The policy worker: actor (PPO updates), rollout (generation) and reference (frozen policy)
+in one process per device, sharing Megatron's parallel state.
+
+`role` picks what this worker builds: "actor_rollout" (no reference), "actor_rollout_ref", or
+"ref" (a standalone reference). Engines are imported inside `init_model`, so importing this
+module (the driver does) stays free of Megatron.
+"""
+
+from pathlib import Path
+
+import torch
+
+from hybridflow.config.schema import RecipeConfig
+from hybridflow.protocol import DataProto
+from hybridflow.single_controller import Dispatch, Worker, register
+from hybridflow.workers.megatron_setup import init_parallel_state
+
+ROLES = ("actor_rollout", "actor_rollout_ref", "ref")
+
+
+def prefixed(role: str, metrics: dict) -> dict:
+    """Engine metric names under the role: pg_loss -> actor/pg_loss, sft_loss -> sft/loss."""
+    return {f"{role}/{key.removeprefix(role + '_')}": value for key, value in metrics.items()}
+
+
+class ActorRolloutRefWorker(Worker):
+    def __init__(self, config: RecipeConfig, role: str = "actor_rollout_ref"):
+        if role not in ROLES:
+            raise ValueError(f"ActorRolloutRefWorker role must be one of {ROLES}, got {role!r}")
+        self.config = config
+        self.has_actor = role.startswith("actor_rollout")
+        self.has_ref = role.endswith("ref")
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        from engines.megatron.model import build_model
+
+        cfg = self.config
+        init_parallel_state(self, cfg.actor.megatron)
+        if self.has_actor:
+            self._build_actor_and_rollout()
+        if self.has_ref:
+            from engines.megatron.actor import MegatronActor
+
+            ref_chunks = build_model(cfg.model.path, cfg.actor.megatron, for_training=False)
+            self.ref = MegatronActor(ref_chunks, update_cfg=cfg.actor.update)  # frozen: no optimizer
+
+    def _build_actor_and_rollout(self) -> None:
+        from engines.megatron.actor import MegatronActor
+        from engines.megatron.model import build_model, unwrap_model
+        from engines.megatron.offload import offload_optimizer, reload_optimizer
+        from engines.megatron.optimizer import build_optimizer
+        from engines.rollout.base import create_rollout_engine
+        from engines.rollout.sharding_manager import MegatronRolloutShardingManager, OffloadHooks
+
+        cfg = self.config
+        self.actor_chunks = build_model(cfg.model.path, cfg.actor.megatron)
+        self.optimizer, self.scheduler = build_optimizer(
+            self.actor_chunks, cfg.actor.optim, cfg.actor.megatron
+        )
+        self.actor = MegatronActor(self.actor_chunks, self.optimizer, self.scheduler, cfg.actor.update)
+        # One engine per rollout group (SGLang TP); its first rank holds it.
+        holds_engine = torch.distributed.get_rank() % cfg.rollout.tensor_model_parallel_size == 0
+        self.rollout = create_rollout_engine(cfg.rollout, cfg.model.path) if holds_engine else None
+        hooks = None
+        if cfg.actor.megatron.optimizer_offload:  # free the optimizer's memory while generating
+            hooks = OffloadHooks(
+                before_resume=lambda: offload_optimizer(self.optimizer),
+                after_release=lambda: reload_optimizer(self.optimizer),
+            )
+        self.hf_config = unwrap_model(self.actor_chunks[0]).hf_config
+        self.sharding_manager = MegatronRolloutShardingManager(
+            self.actor_chunks, self.hf_config, self.rollout, cfg.rollout, offload_hooks=hooks
+        )
+
+    @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE_PROTO)
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Responses for a chunk of prompts, with the actor's current weights synced in first."""
+        with self.sharding_manager:
+            piece = self.sharding_manager.preprocess_data(prompts)
+            output = self.rollout.generate_sequences(piece) if self.rollout is not None else None
+            return self.sharding_manager.postprocess_data(output)
+
+    def _log_prob_meta(self, data: DataProto, micro_batch_size: int) -> DataProto:
+        data.meta_info.update(
+            temperature=self.config.rollout.sampling.temperature, micro_batch_size=micro_batch_size
+        )
+        return data
+
+    @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE_PROTO)
+    def compute_log_prob(self, data: DataProto) -> DataProto:
+        """`old_log_probs` and `entropys` (B, R) of the responses under the current actor."""
+        data = self._log_prob_meta(data, self.config.actor.log_prob_micro_batch_size)
+        return self.actor.compute_log_prob(data)
+
+    @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE_PROTO)
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto | None:
+        """`ref_log_prob` (B, R) of the responses under the frozen reference policy (on the last
+        pipeline stage, the one whose output is collected)."""
+        data = self._log_prob_meta(data, self.config.ref.log_prob_micro_batch_size)
+        return self.ref.compute_ref_log_prob(data)
+
+    @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE_PROTO)
+    def update_actor(self, data: DataProto) -> DataProto:
+        """PPO epochs over the batch; metrics come back in meta_info["metrics"]."""
+        data.meta_info["temperature"] = self.config.rollout.sampling.temperature
+        return DataProto(meta_info={"metrics": prefixed("actor", self.actor.update_policy(data))})
+
+    @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE_PROTO)
+    def train_sft(self, data: DataProto) -> DataProto:
+        """One supervised step on (prompt, response) sequences (the SFT mode)."""
+        return DataProto(meta_info={"metrics": prefixed("sft", self.actor.update_sft(data))})
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, path: str) -> None:
+        """Model, optimizer, LR schedule and RNG (Megatron dist checkpoint, loadable at another
+        layout) into `path`, plus each rank's rollout sampling position."""
+        from engines.megatron.checkpoint import save_checkpoint
+
+        save_checkpoint(self.actor_chunks, self.optimizer, self.scheduler, path)
+        if self.rollout is not None:
+            rollout_dir = Path(path) / "rollout"
+            rollout_dir.mkdir(exist_ok=True)
+            torch.save(self.rollout.get_rng_state(), rollout_dir / f"rank_{torch.distributed.get_rank()}.pt")
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str) -> None:
+        from engines.megatron.checkpoint import load_checkpoint
+
+        load_checkpoint(self.actor_chunks, self.optimizer, self.scheduler, path)
+        rollout_state = Path(path) / "rollout" / f"rank_{torch.distributed.get_rank()}.pt"
+        if self.rollout is not None and rollout_state.is_file():  # absent after a layout change
+            self.rollout.set_rng_state(torch.load(rollout_state, weights_only=True))
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def export_hf(self, out_dir: str) -> None:
+        """The actor as a Hugging Face checkpoint (safetensors + config + tokenizer) in `out_dir`."""
+        from engines.megatron.weights import save_hf_checkpoint
+
+        tokenizer_dir = self.config.model.tokenizer_path or self.config.model.path
+        save_hf_checkpoint(self.actor_chunks, self.hf_config, out_dir, tokenizer_dir=tokenizer_dir)

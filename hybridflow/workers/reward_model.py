@@ -1,0 +1,38 @@
+"""The learned reward model: a value-style Megatron model (transformer + scalar head) whose output
+at the last real token of each response is the sequence's score.
+
+Engines are imported inside `init_model`, so importing this module stays free of Megatron.
+"""
+
+from hybridflow.config.schema import RecipeConfig
+from hybridflow.protocol import DataProto
+from hybridflow.reward.manager import place_on_last_token
+from hybridflow.single_controller import Dispatch, Worker, register
+from hybridflow.workers.megatron_setup import init_parallel_state
+
+
+class RewardModelWorker(Worker):
+    def __init__(self, config: RecipeConfig):
+        self.config = config
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        from engines.megatron.critic import MegatronCritic
+
+        from engines.megatron.model import build_model
+
+        cfg = self.config.reward_model
+        init_parallel_state(self, cfg.megatron)
+        self.chunks = build_model(cfg.path, cfg.megatron, value_head=True, for_training=False)
+        # Forward only: the critic's value computation without an optimizer.
+        self.scorer = MegatronCritic(self.chunks, None, None, self.config.critic.update)
+
+    @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE_PROTO)
+    def compute_rm_score(self, data: DataProto) -> DataProto:
+        """`rm_scores` (B, R): the model's value at each response's last real token, placed there."""
+        data.meta_info["micro_batch_size"] = self.config.reward_model.micro_batch_size
+        values = self.scorer.compute_values(data).batch["values"]  # (B, R)
+        response_mask = data.batch["response_mask"]  # (B, R)
+        last = (response_mask.sum(dim=-1).long() - 1).clamp(min=0)  # (B,)
+        scores = values.gather(1, last.unsqueeze(1)).squeeze(1)  # (B,)
+        return DataProto.from_dict({"rm_scores": place_on_last_token(scores, response_mask)})

@@ -1,0 +1,257 @@
+"""Recipe loading and validation: typed overrides, and one test per validation error (no Ray)."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hybridflow.config.loader import load_recipe, write_resolved_recipe
+from hybridflow.config.schema import RecipeConfig
+from hybridflow.config.validate import RecipeError, validate_recipe
+from hybridflow.utils.tiny_model import make_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+PPO = ROOT / "recipes/gsm8k_ppo.yaml"
+GRPO = ROOT / "recipes/gsm8k_grpo.yaml"
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory) -> dict:
+    """A tiny model directory and (empty but real) parquet files to point recipes at."""
+    root = tmp_path_factory.mktemp("local")
+    model = make_tiny_model(root / "tiny")
+    for name in ("train", "test"):
+        (root / f"{name}.parquet").write_bytes(b"")
+    return {"model": str(model), "train": str(root / "train.parquet"), "test": str(root / "test.parquet")}
+
+
+def cpu_overrides(local: dict, **extra) -> list[str]:
+    """Point a GPU recipe at local files and 2 CPU processes (TP 2 -> DP 1)."""
+    base = {
+        "model.path": local["model"],
+        "data.train_files": f"[{local['train']}]",
+        "data.val_files": f"[{local['test']}]",
+        "trainer.use_gpu": "false",
+        "trainer.n_gpus_per_node": "2",
+        "rollout.name": "hf",
+        "rollout.tensor_model_parallel_size": "1",
+    }
+    base.update({k.replace("__", "."): v for k, v in extra.items()})
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def load_valid(recipe: Path, local: dict, *overrides: str) -> RecipeConfig:
+    cfg = load_recipe(recipe, [*cpu_overrides(local), *overrides])
+    validate_recipe(cfg, cuda_available=False)
+    return cfg
+
+
+def invalid(recipe: Path, local: dict, *overrides: str, cuda_available: bool = False) -> str:
+    cfg = load_recipe(recipe, [*cpu_overrides(local), *overrides])
+    with pytest.raises(RecipeError) as err:
+        validate_recipe(cfg, cuda_available=cuda_available)
+    return str(err.value)
+
+
+def test_both_recipes_state_the_gpu_setup(local):
+    for recipe in (PPO, GRPO):
+        cfg = load_recipe(recipe)
+        assert cfg.actor.megatron.tensor_model_parallel_size == 2
+        assert cfg.actor.megatron.params_dtype == "bfloat16"
+        assert (cfg.rollout.name, cfg.rollout.dtype) == ("sglang", "bfloat16")
+        assert (cfg.trainer.n_gpus_per_node, cfg.trainer.use_gpu) == (8, True)
+    assert load_recipe(PPO).algorithm.adv_estimator == "gae" and load_recipe(PPO).critic.enable
+    assert load_recipe(GRPO).algorithm.adv_estimator == "grpo" and not load_recipe(GRPO).critic.enable
+
+
+def test_overrides_parse_lists_booleans_numbers_and_keep_defaults(local):
+    cfg = load_valid(
+        GRPO, local, "trainer.logger=[console,tensorboard]", "data.shuffle=false", "actor.optim.lr=3e-6"
+    )
+    assert cfg.trainer.logger == ["console", "tensorboard"]
+    assert cfg.data.shuffle is False
+    assert cfg.actor.optim.lr == 3e-6
+    assert cfg.data.train_files == [local["train"]]
+    assert cfg.actor.optim.adam_beta1 == 0.9  # not stated anywhere: the schema default
+    assert cfg.algorithm.kl_ctrl.type == "fixed"
+
+
+def test_resolved_recipe_round_trips(local, tmp_path):
+    cfg = load_valid(PPO, local, "trainer.total_training_steps=7")
+    path = write_resolved_recipe(cfg, tmp_path)
+    written = yaml.safe_load(path.read_text())
+    assert written["trainer"]["total_training_steps"] == 7
+    assert written["actor"]["optim"]["adam_beta2"] == 0.999  # defaults are written out too
+    assert load_recipe(path) == cfg
+
+
+def test_unknown_key_suggests_the_nearest(local, tmp_path):
+    with pytest.raises(
+        ValueError, match=r"unknown key 'actor.optim.weight_decy'.*did you mean 'actor.optim.weight_decay'"
+    ) as e:
+        load_recipe(GRPO, ["actor.optim.weight_decy=0.1"])
+    assert "command-line override" in str(e.value)
+    with pytest.raises(
+        ValueError, match=r"'actor.optim.learning_rate'; valid keys under 'actor.optim': \['optimizer', 'lr'"
+    ):
+        load_recipe(GRPO, ["actor.optim.learning_rate=1"])
+    recipe = tmp_path / "typo.yaml"
+    recipe.write_text("trainer:\n  n_gpu_per_node: 2\n")
+    with pytest.raises(
+        ValueError, match=rf"{recipe}: unknown key 'trainer.n_gpu_per_node'.*'trainer.n_gpus_per_node'"
+    ):
+        load_recipe(recipe)
+
+
+def test_wrong_type_names_the_key_and_expected_type():
+    with pytest.raises(TypeError, match=r"data.train_batch_size.*'many'.*expected int"):
+        load_recipe(GRPO, ["data.train_batch_size=many"])
+    with pytest.raises(TypeError, match=r"trainer.use_gpu.*expected bool"):
+        load_recipe(GRPO, ["trainer.use_gpu=maybe"])
+
+
+def test_malformed_override_and_missing_required_key(tmp_path):
+    with pytest.raises(ValueError, match=r"key\.path=value"):
+        load_recipe(GRPO, ["data.shuffle"])
+    recipe = tmp_path / "empty.yaml"
+    recipe.write_text("{}\n")
+    with pytest.raises(ValueError, match=r"model\.path is required"):
+        load_recipe(recipe)
+    with pytest.raises(FileNotFoundError, match=r"nope\.yaml"):
+        load_recipe(tmp_path / "nope.yaml")
+
+
+def test_choice_values_suggest_the_nearest(local):
+    message = invalid(GRPO, local, "algorithm.adv_estimator=rlooo")
+    assert "algorithm.adv_estimator='rlooo'" in message and "did you mean 'rloo'" in message
+
+
+def test_gae_without_a_critic(local):
+    message = invalid(PPO, local, "critic.enable=false")
+    assert "algorithm.adv_estimator=gae needs a critic: set critic.enable=true" in message
+
+
+def test_group_estimator_needs_several_samples(local):
+    assert "set rollout.sampling.n >= 2" in invalid(GRPO, local, "rollout.sampling.n=1")
+
+
+def test_batch_sizes_must_split_over_data_parallel_ranks(local):
+    # 4 processes, TP 2 -> DP 2; 3 prompts x 1 response cannot split in two
+    message = invalid(
+        PPO,
+        local,
+        "trainer.n_gpus_per_node=4",
+        "data.train_batch_size=3",
+        "actor.update.ppo_mini_batch_size=3",
+        "critic.update.ppo_mini_batch_size=3",
+    )
+    assert "= 3 responses do not split over the 2 data-parallel ranks" in message
+    assert "actor.update.ppo_mini_batch_size=3 does not split over the 2 data-parallel ranks" in message
+    assert "critic.update.ppo_mini_batch_size=3 does not split" in message
+    message = invalid(PPO, local, "data.train_batch_size=8", "actor.update.ppo_mini_batch_size=3")
+    assert "actor.update.ppo_mini_batch_size=3 sequences does not divide the 8 responses" in message
+    message = invalid(
+        GRPO,
+        local,
+        "data.train_batch_size=4",
+        "rollout.sampling.n=3",
+        "actor.update.ppo_mini_batch_size=6",
+        "actor.update.ppo_micro_batch_size=4",
+    )
+    assert "actor.update.ppo_micro_batch_size=4 does not divide the 6 sequences" in message
+
+
+def test_parallel_sizes_must_match_the_devices(local):
+    message = invalid(GRPO, local, "trainer.n_gpus_per_node=3")
+    assert "actor.megatron: TP × PP × CP = 2×1×1 = 2 does not divide the 3 devices" in message
+    message = invalid(PPO, local, "critic.megatron.tensor_model_parallel_size=1")
+    assert "critic.megatron parallel sizes (1, 1, 1) differ from actor.megatron's (2, 1, 1)" in message
+    layout = validate_recipe(
+        load_recipe(
+            GRPO,
+            cpu_overrides(
+                local,
+                trainer__n_gpus_per_node="8",
+                data__train_batch_size="16",
+                actor__update__ppo_mini_batch_size="64",
+            ),
+        ),
+        cuda_available=False,
+    )
+    assert (layout.actor_devices, layout.actor_dp) == (8, 4)
+
+
+def test_sglang_needs_cuda_and_an_install(local):
+    message = invalid(GRPO, local, "rollout.name=sglang", "rollout.tensor_model_parallel_size=2")
+    assert "rollout.name=sglang needs CUDA GPUs" in message
+    assert "trainer.use_gpu=true but CUDA is not available here; set trainer.use_gpu=false" in invalid(
+        GRPO, local, "trainer.use_gpu=true"
+    )
+    message = invalid(
+        GRPO,
+        local,
+        "rollout.name=sglang",
+        "rollout.tensor_model_parallel_size=2",
+        "trainer.use_gpu=true",
+        cuda_available=True,
+    )
+    assert "sglang is not installed" in message
+
+
+def test_paths_must_exist(local, tmp_path):
+    message = invalid(
+        GRPO, local, f"model.path={tmp_path}/missing_model", f"data.train_files=[{tmp_path}/x.parquet]"
+    )
+    assert f"model.path={tmp_path}/missing_model is not a Hugging Face model directory" in message
+    assert f"data.train_files has {tmp_path}/x.parquet, which does not exist" in message
+    # the shipped recipes point at paths a CPU test machine does not have
+    with pytest.raises(RecipeError, match=r"model\.path=models/Qwen2\.5-0\.5B-Instruct"):
+        validate_recipe(load_recipe(GRPO), cuda_available=True)
+
+
+def test_validation_needs_val_files_and_a_custom_reward_must_import(local):
+    assert "data.val_files is empty" in invalid(GRPO, local, "data.val_files=[]", "trainer.test_freq=1")
+    assert "reward.custom_fn='nowhere.fn' cannot be imported" in invalid(
+        GRPO, local, "reward.custom_fn=nowhere.fn"
+    )
+
+
+def test_remax_needs_a_greedy_baseline_and_sft_mode_skips_the_rl_checks(local):
+    message = invalid(
+        GRPO,
+        local,
+        "algorithm.adv_estimator=remax",
+        "rollout.val_sampling.do_sample=true",
+        "rollout.val_sampling.temperature=1.0",
+    )
+    assert "set rollout.val_sampling.do_sample=false" in message
+    load_valid(GRPO, local, "algorithm.adv_estimator=remax")
+    # SFT: no sampling groups needed; a batch must split into micro-batches on each DP rank
+    load_valid(
+        GRPO,
+        local,
+        "trainer.mode=sft",
+        "rollout.sampling.n=1",
+        "data.train_batch_size=4",
+        "actor.update.ppo_micro_batch_size=2",
+    )
+    message = invalid(
+        GRPO, local, "trainer.mode=sft", "data.train_batch_size=6", "actor.update.ppo_micro_batch_size=4"
+    )
+    assert "actor.update.ppo_micro_batch_size=4 does not divide the 6 rows" in message
+
+
+def test_forward_micro_batches_must_divide_each_ranks_rows(local):
+    # GRPO: 4 prompts x 2 responses over DP 1 = 8 rows per rank
+    message = invalid(
+        GRPO,
+        local,
+        "data.train_batch_size=4",
+        "rollout.sampling.n=2",
+        "actor.update.ppo_mini_batch_size=8",
+        "actor.update.ppo_micro_batch_size=2",
+        "actor.log_prob_micro_batch_size=3",
+        "ref.log_prob_micro_batch_size=8",
+    )
+    assert "actor.log_prob_micro_batch_size=3 does not divide the 8 responses" in message
+    assert "ref.log_prob_micro_batch_size" not in message

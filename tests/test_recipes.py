@@ -1,0 +1,229 @@
+"""Both GSM8K recipes run end to end for 2 steps on CPU: the real recipe files with overrides
+pointing at a tiny local model, the hf rollout and real GSM8K rows (prepared into a tmp dir),
+through `scripts/run_recipe.sh` in a subprocess that starts its own local Ray.
+
+A random tiny model never answers GSM8K, so every reward would be 0 and no update would move the
+policy; the runs use a custom reward (the share of digits in the response, loaded by dotted path)
+so that advantages, gradients and the policy-reference KL after the first update are nonzero."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from transformers import AutoModelForCausalLM
+
+from hybridflow.utils.tiny_model import make_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+GSM8K_DIR = Path("/work/shared/data/gsm8k")
+STEP_KEYS = (
+    "reward/mean",
+    "response_length/mean",
+    "actor/pg_loss",
+    "actor/pg_clipfrac",
+    "actor/ppo_kl",
+    "actor/entropy",
+    "actor/grad_norm",
+    "throughput/tokens_per_s",
+    "timing/gen",
+    "timing/reward",
+    "timing/old_log_prob",
+    "timing/adv",
+    "timing/update_actor",
+    "timing/step",
+)
+
+
+DIGIT_REWARD = """
+def digit_share(data_source, solution_str, ground_truth, extra_info):
+    return sum(c.isdigit() for c in solution_str) / max(len(solution_str), 1)
+
+
+def seven(data_source, solution_str, ground_truth, extra_info):
+    return 7.0
+"""
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("recipes")
+    subprocess.run(
+        [
+            sys.executable,
+            ROOT / "scripts/prepare_gsm8k.py",
+            "--local_dir",
+            GSM8K_DIR,
+            "--out",
+            root / "gsm8k",
+        ],
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    (root / "digit_reward.py").write_text(DIGIT_REWARD)
+    return {"model": str(make_tiny_model(root / "tiny")), "data": root / "gsm8k", "root": root}
+
+
+def cpu_overrides(local: dict, output_dir: Path, tp: int) -> list[str]:
+    """The GPU recipe made tiny: 2 CPU processes, batch 4, 16-token responses, 2 steps."""
+    return [
+        f"model.path={local['model']}",
+        f"data.train_files=[{local['data'] / 'train.parquet'}]",
+        f"data.val_files=[{local['data'] / 'test.parquet'}]",
+        "data.max_prompt_length=400",
+        "data.train_batch_size=4",
+        "data.train_max_samples=64",
+        "data.val_max_samples=6",
+        "reward.custom_fn=digit_reward.digit_share",
+        "actor.optim.lr=1e-3",
+        f"actor.megatron.tensor_model_parallel_size={tp}",
+        "actor.megatron.params_dtype=float32",
+        "actor.update.ppo_micro_batch_size=2",
+        "actor.log_prob_micro_batch_size=2",
+        "ref.log_prob_micro_batch_size=2",
+        "rollout.name=hf",
+        "rollout.tensor_model_parallel_size=1",
+        "rollout.dtype=float32",
+        "rollout.response_length=16",
+        "trainer.use_gpu=false",
+        "trainer.n_gpus_per_node=2",
+        "trainer.total_training_steps=2",
+        "trainer.test_freq=2",
+        "trainer.save_freq=2",
+        "trainer.logger=[console]",
+        f"trainer.output_dir={output_dir}",
+    ]
+
+
+def run_recipe(
+    recipe: str, overrides: list[str], pythonpath: Path | None = None
+) -> subprocess.CompletedProcess:
+    """Runs in a fresh local Ray cluster (RAY_ADDRESS=local), never a cluster another process runs."""
+    env = {**os.environ, "RAY_ADDRESS": "local", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(pythonpath or "")}
+    return subprocess.run(
+        ["bash", ROOT / "scripts/run_recipe.sh", ROOT / recipe, *overrides],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+
+
+def check_run(out: Path, extra_keys: tuple[str, ...]) -> list[dict]:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["step"] in (1, 2) and "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for record in steps:
+        missing = [k for k in (*STEP_KEYS, *extra_keys) if k not in record]
+        assert not missing, f"step {record['step']} lacks {missing}"
+        assert 0.0 <= record["reward/mean"] <= 1.0
+        assert 1 <= record["response_length/mean"] <= 16
+        assert record["actor/grad_norm"] > 0
+    # the reference is the initial policy: equal at step 1 (sampled before any update), apart after it
+    assert steps[0]["kl/mean"] == pytest.approx(0.0, abs=1e-5)
+    assert abs(steps[1]["kl/mean"]) > 1e-4
+    assert "val/accuracy" in steps[-1] and "val/openai/gsm8k/accuracy" in steps[-1]
+    assert yaml.safe_load((out / "config.yaml").read_text())["trainer"]["total_training_steps"] == 2
+    assert (out / "checkpoints" / "latest").read_text().strip() == "global_step_2"
+    return steps
+
+
+@pytest.mark.slow
+def test_grpo_recipe_runs_two_steps_with_tensor_parallel_2(local, tmp_path):
+    overrides = [
+        *cpu_overrides(local, tmp_path / "grpo", tp=2),
+        "rollout.sampling.n=2",
+        "actor.update.ppo_mini_batch_size=4",
+        "trainer.export_hf=true",
+    ]
+    result = run_recipe("recipes/gsm8k_grpo.yaml", overrides, pythonpath=local["root"])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    check_run(tmp_path / "grpo", extra_keys=("kl/mean", "actor/kl_loss", "timing/ref"))
+    # the trained actor, gathered from its two tensor-parallel shards, differs from the start
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "grpo" / "hf")
+    initial = AutoModelForCausalLM.from_pretrained(local["model"])
+    for (name, param), (_, start) in zip(
+        exported.named_parameters(), initial.named_parameters(), strict=True
+    ):
+        assert param.shape == start.shape, name
+    assert not torch.equal(exported.model.embed_tokens.weight, initial.model.embed_tokens.weight)
+
+
+@pytest.mark.slow
+def test_ppo_recipe_runs_two_steps_with_a_critic(local, tmp_path):
+    overrides = [
+        *cpu_overrides(local, tmp_path / "ppo", tp=1),
+        "actor.update.ppo_mini_batch_size=4",
+        "critic.megatron.tensor_model_parallel_size=1",
+        "critic.megatron.params_dtype=float32",
+        "critic.update.ppo_mini_batch_size=2",
+        "critic.update.ppo_micro_batch_size=1",
+    ]
+    result = run_recipe("recipes/gsm8k_ppo.yaml", overrides, pythonpath=local["root"])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    steps = check_run(
+        tmp_path / "ppo", extra_keys=("critic/vf_loss", "kl/mean", "timing/values", "timing/update_critic")
+    )
+    assert all("critic/values_mean" in r for r in steps)
+
+
+@pytest.mark.slow
+def test_remax_with_a_reward_model_on_one_process_then_resume(local, tmp_path):
+    """ReMax's greedy baseline in the loop, scored (like the samples) by a learned reward model;
+    a second launch with a higher step budget resumes from the step-1 checkpoint."""
+    overrides = [
+        *cpu_overrides(local, tmp_path / "remax", tp=1),
+        "algorithm.adv_estimator=remax",
+        "reward_model.enable=true",
+        f"reward_model.path={local['model']}",
+        "reward_model.megatron.params_dtype=float32",
+        "reward_model.micro_batch_size=2",
+        "actor.update.use_kl_loss=false",
+        "rollout.sampling.n=2",
+        "actor.update.ppo_mini_batch_size=8",
+        "trainer.n_gpus_per_node=1",
+        "trainer.total_training_steps=1",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=0",
+        "trainer.save_freq=1",
+        "reward.custom_fn=digit_reward.seven",
+    ]
+    result = run_recipe("recipes/gsm8k_grpo.yaml", overrides, pythonpath=local["root"])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    metrics_file = tmp_path / "remax" / "metrics.jsonl"
+    (record,) = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+    assert "timing/gen_baseline" in record and "timing/ref" not in record and "kl/mean" not in record
+    assert record["actor/grad_norm"] > 0
+    # the scores are the reward model's values, not the rule (which would give 7.0 everywhere)
+    assert record["reward/max"] != 7.0 and record["reward/min"] != 7.0
+
+    result = run_recipe(
+        "recipes/gsm8k_grpo.yaml", [*overrides, "trainer.total_training_steps=2"], local["root"]
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    first, second = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+    assert first == record and second["step"] == 2  # step 1 kept, not rerun
+    checkpoints = tmp_path / "remax" / "checkpoints"
+    assert (checkpoints / "latest").read_text().strip() == "global_step_2"
+    assert (checkpoints / "global_step_1" / "actor" / "rollout" / "rank_0.pt").is_file()
+
+
+def test_invalid_recipe_exits_non_zero_with_the_error(tmp_path):
+    result = run_recipe(
+        "recipes/gsm8k_grpo.yaml",
+        ["trainer.use_gpu=false", "rollout.name=hf", "rollout.tensor_model_parallel_size=1"],
+    )
+    assert result.returncode == 2
+    assert "model.path=models/Qwen2.5-0.5B-Instruct is not a Hugging Face model directory" in result.stderr
+    help_text = subprocess.run(
+        [sys.executable, "-m", "hybridflow.trainer.main", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=True,
+    ).stdout
+    assert "key.path=value" in help_text
