@@ -1,0 +1,39 @@
+"""Pure RL math (tensors in, tensors out): advantage estimators, policy / value / KL losses,
+KL coefficient control. Imports only torch."""
+
+from hybridflow.algorithms.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    compute_advantage,
+    gae,
+    grpo,
+    reinforce_plus_plus,
+    reinforce_plus_plus_baseline,
+    remax,
+    rloo,
+)
+from hybridflow.algorithms.kl import AdaptiveKLController, FixedKLController, apply_kl_penalty, kl_penalty
+from hybridflow.algorithms.losses import LOSS_AGG_MODES, agg_loss, compute_policy_loss, compute_value_loss
+from hybridflow.algorithms.masked import compute_response_mask, masked_mean, masked_sum, masked_whiten
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "LOSS_AGG_MODES",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "agg_loss",
+    "apply_kl_penalty",
+    "compute_advantage",
+    "compute_policy_loss",
+    "compute_response_mask",
+    "compute_value_loss",
+    "gae",
+    "grpo",
+    "kl_penalty",
+    "masked_mean",
+    "masked_sum",
+    "masked_whiten",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+    "remax",
+    "rloo",
+]

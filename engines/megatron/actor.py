@@ -1,0 +1,181 @@
+"""The policy on Megatron-Core: log-probs for rollouts, the PPO update, a supervised warm start.
+
+`MegatronActor(chunks, optimizer, scheduler, update_cfg)` wraps this rank's model chunks (from
+`build_model`) and, for a trainable actor, the pair from `build_optimizer`; a frozen reference
+policy is a `MegatronActor` without optimizer. Every method is collective over the job's ranks
+and receives this data-parallel rank's shard of the batch. Results (DataProto, metrics) are
+complete on the last pipeline stage; other stages return None or only grad_norm / lr.
+
+Batch keys (B, P+R) input_ids, attention_mask, position_ids; (B, R) responses, response_mask,
+old_log_probs, advantages, ref_log_prob (KL loss only). Loss normalisation over micro-batches and
+data-parallel ranks: see training.py.
+"""
+
+from functools import partial
+
+import torch
+
+from engines.megatron import forward
+from engines.megatron.config import ActorUpdateConfig
+from engines.megatron.model import unwrap_model
+from engines.megatron.training import (
+    append_metrics,
+    global_counts,
+    local_mini_batch_size,
+    loss_scale,
+    mini_batches,
+    train_step,
+)
+from hybridflow.algorithms import LOSS_AGG_MODES, agg_loss, compute_policy_loss, kl_penalty
+from hybridflow.algorithms.kl import KL_PENALTY_KINDS
+from hybridflow.protocol import DataProto
+
+MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
+POLICY_KEYS = (*MODEL_KEYS, "old_log_probs", "advantages")
+
+
+def validate_actor_update_config(cfg: ActorUpdateConfig) -> None:
+    """ValueError naming the key, before any model work."""
+    for key in ("ppo_mini_batch_size", "ppo_micro_batch_size", "ppo_epochs"):
+        if getattr(cfg, key) < 1:
+            raise ValueError(f"actor update {key} must be >= 1, got {getattr(cfg, key)}")
+    if cfg.loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(
+            f"actor update loss_agg_mode must be one of {LOSS_AGG_MODES}, got {cfg.loss_agg_mode!r}"
+        )
+    if cfg.kl_loss_type not in KL_PENALTY_KINDS:
+        raise ValueError(
+            f"actor update kl_loss_type must be one of {KL_PENALTY_KINDS}, got {cfg.kl_loss_type!r}"
+        )
+    if not (0 <= cfg.clip_ratio_low < 1 and cfg.clip_ratio_high >= 0 and cfg.clip_ratio_c > 1):
+        raise ValueError(
+            "actor update needs 0 <= clip_ratio_low < 1, clip_ratio_high >= 0 and clip_ratio_c > 1; got "
+            f"{cfg.clip_ratio_low}, {cfg.clip_ratio_high}, {cfg.clip_ratio_c}"
+        )
+
+
+def require_keys(data: DataProto, keys, method: str) -> None:
+    missing = [k for k in keys if data.batch is None or k not in data.batch]
+    if missing:
+        raise ValueError(f"{method} needs batch keys {missing}, which the DataProto lacks")
+
+
+def response_logits(logits: torch.Tensor, response_len: int, temperature: float) -> torch.Tensor:
+    """(b, T, V/tp) -> (b, R, V/tp): the positions that predict the response tokens, scaled by 1/T."""
+    return logits[:, -response_len - 1 : -1] / temperature
+
+
+class MegatronActor:
+    def __init__(self, chunks, optimizer=None, scheduler=None, update_cfg: ActorUpdateConfig | None = None):
+        self.chunks = chunks
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.cfg = update_cfg or ActorUpdateConfig()
+        validate_actor_update_config(self.cfg)
+        self.vocab_size = unwrap_model(chunks[0]).hf_config.vocab_size
+
+    # ------------------------------------------------------------------ inference
+    def compute_log_prob(self, data: DataProto, calculate_entropy: bool = True) -> DataProto | None:
+        """`old_log_probs` (and `entropys`) (B, R) under the current weights; meta_info may set
+        `micro_batch_size` and `temperature`."""
+        require_keys(data, MODEL_KEYS[:4], "compute_log_prob")
+        for chunk in self.chunks:
+            chunk.eval()
+        return forward.compute_log_prob(
+            self.chunks,
+            data,
+            data.meta_info.get("micro_batch_size", self.cfg.ppo_micro_batch_size),
+            temperature=data.meta_info.get("temperature", 1.0),
+            calculate_entropy=calculate_entropy,
+        )
+
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto | None:
+        """The same log-probs under the reference weights, as `ref_log_prob` (B, R)."""
+        out = self.compute_log_prob(data, calculate_entropy=False)
+        return None if out is None else out.rename("old_log_probs", "ref_log_prob")
+
+    # ------------------------------------------------------------------ PPO
+    def update_policy(self, data: DataProto) -> dict[str, list[float]]:
+        """PPO epochs over mini-batches, one optimizer step each; metrics hold one value per step."""
+        self._require_optimizer("update_policy")
+        cfg = self.cfg
+        keys = [*POLICY_KEYS, "ref_log_prob"] if cfg.use_kl_loss else list(POLICY_KEYS)
+        require_keys(data, keys, "update_policy")
+        local_size = local_mini_batch_size(
+            cfg.ppo_mini_batch_size, cfg.ppo_micro_batch_size, len(data), "actor"
+        )
+        temperature = data.meta_info.get("temperature", 1.0)
+        if temperature <= 0:
+            raise ValueError(f"meta_info temperature must be > 0, got {temperature}")
+        metrics: dict[str, list[float]] = {}
+        batches = mini_batches(
+            data.select(batch_keys=keys), local_size, cfg.ppo_epochs, cfg.shuffle, cfg.seed
+        )
+        for mini_batch in batches:
+            counts = global_counts(mini_batch.batch["response_mask"])
+            scale = loss_scale(local_size // cfg.ppo_micro_batch_size)
+            loss_fn = partial(self._policy_loss, counts, scale, temperature)
+            step = train_step(
+                self.chunks, self.optimizer, self.scheduler, mini_batch, cfg.ppo_micro_batch_size, loss_fn
+            )
+            append_metrics(metrics, step)
+        return metrics
+
+    def _policy_loss(self, counts, scale, temperature, logits, micro_batch):
+        cfg, mask = self.cfg, micro_batch["response_mask"]
+        tokens, seqs = counts
+        logits = response_logits(logits, mask.shape[1], temperature)  # (b, R, V/tp)
+        log_prob = forward.vocab_parallel_log_probs(
+            logits, micro_batch["responses"], self.vocab_size
+        )  # (b, R)
+        pg_loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss(
+            micro_batch["old_log_probs"], log_prob, micro_batch["advantages"], mask,
+            cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c, cfg.loss_agg_mode, tokens, seqs,
+        )  # fmt: skip
+        with torch.set_grad_enabled(cfg.entropy_coeff != 0 and torch.is_grad_enabled()):
+            entropy_tokens = forward.vocab_parallel_entropy(logits, self.vocab_size)  # (b, R)
+        entropy = agg_loss(entropy_tokens, mask, cfg.loss_agg_mode, tokens, seqs)
+        loss = pg_loss - cfg.entropy_coeff * entropy
+        share = mask.sum() / tokens  # this micro-batch's share of the mini-batch's tokens
+        metrics = {
+            "pg_loss": pg_loss.detach(),
+            "pg_clipfrac": clipfrac * share,
+            "ppo_kl": ppo_kl * share,
+            "pg_clipfrac_lower": clipfrac_lower * share,
+            "entropy": entropy.detach(),
+        }
+        if cfg.use_kl_loss:
+            kl = kl_penalty(log_prob, micro_batch["ref_log_prob"], cfg.kl_loss_type)  # (b, R)
+            kl_loss = agg_loss(kl, mask, cfg.loss_agg_mode, tokens, seqs)
+            loss = loss + cfg.kl_loss_coef * kl_loss
+            metrics["kl_loss"] = kl_loss.detach()
+        return loss * scale, metrics
+
+    # ------------------------------------------------------------------ SFT
+    def update_sft(self, data: DataProto) -> dict[str, float]:
+        """One optimizer step of token-mean cross-entropy on the response tokens of the whole batch."""
+        self._require_optimizer("update_sft")
+        require_keys(data, MODEL_KEYS, "update_sft")
+        micro = data.meta_info.get("micro_batch_size", self.cfg.ppo_micro_batch_size)
+        if micro < 1 or len(data) % micro:
+            raise ValueError(
+                f"micro_batch_size={micro} must be positive and divide this rank's {len(data)} rows"
+            )
+        data = data.select(batch_keys=list(MODEL_KEYS))
+        counts = global_counts(data.batch["response_mask"])
+        loss_fn = partial(self._sft_loss, counts[0], loss_scale(len(data) // micro))
+        return train_step(self.chunks, self.optimizer, self.scheduler, data, micro, loss_fn)
+
+    def _sft_loss(self, tokens, scale, logits, micro_batch):
+        mask = micro_batch["response_mask"]
+        logits = response_logits(logits, mask.shape[1], 1.0)  # (b, R, V/tp)
+        log_prob = forward.vocab_parallel_log_probs(
+            logits, micro_batch["responses"], self.vocab_size
+        )  # (b, R)
+        sft_loss = agg_loss(-log_prob, mask, "token-mean", global_token_count=tokens)
+        return sft_loss * scale, {"sft_loss": sft_loss.detach()}
+
+    # ------------------------------------------------------------------ shared
+    def _require_optimizer(self, method: str) -> None:
+        if self.optimizer is None or self.scheduler is None:
+            raise ValueError(f"{method} needs an optimizer and scheduler; this actor is frozen (a reference)")

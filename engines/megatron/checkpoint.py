@@ -1,0 +1,112 @@
+"""Megatron-Core distributed checkpoints of one role: model, optimizer, LR schedule, RNG.
+
+`save_checkpoint(chunks, optimizer, scheduler, path)` and `load_checkpoint(...)` are collective
+(every rank of the job calls them). They write and read through `megatron.core.dist_checkpointing`
+with each module's `sharded_state_dict`, so a checkpoint saved at one tensor / pipeline /
+data-parallel layout loads at another: tensors are stored in their global (unsharded) shape and
+each rank reads its own slices. Optimizer moments are sharded the same way as the parameters
+they belong to (Megatron-Core's `FP32Optimizer.sharded_state_dict`, which the CPU optimizer
+inherits, or the distributed optimizer's default "fully_sharded_model_space" format).
+
+Limits: the padded vocabulary must be the same in both layouts (it is rounded up to
+`make_vocab_size_divisible_by` x TP); RNG states are restored only at the layout they were saved
+at, as Megatron-LM does, because a rank's random stream has no meaning in another layout.
+`path` is written as given; the caller makes it atomic (temporary directory, then rename).
+"""
+
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+from engines.megatron import cpu_compat
+from engines.megatron.model import unwrap_model
+from engines.megatron.parallel import parallel_ranks
+
+
+def _layout() -> dict:
+    ranks = parallel_ranks()
+    return {"tp": ranks.tp_size, "pp": ranks.pp_size, "dp": ranks.dp_size}
+
+
+def _rng_state() -> dict:
+    state = {
+        "random": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if cpu_compat.cuda_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+        state["cuda_tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if cpu_compat.cuda_available():
+        torch.cuda.set_rng_state(state["cuda"])
+        tensor_parallel.get_cuda_rng_tracker().set_states(state["cuda_tracker"])
+
+
+def _rng_sharded_object() -> ShardedObject:
+    """One RNG state per (pipeline, tensor) rank; data-parallel ranks hold replicas."""
+    ranks = parallel_ranks()
+    return ShardedObject(
+        "rng_state",
+        _rng_state(),
+        (ranks.pp_size, ranks.tp_size),
+        (ranks.pp, ranks.tp),
+        replica_id=ranks.dp,
+    )
+
+
+def _sharded_state_dict(chunks, optimizer, scheduler, *, is_loading: bool, with_rng: bool) -> dict:
+    state = {f"model{i}": unwrap_model(chunk).sharded_state_dict() for i, chunk in enumerate(chunks)}
+    if optimizer is not None:
+        model_state = dict(state)
+        state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=is_loading)
+    if scheduler is not None:
+        state["scheduler"] = scheduler.state_dict()
+    state["layout"] = _layout()
+    if with_rng:
+        state["rng_state"] = _rng_sharded_object()
+    return state
+
+
+def save_checkpoint(chunks, optimizer, scheduler, path) -> None:
+    """Write model (+ optimizer and scheduler when given) and RNG state into directory `path`."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    state = _sharded_state_dict(chunks, optimizer, scheduler, is_loading=False, with_rng=True)
+    dist_checkpointing.save(state, str(path))
+
+
+def load_checkpoint(chunks, optimizer, scheduler, path) -> None:
+    """Restore what `save_checkpoint` wrote, at this process's (possibly different) layout.
+
+    Pass `optimizer=None` / `scheduler=None` to load only the weights (a frozen reference, or
+    weights for evaluation); the optimizer must be built before loading its state.
+    """
+    path = Path(path)
+    if not (path / "metadata.json").is_file():
+        raise ValueError(f"{path} is not a Megatron distributed checkpoint (no metadata.json)")
+    saved_layout = dist_checkpointing.load_common_state_dict(str(path))["layout"]
+    same_layout = saved_layout == _layout()
+    state = _sharded_state_dict(chunks, optimizer, scheduler, is_loading=True, with_rng=same_layout)
+    loaded = dist_checkpointing.load(state, str(path))
+    for i, chunk in enumerate(chunks):
+        unwrap_model(chunk).load_state_dict(loaded[f"model{i}"])
+    if optimizer is not None:
+        optimizer.load_state_dict(loaded["optimizer"])
+    if scheduler is not None:
+        scheduler.num_steps = 0  # Megatron's load_state_dict advances by the saved count
+        scheduler.load_state_dict(loaded["scheduler"])
+    if same_layout:
+        _set_rng_state(loaded["rng_state"])

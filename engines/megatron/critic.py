@@ -1,0 +1,112 @@
+"""The value model on Megatron-Core: values of response positions and the clipped value update.
+
+`MegatronCritic(chunks, optimizer, scheduler, update_cfg)` wraps chunks built with
+`build_model(hf_dir, cfg, value_head=True)`: the policy's backbone with a scalar head, whose
+output at position t is the value of the state before token t + 1 (as for log-probs). Methods
+are collective; results are complete on the last pipeline stage. Batch keys: the model inputs,
+`responses`, `response_mask`, and for the update `values` (old) and `returns`.
+"""
+
+from functools import partial
+
+import torch
+
+from engines.megatron import forward
+from engines.megatron.actor import MODEL_KEYS, require_keys
+from engines.megatron.config import CriticUpdateConfig
+from engines.megatron.training import (
+    append_metrics,
+    global_counts,
+    local_mini_batch_size,
+    loss_scale,
+    mini_batches,
+    train_step,
+)
+from hybridflow.algorithms import LOSS_AGG_MODES, compute_value_loss, masked_sum
+from hybridflow.protocol import DataProto
+
+
+def validate_critic_update_config(cfg: CriticUpdateConfig) -> None:
+    for key in ("ppo_mini_batch_size", "ppo_micro_batch_size", "ppo_epochs"):
+        if getattr(cfg, key) < 1:
+            raise ValueError(f"critic update {key} must be >= 1, got {getattr(cfg, key)}")
+    if cfg.loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(
+            f"critic update loss_agg_mode must be one of {LOSS_AGG_MODES}, got {cfg.loss_agg_mode!r}"
+        )
+    if cfg.cliprange_value <= 0:
+        raise ValueError(f"critic update cliprange_value must be > 0, got {cfg.cliprange_value}")
+
+
+def response_values(output: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """(b, T, 1) value-head output -> (b, R) values of the states the response tokens follow."""
+    values = output[:, -response_mask.shape[1] - 1 : -1, 0].float()  # (b, R)
+    return values * response_mask
+
+
+class MegatronCritic:
+    def __init__(self, chunks, optimizer=None, scheduler=None, update_cfg: CriticUpdateConfig | None = None):
+        self.chunks = chunks
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.cfg = update_cfg or CriticUpdateConfig()
+        validate_critic_update_config(self.cfg)
+
+    def compute_values(self, data: DataProto) -> DataProto | None:
+        """`values` (B, R), zero on padding; meta_info may set `micro_batch_size`."""
+        require_keys(data, MODEL_KEYS, "compute_values")
+        for chunk in self.chunks:
+            chunk.eval()
+        micro = data.meta_info.get("micro_batch_size", self.cfg.ppo_micro_batch_size)
+        results = forward.run_micro_batches(
+            self.chunks, data.select(batch_keys=list(MODEL_KEYS)), micro, _values_only, forward_only=True
+        )
+        if not results:
+            return None
+        return DataProto.from_dict(tensors={"values": torch.cat(results).cpu()})
+
+    def update_critic(self, data: DataProto) -> dict[str, list[float]]:
+        """Epochs over mini-batches of the clipped value loss; one value per optimizer step."""
+        if self.optimizer is None or self.scheduler is None:
+            raise ValueError("update_critic needs an optimizer and scheduler")
+        keys = [*MODEL_KEYS, "values", "returns"]
+        require_keys(data, keys, "update_critic")
+        local_size = local_mini_batch_size(
+            self.cfg.ppo_mini_batch_size, self.cfg.ppo_micro_batch_size, len(data), "critic"
+        )
+        data = data.select(batch_keys=keys)
+        metrics: dict[str, list[float]] = {}
+        for mini_batch in mini_batches(data, local_size, self.cfg.ppo_epochs, shuffle=False, seed=0):
+            counts = global_counts(mini_batch.batch["response_mask"])
+            loss_fn = partial(
+                self._value_loss, counts, loss_scale(local_size // self.cfg.ppo_micro_batch_size)
+            )
+            step = train_step(
+                self.chunks,
+                self.optimizer,
+                self.scheduler,
+                mini_batch,
+                self.cfg.ppo_micro_batch_size,
+                loss_fn,
+            )
+            append_metrics(metrics, step)
+        return metrics
+
+    def _value_loss(self, counts, scale, output, micro_batch):
+        tokens, seqs = counts
+        mask = micro_batch["response_mask"]
+        vpreds = response_values(output, mask)  # (b, R)
+        vf_loss, vf_clipfrac = compute_value_loss(
+            vpreds, micro_batch["values"], micro_batch["returns"], mask,
+            self.cfg.cliprange_value, self.cfg.loss_agg_mode, tokens, seqs,
+        )  # fmt: skip
+        metrics = {
+            "vf_loss": vf_loss.detach(),
+            "vf_clipfrac": vf_clipfrac * mask.sum() / tokens,
+            "vpred_mean": masked_sum(vpreds.detach(), mask) / tokens,
+        }
+        return vf_loss * scale, metrics
+
+
+def _values_only(output, micro_batch):
+    return output.new_zeros(()), response_values(output, micro_batch["response_mask"])

@@ -1,0 +1,102 @@
+"""Move a role's parameters, gradients and optimizer state to host memory between phases.
+
+Colocated roles share one GPU: while the rollout engine generates, the actor's training state
+can wait in host memory (recipe switches `param_offload`, `grad_offload`, `optimizer_offload`).
+Every function is a no-op without CUDA, where everything already lives in host memory.
+
+Megatron-Core's own mechanisms are used where they exist: the DDP buffers'
+`offload_to_cpu` / `reload_from_cpu` (contiguous grad buffer, and the contiguous param buffer
+under the distributed optimizer) and the mixed-precision optimizers' `offload_to_cpu` /
+`restore_from_cpu` (fp32 master weights and moments). Parameters outside a contiguous buffer
+(no distributed optimizer, or a frozen reference model) move one by one.
+"""
+
+import torch
+from megatron.core.optimizer.optimizer import ChainedOptimizer, MixedPrecisionOptimizer
+
+from engines.megatron import cpu_compat
+
+
+def _ddp_buffers(chunk) -> list:
+    """Megatron DDP's contiguous param/grad buffers; none for a bare module (a frozen reference,
+    whose `buffers` is nn.Module's method)."""
+    buffers = getattr(chunk, "buffers", None)
+    if not isinstance(buffers, list):
+        return []
+    return buffers + list(getattr(chunk, "expert_parallel_buffers", []))
+
+
+def _params_in_buffers(chunk) -> bool:
+    return any(getattr(b, "param_data", None) is not None for b in _ddp_buffers(chunk))
+
+
+def offload_model(chunks: list, params: bool = True, grads: bool = True) -> None:
+    """Free the GPU copies of the chunks' parameters and/or gradient buffers."""
+    if not cpu_compat.cuda_available():
+        return
+    torch.cuda.synchronize()
+    for chunk in chunks:
+        for buffer in _ddp_buffers(chunk):
+            move_params = params and buffer.param_data is not None
+            buffer.offload_to_cpu(move_params=move_params, move_grads=grads)
+        if params and not _params_in_buffers(chunk):
+            for param in chunk.parameters():
+                param.data = param.data.to("cpu", non_blocking=True).pin_memory()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def reload_model(chunks: list, params: bool = True, grads: bool = True) -> None:
+    """Bring back what `offload_model` freed; reloaded gradient buffers are zero."""
+    if not cpu_compat.cuda_available():
+        return
+    device = torch.cuda.current_device()
+    for chunk in chunks:
+        for buffer in _ddp_buffers(chunk):
+            buffer.reload_from_cpu(move_params=params and buffer.param_data is not None, move_grads=grads)
+        if params and not _params_in_buffers(chunk):
+            for param in chunk.parameters():
+                param.data = param.data.to(device, non_blocking=True)
+    torch.cuda.synchronize()
+
+
+def _inner_optimizers(optimizer) -> list:
+    if isinstance(optimizer, ChainedOptimizer):
+        return list(optimizer.chained_optimizers)
+    return [optimizer]
+
+
+def _move_state(megatron_optimizer, device) -> None:
+    """Adam moments only: in an fp32 optimizer the param groups hold the model's own parameters."""
+    inner = megatron_optimizer.optimizer
+    if inner is None:
+        return
+    for state in inner.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and key != "step":
+                state[key] = value.to(device, non_blocking=True)
+
+
+def offload_optimizer(optimizer) -> None:
+    """Move optimizer state (and fp32 master weights of mixed-precision optimizers) to the host."""
+    if optimizer is None or not cpu_compat.cuda_available():
+        return
+    for inner in _inner_optimizers(optimizer):
+        if isinstance(inner, MixedPrecisionOptimizer):
+            inner.offload_to_cpu()
+        else:
+            _move_state(inner, "cpu")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def reload_optimizer(optimizer) -> None:
+    """Bring back what `offload_optimizer` moved."""
+    if optimizer is None or not cpu_compat.cuda_available():
+        return
+    for inner in _inner_optimizers(optimizer):
+        if isinstance(inner, MixedPrecisionOptimizer):
+            inner.restore_from_cpu()
+        else:
+            _move_state(inner, torch.cuda.current_device())
+    torch.cuda.synchronize()

@@ -1,0 +1,169 @@
+"""Optimizer and learning-rate schedule of a Megatron-backed trainable role.
+
+`build_optimizer(chunks, optim, cfg)` returns `(optimizer, scheduler)`:
+- with CUDA, Megatron-Core's own `get_megatron_optimizer` (distributed optimizer when
+  `cfg.use_distributed_optimizer`; bf16 params keep fp32 master weights);
+- on CPU, `CpuFP32Optimizer`, Megatron-Core's `FP32Optimizer` over torch AdamW with the CUDA-only
+  parts of gradient clipping done in plain torch (see the class for why and what is equal).
+Both use Megatron-Core's parameter groups (no weight decay on biases and 1-D parameters) and
+Megatron-Core's `OptimizerParamScheduler` for LR warmup / decay, so a CPU step and a GPU fp32
+step apply the same update.
+"""
+
+import torch
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import _get_param_groups as megatron_param_groups
+from megatron.core.optimizer.optimizer import FP32Optimizer, MegatronOptimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from engines.megatron.config import MegatronConfig, OptimConfig
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
+
+
+def validate_optim_config(optim: OptimConfig) -> None:
+    """Raise ValueError naming the offending key before any model is built."""
+    if optim.optimizer != "adam":
+        raise ValueError(
+            f"optim.optimizer: only 'adam' (AdamW, decoupled weight decay) is supported, "
+            f"got {optim.optimizer!r}"
+        )
+    if optim.lr_decay_style not in LR_DECAY_STYLES:
+        raise ValueError(
+            f"optim.lr_decay_style must be one of {LR_DECAY_STYLES}, got {optim.lr_decay_style!r}"
+        )
+    if not 0.0 <= optim.min_lr <= optim.lr:
+        raise ValueError(f"optim.min_lr ({optim.min_lr}) must lie in [0, optim.lr ({optim.lr})]")
+    if optim.clip_grad < 0 or optim.lr_warmup_iters < 0 or optim.weight_decay < 0:
+        raise ValueError("optim.clip_grad, optim.lr_warmup_iters and optim.weight_decay must be >= 0")
+    if optim.lr_decay_style != "constant" and (
+        optim.lr_decay_iters is None or optim.lr_decay_iters <= optim.lr_warmup_iters
+    ):
+        raise ValueError(
+            f"optim.lr_decay_style={optim.lr_decay_style!r} needs optim.lr_decay_iters greater than "
+            f"optim.lr_warmup_iters ({optim.lr_warmup_iters}), got {optim.lr_decay_iters}"
+        )
+
+
+def megatron_optimizer_config(optim: OptimConfig, cfg: MegatronConfig) -> OptimizerConfig:
+    """Megatron-Core's `OptimizerConfig` for these settings."""
+    bf16 = cfg.params_dtype == "bfloat16"
+    return OptimizerConfig(
+        optimizer=optim.optimizer,
+        lr=optim.lr,
+        min_lr=optim.min_lr,
+        weight_decay=optim.weight_decay,
+        adam_beta1=optim.adam_beta1,
+        adam_beta2=optim.adam_beta2,
+        adam_eps=optim.adam_eps,
+        clip_grad=optim.clip_grad,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_distributed_optimizer=cfg.use_distributed_optimizer and torch.cuda.is_available(),
+    )
+
+
+class CpuFP32Optimizer(FP32Optimizer):
+    """Megatron-Core's `FP32Optimizer` with gradient clipping that runs on CPU tensors.
+
+    Why it differs: Megatron-Core's clipping asserts `param.grad.type() ==
+    'torch.cuda.FloatTensor'` and allocates its buffers with `device='cuda'`, and
+    `FP32Optimizer.__init__` puts its loss scale on CUDA. The distributed optimizer refuses CPU
+    tensors outright; it only shards optimizer state over data-parallel ranks, so the
+    non-distributed update is numerically the same.
+
+    What is the same: the inner optimizer is torch AdamW (decoupled weight decay, as Megatron-Core
+    builds it without Transformer Engine / Apex), the parameter groups and the main-grad copy are
+    Megatron-Core's, and the norm is Megatron-Core's: the squared L2 norms of
+    `get_main_grads_for_grad_norm()` (which skips shared parameters and counts
+    tensor-parallel duplicates such as layernorm weights once) summed, all-reduced over the
+    model-parallel group, square-rooted; gradients are scaled by clip / (norm + 1e-6) when that
+    is below one. Checkpointing uses `FP32Optimizer.sharded_state_dict` unchanged.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig, init_state_fn):
+        MegatronOptimizer.__init__(self, optimizer, config, init_state_fn)
+        self._scale = torch.ones(1)
+        self.is_stub_optimizer = optimizer is None
+
+    @torch.no_grad()
+    def get_grad_norm(self) -> float:
+        squares = torch.zeros(1, dtype=torch.float32)
+        for grad in self.get_main_grads_for_grad_norm():
+            squares += grad.float().square().sum()
+        torch.distributed.all_reduce(squares, group=self.get_grad_stats_parallel_group())
+        return squares.sqrt().item()
+
+    @torch.no_grad()
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        grad_norm = self.get_grad_norm()
+        clip_coeff = clip_grad / (grad_norm + 1.0e-6)
+        if clip_coeff < 1.0:
+            for param in self.get_parameters():
+                if param.grad is not None:
+                    param.grad.mul_(clip_coeff)
+        return grad_norm
+
+
+def _init_adam_state(optimizer: torch.optim.Optimizer, config=None) -> None:
+    """Create zero Adam moments so a sharded state dict can be built before the first step."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if len(optimizer.state[param]) == 0:
+                optimizer.state[param]["exp_avg"] = torch.zeros_like(param.data)
+                optimizer.state[param]["exp_avg_sq"] = torch.zeros_like(param.data)
+
+
+def _build_cpu_optimizer(chunks: list, config: OptimizerConfig) -> CpuFP32Optimizer:
+    param_groups = megatron_param_groups(chunks, config, None)  # the same groups on every rank
+    adamw = torch.optim.AdamW(
+        param_groups,
+        lr=config.lr,
+        weight_decay=config.weight_decay,
+        betas=(config.adam_beta1, config.adam_beta2),
+        eps=config.adam_eps,
+    )
+    return CpuFP32Optimizer(adamw, config, _init_adam_state)
+
+
+def build_scheduler(optimizer, optim: OptimConfig) -> OptimizerParamScheduler:
+    """Megatron-Core's LR schedule: linear warmup from 0 over `lr_warmup_iters` steps, then
+    constant / linear / cosine decay to `min_lr` at `lr_decay_iters`; one step per update."""
+    # The scheduler asserts warmup < decay steps even when the style is constant.
+    decay_iters = optim.lr_decay_iters or optim.lr_warmup_iters + 1
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=optim.lr,
+        min_lr=optim.min_lr,
+        lr_warmup_steps=optim.lr_warmup_iters,
+        lr_decay_steps=decay_iters,
+        lr_decay_style=optim.lr_decay_style,
+        start_wd=optim.weight_decay,
+        end_wd=optim.weight_decay,
+        wd_incr_steps=1,
+        wd_incr_style="constant",
+    )
+
+
+def build_optimizer(chunks: list, optim: OptimConfig, cfg: MegatronConfig):
+    """(optimizer, scheduler) for the DDP-wrapped model chunks of this rank."""
+    validate_optim_config(optim)
+    config = megatron_optimizer_config(optim, cfg)
+    if torch.cuda.is_available():
+        optimizer = get_megatron_optimizer(config, chunks)
+    elif cfg.params_dtype != "float32":
+        raise ValueError(
+            f"params_dtype={cfg.params_dtype!r} training needs CUDA; CPU runs train in 'float32'"
+        )
+    else:
+        optimizer = _build_cpu_optimizer(chunks, config)
+    return optimizer, build_scheduler(optimizer, optim)
+
+
+def current_lr(optimizer) -> float:
+    """The learning rate of the default parameter group (what Megatron-Core logs)."""
+    for group in optimizer.param_groups:
+        if group.get("default_config", True):
+            return float(group["lr"])
+    return float(optimizer.param_groups[0]["lr"])

@@ -1,0 +1,104 @@
+"""The parts of one optimizer update shared by the actor and the critic.
+
+Loss normalisation. A mini-batch of G sequences is split over D data-parallel ranks and, on
+each rank, into M micro-batches. A micro-batch loss l_i is normalised by the token / sequence
+counts of the WHOLE mini-batch (`global_counts`), so the l_i of all micro-batches on all ranks
+add up to the loss of the mini-batch taken at once. Megatron-Core's schedule divides each
+returned loss by M, and its DDP pre-scales gradients by 1/D before summing them over the
+data-parallel group; returning l_i * M * D (`loss_scale`) undoes both, so the gradient equals
+that of a single-process full-batch step. Tensor / pipeline ranks hold the same loss (or none)
+and need no correction.
+"""
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from engines.megatron import forward
+from engines.megatron.optimizer import current_lr
+from hybridflow.protocol import DataProto
+
+
+def local_mini_batch_size(global_mini_batch_size: int, micro_batch_size: int, rows: int, key: str) -> int:
+    """This rank's rows per mini-batch; ValueError naming `key` unless the sizes divide evenly."""
+    dp = parallel_state.get_data_parallel_world_size()
+    if global_mini_batch_size % dp:
+        raise ValueError(
+            f"{key}.ppo_mini_batch_size={global_mini_batch_size} must be a multiple of the "
+            f"data-parallel size {dp}"
+        )
+    local = global_mini_batch_size // dp
+    if rows % local:
+        raise ValueError(
+            f"this rank holds {rows} rows, not a multiple of {key}.ppo_mini_batch_size / dp = {local}"
+        )
+    if local % micro_batch_size:
+        raise ValueError(
+            f"{key}.ppo_micro_batch_size={micro_batch_size} must divide the per-rank mini-batch "
+            f"of {local} rows"
+        )
+    return local
+
+
+def mini_batches(data: DataProto, local_size: int, epochs: int, shuffle: bool, seed: int):
+    """Yield `local_size`-row mini-batches for `epochs` passes; rows reshuffled per epoch if asked."""
+    for epoch in range(epochs):
+        epoch_data = data
+        if shuffle:
+            gen = torch.Generator().manual_seed(seed + epoch)
+            epoch_data = data[torch.randperm(len(data), generator=gen).numpy().astype(np.int64)]
+        yield from epoch_data.split(local_size)
+
+
+def global_counts(response_mask: torch.Tensor) -> tuple[float, float]:
+    """(valid tokens, sequences with a valid token) of the mini-batch over all data-parallel ranks."""
+    counts = torch.stack([response_mask.sum(), (response_mask.sum(dim=-1) > 0).sum()]).double()
+    if torch.cuda.is_available():  # NCCL reduces device tensors only; batches arrive on the host
+        counts = counts.cuda()
+    dist.all_reduce(counts, group=parallel_state.get_data_parallel_group())
+    return float(counts[0]), float(counts[1])
+
+
+def loss_scale(num_micro_batches: int) -> float:
+    """Factor that cancels the schedule's 1/M and DDP's 1/D (see the module docstring)."""
+    return float(num_micro_batches * parallel_state.get_data_parallel_world_size())
+
+
+def train_step(
+    chunks, optimizer, scheduler, batch: DataProto, micro_batch_size: int, loss_fn
+) -> dict[str, float]:
+    """Zero grads, forward/backward every micro-batch, one optimizer step; the step's metrics."""
+    for chunk in chunks:
+        chunk.train()
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    per_micro = forward.run_micro_batches(chunks, batch, micro_batch_size, loss_fn, forward_only=False)
+    step = optimizer_step(optimizer, scheduler)
+    return {**(sum_over_data_parallel(per_micro) if per_micro else {}), **step}
+
+
+def optimizer_step(optimizer, scheduler) -> dict[str, float]:
+    """Clip, step, advance the LR schedule; the grad norm (before clipping) and the LR used."""
+    lr = current_lr(optimizer)
+    _, grad_norm, _ = optimizer.step()  # (success, norm, zeros): success is False only for fp16
+    if grad_norm is None:  # Megatron-Core computes the norm only when it clips
+        grad_norm = optimizer.get_grad_norm()
+    scheduler.step(1)
+    return {"grad_norm": float(grad_norm), "lr": lr}
+
+
+def sum_over_data_parallel(per_micro_batch: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """Sum each metric over micro-batches and data-parallel ranks (last pipeline stage only).
+
+    Metrics are pre-weighted by the global counts, so the sums are mini-batch values.
+    """
+    keys = sorted(per_micro_batch[0])
+    totals = torch.stack([sum(m[k].detach().double() for m in per_micro_batch) for k in keys])
+    dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
+    return dict(zip(keys, totals.tolist(), strict=True))
+
+
+def append_metrics(metrics: dict[str, list[float]], new: dict[str, float]) -> None:
+    for key, value in new.items():
+        metrics.setdefault(key, []).append(value)
