@@ -9,13 +9,12 @@ Run: `python -m benchmarks dispatch` (starts its own Ray unless one is already r
 """
 
 import pickle
-import statistics
 import sys
-import time
 
 import ray
 import torch
 
+from benchmarks._timing import median_seconds
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller import (
     Dispatch,
@@ -60,10 +59,14 @@ def run() -> list[dict]:
         data = DataProto.from_dict({f"key{k}": torch.randint(0, 32000, (ROWS, TOKENS)) for k in range(KEYS)})
         gigabytes = sum(t.numel() * t.element_size() for t in data.batch.values()) / 1e9
         timings = {
-            "pickle the batch once (protocol 5)": _median_s(lambda: pickle.dumps(data, protocol=5)),
-            "blocking call": _median_s(lambda: group.no_op(data)),
-            "non-blocking call, returns a future": _median_s(lambda: group.no_op_later(data)),
-            "non-blocking call + future.get()": _median_s(lambda: group.no_op_later(data).get()),
+            "pickle the batch once (protocol 5)": median_seconds(
+                lambda: pickle.dumps(data, protocol=5), REPEATS
+            ),
+            "blocking call": median_seconds(lambda: group.no_op(data), REPEATS),
+            "non-blocking call, returns a future": median_seconds(lambda: group.no_op_later(data), REPEATS),
+            "non-blocking call + future.get()": median_seconds(
+                lambda: group.no_op_later(data).get(), REPEATS
+            ),
         }
     finally:
         group.shutdown()
@@ -74,13 +77,3 @@ def run() -> list[dict]:
         {"case": case, "ms_per_call": 1e3 * seconds, "batch_GB": gigabytes, "GB_per_s": gigabytes / seconds}
         for case, seconds in timings.items()
     ]
-
-
-def _median_s(fn) -> float:
-    fn()  # warm-up: first-call costs (layout query, imports in the workers)
-    times = []
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)

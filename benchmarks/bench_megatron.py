@@ -16,13 +16,11 @@ Run: `python -m benchmarks megatron`.
 """
 
 import json
-import os
-import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from benchmarks._timing import median_seconds, run_torchrun
 
 TITLE = "Megatron engine: compute_log_prob / update_policy tokens/s (tiny model on CPU; MFU on CUDA)"
 REPEATS = 3
@@ -66,42 +64,9 @@ def run() -> list[dict]:
 
 def _launch(model_dir: Path, tp: int, device: str, tmp: Path) -> list[dict]:
     result_file = tmp / f"{device}_tp{tp}.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(tp),
-        "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-        __file__, str(model_dir), str(tp), device, str(result_file),
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        raise RuntimeError(
-            f"megatron benchmark TP{tp} on {device} failed:\n{(proc.stdout + proc.stderr)[-4000:]}"
-        )
+    what = f"megatron benchmark TP{tp} on {device}"
+    run_torchrun(__file__, tp, model_dir, tp, device, result_file, what=what)
     return json.loads(result_file.read_text())
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _median_seconds(fn) -> float:
-    import torch
-
-    fn()
-    times = []
-    for _ in range(REPEATS):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _batch(shape: dict, vocab_size: int):
@@ -158,6 +123,7 @@ def _rows(hf, tp: int, device: str, shape: dict, tokens: int, timings: dict) -> 
 
 def _worker(model_dir: Path, tp: int, device: str, result_file: Path) -> None:
     """Runs on each torchrun rank; rank 0 writes the rows."""
+    import torch
     import torch.distributed as dist
 
     from engines.megatron.actor import MegatronActor
@@ -182,9 +148,10 @@ def _worker(model_dir: Path, tp: int, device: str, result_file: Path) -> None:
     old = actor.compute_log_prob(data).batch["old_log_probs"]  # every rank is the last stage at PP1
     data.batch["old_log_probs"] = old
     data.batch["ref_log_prob"] = old.clone()
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else None
     timings = {
-        "compute_log_prob": _median_seconds(lambda: actor.compute_log_prob(data)),
-        "update_policy": _median_seconds(lambda: actor.update_policy(data)),
+        "compute_log_prob": median_seconds(lambda: actor.compute_log_prob(data), REPEATS, sync),
+        "update_policy": median_seconds(lambda: actor.update_policy(data), REPEATS, sync),
     }
     if dist.get_rank() == 0:
         tokens = int(data.batch["attention_mask"].sum())

@@ -16,13 +16,12 @@ Run: `python -m benchmarks rollout`.
 """
 
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from benchmarks._timing import median_seconds, run_torchrun
 
 TITLE = "Rollout: weight sync (actor TP2 -> hf engine, ~100M params, CPU) and hf generation"
 REPEATS = 3
@@ -54,34 +53,8 @@ def _run_sync_benchmark(tmp: Path) -> list[dict]:
     config = Qwen2Config(**SYNC_MODEL, architectures=["Qwen2ForCausalLM"], eos_token_id=1, pad_token_id=0)
     config.save_pretrained(model_dir)
     result_file = tmp / "sync.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-        "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-        __file__, str(model_dir), str(result_file),
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        raise RuntimeError(f"sync benchmark failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
+    run_torchrun(__file__, 2, model_dir, result_file, what="sync benchmark")
     return json.loads(result_file.read_text())
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _median_seconds(fn) -> float:
-    fn()
-    times = []
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _sync_worker(model_dir: Path, result_file: Path) -> None:
@@ -106,13 +79,13 @@ def _sync_worker(model_dir: Path, result_file: Path) -> None:
         for _ in iter_hf_tensors(chunks, hf_config):
             pass
 
-    stream_seconds = _median_seconds(stream_only)
+    stream_seconds = median_seconds(stream_only, REPEATS)
     rows = []
     for verify in (False, True):
         cfg = RolloutConfig(verify_weight_sync=verify, free_cache_engine=False)
         engine = HFRolloutEngine(model_dir, cfg, device="cpu")
         manager = MegatronRolloutShardingManager(chunks, hf_config, engine, cfg)
-        seconds = _median_seconds(manager.sync_weights)
+        seconds = median_seconds(manager.sync_weights, REPEATS)
         nbytes = manager.last_sync.bytes
         label = "weight sync, verify_weight_sync" if verify else "weight sync"
         rows.append(_row(label, nbytes, seconds))
@@ -125,7 +98,7 @@ def _sync_worker(model_dir: Path, result_file: Path) -> None:
             param.copy_(source)
 
     rows.insert(0, _row("actor stream only (iter_hf_tensors)", nbytes, stream_seconds))
-    rows.append(_row("plain copy of the same bytes", nbytes, _median_seconds(plain_copy)))
+    rows.append(_row("plain copy of the same bytes", nbytes, median_seconds(plain_copy, REPEATS)))
     if dist.get_rank() == 0:
         result_file.write_text(json.dumps(rows))
     dist.barrier()
@@ -165,7 +138,7 @@ def _generation_row(model_dir: Path) -> dict:
     def generate():
         tokens.append(int(engine.generate_sequences(prompts).batch["response_mask"].sum()))
 
-    seconds = _median_seconds(generate)
+    seconds = median_seconds(generate, REPEATS)
     generated = statistics.median(tokens)
     params = sum(p.numel() for p in engine.model.parameters())
     return {

@@ -141,7 +141,9 @@ class ProbeWorker(Worker):
         return DataProto.from_dict({"x": x, "rank": rank_column})
 
 
-class ActorRole(Worker):
+class _NamedRole(Worker):
+    """What both colocated test roles offer: who they are and a pure data-parallel layout."""
+
     def __init__(self, name: str):
         self.name = name
 
@@ -153,23 +155,14 @@ class ActorRole(Worker):
     def setup(self, dp_size: int):
         self.set_parallel_ranks(dp=self.rank, tp=0, pp=0, dp_size=dp_size, tp_size=1, pp_size=1)
 
+
+class ActorRole(_NamedRole):
     @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE_PROTO)
     def generate_sequences(self, data: DataProto) -> DataProto:
         return DataProto.from_dict({"responses": data.batch["x"] + 1000})
 
 
-class CriticRole(Worker):
-    def __init__(self, name: str):
-        self.name = name
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def whoami(self):
-        return (self.name, self.rank, os.getpid())
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def setup(self, dp_size: int):
-        self.set_parallel_ranks(dp=self.rank, tp=0, pp=0, dp_size=dp_size, tp_size=1, pp_size=1)
-
+class CriticRole(_NamedRole):
     @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto:
         return DataProto.from_dict({"values": data.batch["x"].float() / 2})

@@ -19,14 +19,15 @@ from engines.megatron import forward
 from engines.megatron.config import ActorUpdateConfig
 from engines.megatron.model import unwrap_model
 from engines.megatron.training import (
-    append_metrics,
     global_counts,
-    local_mini_batch_size,
     loss_scale,
-    mini_batches,
+    require_keys,
+    require_optimizer,
     train_step,
+    update_epochs,
+    validate_update_sizes,
 )
-from hybridflow.algorithms import LOSS_AGG_MODES, agg_loss, compute_policy_loss, kl_penalty
+from hybridflow.algorithms import agg_loss, compute_policy_loss, kl_penalty
 from hybridflow.algorithms.kl import KL_PENALTY_KINDS
 from hybridflow.protocol import DataProto
 
@@ -36,13 +37,7 @@ POLICY_KEYS = (*MODEL_KEYS, "old_log_probs", "advantages")
 
 def validate_actor_update_config(cfg: ActorUpdateConfig) -> None:
     """ValueError naming the key, before any model work."""
-    for key in ("ppo_mini_batch_size", "ppo_micro_batch_size", "ppo_epochs"):
-        if getattr(cfg, key) < 1:
-            raise ValueError(f"actor update {key} must be >= 1, got {getattr(cfg, key)}")
-    if cfg.loss_agg_mode not in LOSS_AGG_MODES:
-        raise ValueError(
-            f"actor update loss_agg_mode must be one of {LOSS_AGG_MODES}, got {cfg.loss_agg_mode!r}"
-        )
+    validate_update_sizes(cfg, "actor")
     if cfg.kl_loss_type not in KL_PENALTY_KINDS:
         raise ValueError(
             f"actor update kl_loss_type must be one of {KL_PENALTY_KINDS}, got {cfg.kl_loss_type!r}"
@@ -52,12 +47,6 @@ def validate_actor_update_config(cfg: ActorUpdateConfig) -> None:
             "actor update needs 0 <= clip_ratio_low < 1, clip_ratio_high >= 0 and clip_ratio_c > 1; got "
             f"{cfg.clip_ratio_low}, {cfg.clip_ratio_high}, {cfg.clip_ratio_c}"
         )
-
-
-def require_keys(data: DataProto, keys, method: str) -> None:
-    missing = [k for k in keys if data.batch is None or k not in data.batch]
-    if missing:
-        raise ValueError(f"{method} needs batch keys {missing}, which the DataProto lacks")
 
 
 def response_logits(logits: torch.Tensor, response_len: int, temperature: float) -> torch.Tensor:
@@ -97,31 +86,26 @@ class MegatronActor:
     # ------------------------------------------------------------------ PPO
     def update_policy(self, data: DataProto) -> dict[str, list[float]]:
         """PPO epochs over mini-batches, one optimizer step each; metrics hold one value per step."""
-        self._require_optimizer("update_policy")
+        require_optimizer(self.optimizer, self.scheduler, "update_policy")
         cfg = self.cfg
         keys = [*POLICY_KEYS, "ref_log_prob"] if cfg.use_kl_loss else list(POLICY_KEYS)
         require_keys(data, keys, "update_policy")
-        local_size = local_mini_batch_size(
-            cfg.ppo_mini_batch_size, cfg.ppo_micro_batch_size, len(data), "actor"
-        )
         temperature = data.meta_info.get("temperature", 1.0)
         if temperature <= 0:
             raise ValueError(f"meta_info temperature must be > 0, got {temperature}")
-        metrics: dict[str, list[float]] = {}
-        batches = mini_batches(
-            data.select(batch_keys=keys), local_size, cfg.ppo_epochs, cfg.shuffle, cfg.seed
+        return update_epochs(
+            self.chunks,
+            self.optimizer,
+            self.scheduler,
+            data.select(batch_keys=keys),
+            cfg,
+            "actor",
+            partial(self._policy_loss, temperature),
+            shuffle=cfg.shuffle,
+            seed=cfg.seed,
         )
-        for mini_batch in batches:
-            counts = global_counts(mini_batch.batch["response_mask"])
-            scale = loss_scale(local_size // cfg.ppo_micro_batch_size)
-            loss_fn = partial(self._policy_loss, counts, scale, temperature)
-            step = train_step(
-                self.chunks, self.optimizer, self.scheduler, mini_batch, cfg.ppo_micro_batch_size, loss_fn
-            )
-            append_metrics(metrics, step)
-        return metrics
 
-    def _policy_loss(self, counts, scale, temperature, logits, micro_batch):
+    def _policy_loss(self, temperature, counts, scale, logits, micro_batch):
         cfg, mask = self.cfg, micro_batch["response_mask"]
         tokens, seqs = counts
         logits = response_logits(logits, mask.shape[1], temperature)  # (b, R, V/tp)
@@ -154,7 +138,7 @@ class MegatronActor:
     # ------------------------------------------------------------------ SFT
     def update_sft(self, data: DataProto) -> dict[str, float]:
         """One optimizer step of token-mean cross-entropy on the response tokens of the whole batch."""
-        self._require_optimizer("update_sft")
+        require_optimizer(self.optimizer, self.scheduler, "update_sft")
         require_keys(data, MODEL_KEYS, "update_sft")
         micro = data.meta_info.get("micro_batch_size", self.cfg.ppo_micro_batch_size)
         if micro < 1 or len(data) % micro:
@@ -174,8 +158,3 @@ class MegatronActor:
         )  # (b, R)
         sft_loss = agg_loss(-log_prob, mask, "token-mean", global_token_count=tokens)
         return sft_loss * scale, {"sft_loss": sft_loss.detach()}
-
-    # ------------------------------------------------------------------ shared
-    def _require_optimizer(self, method: str) -> None:
-        if self.optimizer is None or self.scheduler is None:
-            raise ValueError(f"{method} needs an optimizer and scheduler; this actor is frozen (a reference)")

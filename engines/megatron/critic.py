@@ -7,33 +7,19 @@ are collective; results are complete on the last pipeline stage. Batch keys: the
 `responses`, `response_mask`, and for the update `values` (old) and `returns`.
 """
 
-from functools import partial
-
 import torch
 
 from engines.megatron import forward
-from engines.megatron.actor import MODEL_KEYS, require_keys
+from engines.megatron.actor import MODEL_KEYS
 from engines.megatron.config import CriticUpdateConfig
-from engines.megatron.training import (
-    append_metrics,
-    global_counts,
-    local_mini_batch_size,
-    loss_scale,
-    mini_batches,
-    train_step,
-)
-from hybridflow.algorithms import LOSS_AGG_MODES, compute_value_loss, masked_sum
+from engines.megatron.training import require_keys, require_optimizer, update_epochs, validate_update_sizes
+from hybridflow.algorithms import compute_value_loss, masked_sum
 from hybridflow.protocol import DataProto
 
 
 def validate_critic_update_config(cfg: CriticUpdateConfig) -> None:
-    for key in ("ppo_mini_batch_size", "ppo_micro_batch_size", "ppo_epochs"):
-        if getattr(cfg, key) < 1:
-            raise ValueError(f"critic update {key} must be >= 1, got {getattr(cfg, key)}")
-    if cfg.loss_agg_mode not in LOSS_AGG_MODES:
-        raise ValueError(
-            f"critic update loss_agg_mode must be one of {LOSS_AGG_MODES}, got {cfg.loss_agg_mode!r}"
-        )
+    """ValueError naming the key, before any model work."""
+    validate_update_sizes(cfg, "critic")
     if cfg.cliprange_value <= 0:
         raise ValueError(f"critic update cliprange_value must be > 0, got {cfg.cliprange_value}")
 
@@ -67,30 +53,20 @@ class MegatronCritic:
 
     def update_critic(self, data: DataProto) -> dict[str, list[float]]:
         """Epochs over mini-batches of the clipped value loss; one value per optimizer step."""
-        if self.optimizer is None or self.scheduler is None:
-            raise ValueError("update_critic needs an optimizer and scheduler")
+        require_optimizer(self.optimizer, self.scheduler, "update_critic")
         keys = [*MODEL_KEYS, "values", "returns"]
         require_keys(data, keys, "update_critic")
-        local_size = local_mini_batch_size(
-            self.cfg.ppo_mini_batch_size, self.cfg.ppo_micro_batch_size, len(data), "critic"
+        return update_epochs(
+            self.chunks,
+            self.optimizer,
+            self.scheduler,
+            data.select(batch_keys=keys),
+            self.cfg,
+            "critic",
+            self._value_loss,
+            shuffle=False,
+            seed=0,
         )
-        data = data.select(batch_keys=keys)
-        metrics: dict[str, list[float]] = {}
-        for mini_batch in mini_batches(data, local_size, self.cfg.ppo_epochs, shuffle=False, seed=0):
-            counts = global_counts(mini_batch.batch["response_mask"])
-            loss_fn = partial(
-                self._value_loss, counts, loss_scale(local_size // self.cfg.ppo_micro_batch_size)
-            )
-            step = train_step(
-                self.chunks,
-                self.optimizer,
-                self.scheduler,
-                mini_batch,
-                self.cfg.ppo_micro_batch_size,
-                loss_fn,
-            )
-            append_metrics(metrics, step)
-        return metrics
 
     def _value_loss(self, counts, scale, output, micro_batch):
         tokens, seqs = counts

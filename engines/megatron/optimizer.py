@@ -17,6 +17,7 @@ from megatron.core.optimizer.optimizer import FP32Optimizer, MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from engines.megatron.config import MegatronConfig, OptimConfig
+from engines.megatron.model import params_dtype
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 
@@ -47,7 +48,7 @@ def validate_optim_config(optim: OptimConfig) -> None:
 
 def megatron_optimizer_config(optim: OptimConfig, cfg: MegatronConfig) -> OptimizerConfig:
     """Megatron-Core's `OptimizerConfig` for these settings."""
-    bf16 = cfg.params_dtype == "bfloat16"
+    dtype = params_dtype(cfg)
     return OptimizerConfig(
         optimizer=optim.optimizer,
         lr=optim.lr,
@@ -57,8 +58,8 @@ def megatron_optimizer_config(optim: OptimConfig, cfg: MegatronConfig) -> Optimi
         adam_beta2=optim.adam_beta2,
         adam_eps=optim.adam_eps,
         clip_grad=optim.clip_grad,
-        bf16=bf16,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        bf16=dtype == torch.bfloat16,
+        params_dtype=dtype,
         use_distributed_optimizer=cfg.use_distributed_optimizer and torch.cuda.is_available(),
     )
 

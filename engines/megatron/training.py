@@ -10,6 +10,8 @@ that of a single-process full-batch step. Tensor / pipeline ranks hold the same 
 and need no correction.
 """
 
+from functools import partial
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -17,7 +19,50 @@ from megatron.core import parallel_state
 
 from engines.megatron import forward
 from engines.megatron.optimizer import current_lr
+from hybridflow.algorithms import LOSS_AGG_MODES
 from hybridflow.protocol import DataProto
+
+
+def validate_update_sizes(cfg, role: str) -> None:
+    """ValueError naming `<role> update <key>` unless the batch sizes, epochs and loss_agg_mode of
+    an `ActorUpdateConfig` / `CriticUpdateConfig` are valid (checked before any model work)."""
+    for key in ("ppo_mini_batch_size", "ppo_micro_batch_size", "ppo_epochs"):
+        if getattr(cfg, key) < 1:
+            raise ValueError(f"{role} update {key} must be >= 1, got {getattr(cfg, key)}")
+    if cfg.loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(
+            f"{role} update loss_agg_mode must be one of {LOSS_AGG_MODES}, got {cfg.loss_agg_mode!r}"
+        )
+
+
+def require_keys(data: DataProto, keys, method: str) -> None:
+    missing = [k for k in keys if data.batch is None or k not in data.batch]
+    if missing:
+        raise ValueError(f"{method} needs batch keys {missing}, which the DataProto lacks")
+
+
+def require_optimizer(optimizer, scheduler, method: str) -> None:
+    if optimizer is None or scheduler is None:
+        raise ValueError(
+            f"{method} needs an optimizer and scheduler; this model was built without them (frozen: "
+            "a reference policy or a reward model)"
+        )
+
+
+def update_epochs(chunks, optimizer, scheduler, data: DataProto, cfg, role: str, loss_fn, shuffle, seed):
+    """`cfg.ppo_epochs` passes over `data` in mini-batches, one optimizer step each; the metrics
+    hold one value per step. `loss_fn(counts, scale, output, micro_batch)` is called with the
+    mini-batch's `global_counts` and the `loss_scale` (see the module docstring)."""
+    micro = cfg.ppo_micro_batch_size
+    local_size = local_mini_batch_size(cfg.ppo_mini_batch_size, micro, len(data), role)
+    scale = loss_scale(local_size // micro)
+    metrics: dict[str, list[float]] = {}
+    for mini_batch in mini_batches(data, local_size, cfg.ppo_epochs, shuffle, seed):
+        counts = global_counts(mini_batch.batch["response_mask"])
+        step = train_step(chunks, optimizer, scheduler, mini_batch, micro, partial(loss_fn, counts, scale))
+        for key, value in step.items():
+            metrics.setdefault(key, []).append(value)
+    return metrics
 
 
 def local_mini_batch_size(global_mini_batch_size: int, micro_batch_size: int, rows: int, key: str) -> int:
@@ -97,8 +142,3 @@ def sum_over_data_parallel(per_micro_batch: list[dict[str, torch.Tensor]]) -> di
     totals = torch.stack([sum(m[k].detach().double() for m in per_micro_batch) for k in keys])
     dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
     return dict(zip(keys, totals.tolist(), strict=True))
-
-
-def append_metrics(metrics: dict[str, list[float]], new: dict[str, float]) -> None:
-    for key, value in new.items():
-        metrics.setdefault(key, []).append(value)

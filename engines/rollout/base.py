@@ -243,7 +243,7 @@ def assemble_rollout_output(
     padding = response_length - length
     responses = torch.nn.functional.pad(
         responses.masked_fill(mask == 0, pad_token_id), (0, padding), value=pad_token_id
-    )
+    )  # (B, R)
     mask = torch.nn.functional.pad(mask, (0, padding), value=0)  # (B, R)
 
     prompt_ids = prompts.batch["input_ids"]  # (B, P)
@@ -259,7 +259,9 @@ def assemble_rollout_output(
         "position_ids": torch.cat([prompt_positions, response_positions], dim=1),
     }
     if log_probs is not None:
-        log_probs = torch.nn.functional.pad(log_probs.float() * mask[:, :length], (0, padding), value=0.0)
+        log_probs = torch.nn.functional.pad(
+            log_probs.float() * mask[:, :length], (0, padding), value=0.0
+        )  # (B, R)
         tensors["rollout_log_probs"] = log_probs
     return DataProto.from_dict(
         tensors=tensors, non_tensors=prompts.non_tensor_batch, meta_info=prompts.meta_info

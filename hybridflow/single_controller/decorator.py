@@ -56,10 +56,6 @@ class MethodSpec:
     blocking: bool
     materialize_futures: bool
 
-    @property
-    def needs_parallel_layout(self) -> bool:
-        return self.dispatch_mode is not None and self.dispatch_mode.name.startswith("MEGATRON_")
-
 
 def register(
     dispatch_mode: Dispatch | dict = Dispatch.ALL_TO_ALL,

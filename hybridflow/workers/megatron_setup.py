@@ -9,8 +9,7 @@ from hybridflow.single_controller import Worker
 
 def init_parallel_state(worker: Worker, megatron: MegatronConfig) -> None:
     """`init_megatron` (idempotent for colocated roles sharing one layout), then
-    `worker.set_parallel_ranks` from `engines.megatron.parallel.parallel_ranks()`."""
-    from engines.megatron.parallel import init_megatron, parallel_ranks
+    `worker.set_parallel_ranks` with the `ParallelRanks` it returns."""
+    from engines.megatron.parallel import init_megatron
 
-    init_megatron(megatron)
-    worker.set_parallel_ranks(**asdict(parallel_ranks()))
+    worker.set_parallel_ranks(**asdict(init_megatron(megatron)))

@@ -18,7 +18,6 @@ class RewardModelWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
         from engines.megatron.critic import MegatronCritic
-
         from engines.megatron.model import build_model
 
         cfg = self.config.reward_model

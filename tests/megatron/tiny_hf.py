@@ -95,37 +95,17 @@ def tiny_hf_config(
     raise ValueError(f"arch must be 'qwen2' or 'llama', got {arch!r}")
 
 
-def make_tiny_hf_checkpoint(
-    out_dir,
-    arch: str = "qwen2",
-    num_layers: int = 4,
-    hidden_size: int = 64,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    intermediate_size: int = 128,
-    vocab_size: int = 200,
-    tie_word_embeddings: bool = False,
-    seed: int = 0,
-    with_tokenizer: bool = True,
-) -> Path:
+def make_tiny_hf_checkpoint(out_dir, seed: int = 0, with_tokenizer: bool = True, **config_kwargs) -> Path:
     """Write a random fp32 checkpoint to `out_dir` and return it as a Path.
 
-    Weights are drawn with std 0.2 (biases and norms included) so that layouts that are wrong
-    show up as large logit differences rather than hiding under near-zero initialisation.
+    `config_kwargs` are `tiny_hf_config`'s (arch, num_layers, hidden_size, ...). Weights are drawn
+    with std 0.2 (biases and norms included) so that layouts that are wrong show up as large logit
+    differences rather than hiding under near-zero initialisation.
     """
     from transformers import AutoModelForCausalLM
 
     out = Path(out_dir)
-    config = tiny_hf_config(
-        arch,
-        num_layers,
-        hidden_size,
-        num_heads,
-        num_kv_heads,
-        intermediate_size,
-        vocab_size,
-        tie_word_embeddings,
-    )
+    config = tiny_hf_config(**config_kwargs)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
