@@ -27,10 +27,14 @@ class RewardModelWorker(Worker):
         self.scorer = MegatronCritic(self.chunks, None, None, self.config.critic.update)
 
     @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE_PROTO)
-    def compute_rm_score(self, data: DataProto) -> DataProto:
-        """`rm_scores` (B, R): the model's value at each response's last real token, placed there."""
+    def compute_rm_score(self, data: DataProto) -> DataProto | None:
+        """`rm_scores` (B, R): the model's value at each response's last real token, placed there.
+        Only the last pipeline stage has values (and is the one collected); other stages return None."""
         data.meta_info["micro_batch_size"] = self.config.reward_model.micro_batch_size
-        values = self.scorer.compute_values(data).batch["values"]  # (B, R)
+        out = self.scorer.compute_values(data)
+        if out is None:
+            return None
+        values = out.batch["values"]  # (B, R)
         response_mask = data.batch["response_mask"]  # (B, R)
         last = (response_mask.sum(dim=-1).long() - 1).clamp(min=0)  # (B,)
         scores = values.gather(1, last.unsqueeze(1)).squeeze(1)  # (B,)

@@ -1,0 +1,178 @@
+"""Where each step's metrics go: metrics.jsonl (always), the console, a progress bar, TensorBoard,
+Weights & Biases, and PNG plots refreshed every few steps.
+
+    tracker = Tracking(output_dir, backends=["console", "progress"], total_steps=100)
+    tracker.log({"reward/mean": 0.4, "val/accuracy": 0.5}, step=1)
+    tracker.close()
+
+A resumed run passes `resume_step`: records after that step (written by the interrupted run
+after its last checkpoint) are dropped from metrics.jsonl and TensorBoard, so the file holds
+exactly one record per step.
+"""
+
+import json
+import math
+import numbers
+import os
+from pathlib import Path
+
+from hybridflow.utils import plotting
+
+BACKENDS = ("console", "progress", "tensorboard", "wandb")
+METRICS_FILE = "metrics.jsonl"
+
+# Shown on the console line and progress bar when present, under these short names.
+HIGHLIGHTS = {
+    "reward/mean": "reward",
+    "val/accuracy": "val_acc",
+    "sft/loss": "loss",
+    "response_length/mean": "resp_len",
+    "timing/step": "step_s",
+}
+
+
+def to_float(value) -> float:
+    """A metric as a plain float (accepts Python and numpy numbers and 0-d tensors)."""
+    if hasattr(value, "item"):
+        value = value.item()
+    if not isinstance(value, numbers.Real):
+        raise TypeError(f"metric values must be numbers, got {type(value).__name__}: {value!r}")
+    return float(value)
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """Records of a metrics.jsonl file, in file order ([] when it does not exist)."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def format_highlights(record: dict) -> str:
+    """`reward 0.412 | val_acc 0.530 | ...` for the highlighted metrics present in `record`."""
+    parts = [f"{short} {record[key]:.4g}" for key, short in HIGHLIGHTS.items() if key in record]
+    return " | ".join(parts)
+
+
+class Tracking:
+    """Sends `log(metrics, step)` to every enabled backend; metrics.jsonl is always written.
+
+    backends: any of "console" (one line per step), "progress" (a tqdm bar showing step, reward,
+    accuracy), "tensorboard" (<output_dir>/tensorboard), "wandb" (needs `pip install wandb`).
+    plot_every: re-render <output_dir>/plots/*.png every this many logged steps (0: only at close).
+    """
+
+    def __init__(
+        self,
+        output_dir: str | Path,
+        backends: list[str] | tuple[str, ...] = ("console",),
+        project_name: str = "hybridflow",
+        experiment_name: str = "run",
+        config: dict | None = None,
+        total_steps: int | None = None,
+        plot_every: int = 5,
+        resume_step: int | None = None,
+    ):
+        unknown = [b for b in backends if b not in BACKENDS]
+        if unknown:
+            raise ValueError(f"trainer.logger has unknown backends {unknown}; choose from {list(BACKENDS)}")
+        if plot_every < 0:
+            raise ValueError(f"plot_every must be >= 0, got {plot_every}")
+        self.output_dir = Path(output_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.output_dir / METRICS_FILE
+        self.plots_dir = self.output_dir / "plots"
+        self.plot_every = plot_every
+        self.backends = list(backends)
+        self.history = self._resume_history(resume_step)
+        self._steps_since_plot = 0
+        self._latest = {}  # last value of each highlighted metric, for the progress bar
+        self._jsonl = open(self.metrics_path, "a")  # noqa: SIM115 (kept open for the run)
+        self._tensorboard = self._open_tensorboard(resume_step) if "tensorboard" in backends else None
+        self._wandb = self._open_wandb(project_name, experiment_name, config) if "wandb" in backends else None
+        self._progress = self._open_progress(total_steps, resume_step) if "progress" in backends else None
+
+    def _resume_history(self, resume_step: int | None) -> list[dict]:
+        """Records kept from an earlier run in this directory; without `resume_step` a run starts
+        a fresh file."""
+        if resume_step is None:
+            self.metrics_path.unlink(missing_ok=True)
+            return []
+        kept = [r for r in read_metrics(self.metrics_path) if r["step"] <= resume_step]
+        tmp = self.metrics_path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, self.metrics_path)
+        return kept
+
+    def _open_tensorboard(self, resume_step: int | None):
+        from torch.utils.tensorboard import SummaryWriter
+
+        # purge_step hides events an interrupted run wrote after the checkpoint it resumes from
+        purge = resume_step + 1 if resume_step is not None else None
+        return SummaryWriter(log_dir=str(self.output_dir / "tensorboard"), purge_step=purge)
+
+    def _open_wandb(self, project_name: str, experiment_name: str, config: dict | None):
+        try:
+            import wandb
+        except ImportError as err:
+            raise ValueError(
+                "trainer.logger includes 'wandb' but wandb is not installed: `pip install wandb`, "
+                "or remove 'wandb' from trainer.logger"
+            ) from err
+        return wandb.init(project=project_name, name=experiment_name, config=config or {})
+
+    def _open_progress(self, total_steps: int | None, resume_step: int | None):
+        from tqdm import tqdm
+
+        return tqdm(
+            total=total_steps, initial=resume_step or 0, desc="train", unit="step", dynamic_ncols=True
+        )
+
+    def log(self, metrics: dict, step: int) -> None:
+        """Record `metrics` (name -> number) for global step `step`."""
+        record = {"step": int(step), **{k: to_float(v) for k, v in metrics.items()}}
+        self.history.append(record)
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        if self._tensorboard is not None:
+            for key, value in record.items():
+                if key != "step" and math.isfinite(value):
+                    self._tensorboard.add_scalar(key, value, global_step=step)
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=step)
+        self._show(record)
+        self._steps_since_plot += 1
+        if self.plot_every and self._steps_since_plot >= self.plot_every:
+            self.refresh_plots()
+
+    def _show(self, record: dict) -> None:
+        line = format_highlights(record)
+        if self._progress is not None:
+            # the bar keeps the last value of each highlight (accuracy is only measured every few steps)
+            self._latest.update({k: v for k, v in record.items() if k in HIGHLIGHTS})
+            self._progress.set_postfix_str(format_highlights(self._latest), refresh=False)
+            self._progress.update(max(0, record["step"] - self._progress.n))
+        if "console" in self.backends:
+            text = f"step {record['step']}" + (f" | {line}" if line else "")
+            if self._progress is not None:
+                self._progress.write(text)
+            else:
+                print(text, flush=True)
+
+    def refresh_plots(self) -> list[Path]:
+        """Re-render the PNG plots from every record so far; returns the files written."""
+        self._steps_since_plot = 0
+        return plotting.plot_metrics(self.history, self.plots_dir)
+
+    def close(self) -> None:
+        """Final plots, then flush and close every backend."""
+        if self.history:
+            self.refresh_plots()
+        self._jsonl.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+        if self._progress is not None:
+            self._progress.close()

@@ -1,0 +1,169 @@
+"""Kill and resume: a GRPO run killed with SIGKILL after its first checkpoint, restarted with the
+same command, ends with the same metrics (bit for bit) and the same exported weights as a run
+that was never interrupted.
+
+What has to come back for that: actor weights, Adam state and LR schedule (Megatron dist
+checkpoint), the worker and rollout sampling RNG, the driver RNG, the dataloader position and
+the global step. On CPU with one thread per process every computation repeats exactly, so the
+comparison is exact; the timing and throughput metrics are wall-clock and are left out.
+
+The tiny random model never answers arithmetic, so the reward is the share of digits in the
+response (a custom reward loaded by dotted path): advantages and updates are then nonzero from
+the first step, and a lost optimizer state or a replayed batch would change the numbers.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from hybridflow.data.arith import ArithConfig, write_arith_parquet
+from hybridflow.utils.tiny_model import make_tiny_model
+from hybridflow.utils.tracking import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+TOTAL_STEPS = 6
+KILL_AFTER_STEP = 3  # > the first checkpoint (save_freq 2)
+WALL_CLOCK_PREFIXES = ("timing/", "throughput/")
+
+DIGIT_REWARD = """
+def digit_share(data_source, solution_str, ground_truth, extra_info):
+    return sum(c.isdigit() for c in solution_str) / max(len(solution_str), 1)
+"""
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("resume")
+    (root / "resume_reward.py").write_text(DIGIT_REWARD)
+    data = write_arith_parquet(root / "data", ArithConfig(num_train=64, num_test=8, seed=5))
+    return {"root": root, "model": make_tiny_model(root / "tiny", num_layers=2), "data": data}
+
+
+def command(local: dict, output_dir: Path) -> list[str]:
+    """The quickstart recipe made tiny: TP 2 over 2 processes, 4 prompts x 4 samples, 6 steps,
+    a checkpoint every 2 steps, validation every 3, HF export at the end."""
+    return [
+        "bash",
+        str(ROOT / "scripts/run_recipe.sh"),
+        str(ROOT / "recipes/quickstart.yaml"),
+        f"model.path={local['model']}",
+        f"data.train_files=[{local['data']['train']}]",
+        f"data.val_files=[{local['data']['test']}]",
+        "data.train_batch_size=4",
+        "reward.custom_fn=resume_reward.digit_share",
+        "rollout.sampling.n=4",
+        "rollout.response_length=12",
+        "actor.optim.lr=1e-3",
+        "actor.update.ppo_mini_batch_size=8",  # two optimizer steps per RL step
+        "actor.update.ppo_micro_batch_size=4",
+        "actor.log_prob_micro_batch_size=8",
+        f"trainer.total_training_steps={TOTAL_STEPS}",
+        "trainer.save_freq=2",
+        "trainer.max_ckpt_to_keep=null",
+        "trainer.test_freq=3",
+        "trainer.val_before_train=false",
+        "trainer.logger=[console]",
+        f"trainer.output_dir={output_dir}",
+    ]
+
+
+def environment(local: dict) -> dict:
+    return {
+        **os.environ,
+        "RAY_ADDRESS": "local",  # a fresh Ray instance per run, never another test's cluster
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore",
+        "PYTHONPATH": str(local["root"]),
+    }
+
+
+def run_to_end(local: dict, output_dir: Path) -> None:
+    result = subprocess.run(
+        command(local, output_dir), env=environment(local), capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def run_and_kill_after(local: dict, output_dir: Path, step: int) -> None:
+    """Starts the run in its own process group and SIGKILLs the group (driver, Ray, workers) as
+    soon as metrics.jsonl records `step`."""
+    log = open(output_dir.parent / f"{output_dir.name}.log", "w")  # noqa: SIM115 (closed below)
+    proc = subprocess.Popen(
+        command(local, output_dir), env=environment(local), stdout=log, stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )  # fmt: skip
+    metrics = output_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 500
+    try:
+        while not any(r["step"] >= step for r in read_metrics(metrics)):
+            assert proc.poll() is None, f"run ended before step {step}: {log.name}"
+            assert time.monotonic() < deadline, f"no step {step} within 500 s: {log.name}"
+            time.sleep(0.2)
+    finally:
+        family = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
+        os.killpg(proc.pid, signal.SIGKILL)
+        for child in family:  # Ray processes that left the group
+            if child.is_running():
+                child.kill()
+        proc.wait()
+        log.close()
+
+
+def load_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face directory, whatever its sharding."""
+    return {name: t for shard in sorted(hf_dir.glob("*.safetensors")) for name, t in load_file(shard).items()}
+
+
+def comparable(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(WALL_CLOCK_PREFIXES)} for r in records]
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_to_the_same_metrics_and_weights(local, tmp_path):
+    reference_dir, resumed_dir = tmp_path / "reference", tmp_path / "resumed"
+    run_and_kill_after(local, resumed_dir, KILL_AFTER_STEP)
+    killed_latest = (resumed_dir / "checkpoints" / "latest").read_text().strip()
+    assert killed_latest in ("global_step_2", "global_step_4")
+    assert not (resumed_dir / "hf").exists()
+
+    run_to_end(local, resumed_dir)  # the same command again: resume_mode auto
+    run_to_end(local, reference_dir)
+
+    reference = read_metrics(reference_dir / "metrics.jsonl")
+    resumed = read_metrics(resumed_dir / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == list(range(1, TOTAL_STEPS + 1))  # no step logged twice
+    assert comparable(resumed) == comparable(reference)
+    assert reference[0]["actor/grad_norm"] > 0 and "val/accuracy" in reference[2]
+    assert len({r["reward/mean"] for r in reference}) > 1  # the runs did learn something
+
+    exported = load_weights(resumed_dir / "hf")
+    expected = load_weights(reference_dir / "hf")
+    initial = load_weights(local["model"])
+    assert exported.keys() == expected.keys() == initial.keys()
+    assert all(torch.equal(exported[k], expected[k]) for k in expected)  # bit-for-bit
+    assert not torch.equal(exported["model.embed_tokens.weight"], initial["model.embed_tokens.weight"])
+    generates_with_transformers(resumed_dir / "hf")
+
+
+def generates_with_transformers(hf_dir: Path) -> None:
+    """The exported final actor (<output_dir>/hf) loads with transformers' Auto classes and
+    generates."""
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir)
+    assert json.loads((hf_dir / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 12+34?"}], add_generation_prompt=True, tokenize=False
+    )
+    inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
+    with torch.no_grad():
+        generated = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+    assert inputs["input_ids"].shape[1] < generated.shape[1] <= inputs["input_ids"].shape[1] + 8

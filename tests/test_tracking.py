@@ -1,0 +1,148 @@
+"""Tracking: metrics.jsonl records, console/progress lines, TensorBoard scalars, plots refreshed
+every few steps, and trimming of records past the resume step."""
+
+import importlib.util
+import json
+
+import pytest
+
+from hybridflow.utils.plotting import PLOTS, matching_keys, plot_metrics_file
+from hybridflow.utils.tracking import Tracking, read_metrics
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def step_metrics(step: int) -> dict:
+    return {
+        "reward/mean": 0.1 * step,
+        "val/accuracy": 0.05 * step,
+        "actor/ppo_kl": 0.001 * step,
+        "actor/entropy": 2.0 - 0.1 * step,
+        "response_length/mean": 10.0 + step,
+        "timing/gen": 1.5,
+        "timing/update_actor": 0.5,
+    }
+
+
+def test_jsonl_has_one_record_per_step_and_numbers_become_floats(tmp_path):
+    import numpy as np
+    import torch
+
+    tracker = Tracking(tmp_path, backends=[], plot_every=0)
+    tracker.log({"a": torch.tensor(1.5), "b": np.float32(2.0), "c": 3}, step=1)
+    tracker.log({"a": 0.5}, step=2)
+    tracker.close()
+    assert read_metrics(tmp_path / "metrics.jsonl") == [
+        {"step": 1, "a": 1.5, "b": 2.0, "c": 3.0},
+        {"step": 2, "a": 0.5},
+    ]
+
+
+def test_non_numbers_and_unknown_backends_are_rejected(tmp_path):
+    with pytest.raises(ValueError, match=r"unknown backends \['mlflow'\]"):
+        Tracking(tmp_path, backends=["console", "mlflow"])
+    tracker = Tracking(tmp_path, backends=[], plot_every=0)
+    with pytest.raises(TypeError, match="metric values must be numbers, got str"):
+        tracker.log({"a": "high"}, step=1)
+    tracker.close()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed")
+def test_wandb_without_the_package_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="wandb is not installed"):
+        Tracking(tmp_path, backends=["wandb"])
+
+
+def test_console_line_shows_highlights(tmp_path, capsys):
+    tracker = Tracking(tmp_path, backends=["console"], plot_every=0)
+    tracker.log({"reward/mean": 0.25, "val/accuracy": 0.5, "other": 1.0}, step=7)
+    tracker.close()
+    assert capsys.readouterr().out.strip() == "step 7 | reward 0.25 | val_acc 0.5"
+
+
+def test_progress_bar_tracks_step_and_postfix(tmp_path, capsys):
+    tracker = Tracking(tmp_path, backends=["progress"], total_steps=4, plot_every=0)
+    tracker.log({"reward/mean": 0.75, "val/accuracy": 0.25}, step=1)
+    tracker.log({"reward/mean": 0.5}, step=2)
+    assert tracker._progress.n == 2
+    tracker.close()
+    assert "reward 0.5 | val_acc 0.25" in capsys.readouterr().err  # accuracy stays on the bar
+
+
+def test_plots_are_refreshed_every_few_steps_and_hold_matching_metrics(tmp_path):
+    tracker = Tracking(tmp_path, backends=[], plot_every=3)
+    tracker.log(step_metrics(1), step=1)
+    tracker.log(step_metrics(2), step=2)
+    assert not (tmp_path / "plots").exists()
+    tracker.log(step_metrics(3), step=3)
+    names = {"reward", "val_accuracy", "kl", "entropy", "response_length", "timing"}
+    assert {p.stem for p in (tmp_path / "plots").glob("*.png")} == names
+    first = (tmp_path / "plots" / "reward.png").stat().st_mtime_ns
+    tracker.log(step_metrics(4), step=4)
+    tracker.close()  # close re-renders with step 4
+    assert (tmp_path / "plots" / "reward.png").stat().st_mtime_ns > first
+    for png in (tmp_path / "plots").glob("*.png"):
+        assert png.read_bytes()[:8] == PNG_MAGIC
+    assert not list((tmp_path / "plots").glob(".*tmp"))
+
+
+def test_plot_patterns_select_the_intended_metrics():
+    history = [
+        {
+            "step": 1,
+            **step_metrics(1),
+            "kl/mean": 0.2,
+            "actor/kl_loss": 0.1,
+            "critic/vf_loss": 1.0,
+            "actor/pg_loss": 0.2,
+            "val/arith/accuracy": 0.4,
+        }
+    ]
+    by_name = {spec.name: matching_keys(history, spec.pattern) for spec in PLOTS}
+    assert by_name["reward"] == ["reward/mean"]
+    assert by_name["val_accuracy"] == ["val/accuracy", "val/arith/accuracy"]
+    assert by_name["kl"] == ["actor/ppo_kl", "kl/mean", "actor/kl_loss"]
+    assert by_name["entropy"] == ["actor/entropy"]
+    assert by_name["timing"] == ["timing/gen", "timing/update_actor"]
+    assert by_name["loss"] == ["critic/vf_loss", "actor/pg_loss"]  # the KL loss is on the KL plot
+
+
+def test_plot_metrics_file_from_a_finished_run(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.5}) + "\n")
+    assert [p.name for p in plot_metrics_file(tmp_path)] == ["reward.png"]
+    with pytest.raises(ValueError, match="has no metrics to plot"):
+        plot_metrics_file(tmp_path / "empty")
+
+
+def test_resume_drops_records_after_the_resume_step_and_a_fresh_run_starts_over(tmp_path):
+    tracker = Tracking(tmp_path, backends=[], plot_every=0)
+    for step in range(1, 6):
+        tracker.log({"x": float(step)}, step=step)
+    tracker.close()
+    resumed = Tracking(tmp_path, backends=[], plot_every=0, resume_step=3)
+    assert [r["step"] for r in resumed.history] == [1, 2, 3]
+    resumed.log({"x": 40.0}, step=4)
+    resumed.close()
+    assert [(r["step"], r["x"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == [
+        (1, 1.0),
+        (2, 2.0),
+        (3, 3.0),
+        (4, 40.0),
+    ]
+    Tracking(tmp_path, backends=[], plot_every=0).close()
+    assert read_metrics(tmp_path / "metrics.jsonl") == []
+
+
+def test_tensorboard_scalars_and_purge_on_resume(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tracker = Tracking(tmp_path, backends=["tensorboard"], plot_every=0)
+    for step in range(1, 4):
+        tracker.log({"reward/mean": float(step)}, step=step)
+    tracker.close()
+    resumed = Tracking(tmp_path, backends=["tensorboard"], plot_every=0, resume_step=1)
+    resumed.log({"reward/mean": 20.0}, step=2)
+    resumed.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("reward/mean")] == [(1, 1.0), (2, 20.0)]
