@@ -30,6 +30,13 @@ def response_values(output: torch.Tensor, response_mask: torch.Tensor) -> torch.
     return values * response_mask
 
 
+def last_token_values(output: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """(b, T, 1) value-head output -> (b,) output at each row's last real token, the one position
+    that has read the whole response (responses are right-padded, so it is the last 1 in the mask)."""
+    last = attention_mask.shape[1] - 1 - attention_mask.flip(-1).argmax(dim=-1)  # (b,)
+    return output[torch.arange(output.shape[0], device=output.device), last, 0].float()  # (b,)
+
+
 class MegatronCritic:
     def __init__(self, chunks, optimizer=None, scheduler=None, update_cfg: CriticUpdateConfig | None = None):
         self.chunks = chunks
@@ -40,16 +47,26 @@ class MegatronCritic:
 
     def compute_values(self, data: DataProto) -> DataProto | None:
         """`values` (B, R), zero on padding; meta_info may set `micro_batch_size`."""
-        require_keys(data, MODEL_KEYS, "compute_values")
+        values = self._forward_only(data, _values_only, "compute_values")
+        return None if values is None else DataProto.from_dict(tensors={"values": values})
+
+    def compute_sequence_scores(self, data: DataProto) -> DataProto | None:
+        """`scores` (B,): the head's output at each sequence's last real token (a reward model's
+        score, which must read the response's final token; `values` stop one position short)."""
+        scores = self._forward_only(data, _last_token_only, "compute_sequence_scores")
+        return None if scores is None else DataProto.from_dict(tensors={"scores": scores})
+
+    def _forward_only(self, data: DataProto, post_process, method: str) -> torch.Tensor | None:
+        """Micro-batched forward; the per-row results concatenated on the last pipeline stage,
+        None on the others. meta_info may set `micro_batch_size`."""
+        require_keys(data, MODEL_KEYS, method)
         for chunk in self.chunks:
             chunk.eval()
         micro = data.meta_info.get("micro_batch_size", self.cfg.ppo_micro_batch_size)
         results = forward.run_micro_batches(
-            self.chunks, data.select(batch_keys=list(MODEL_KEYS)), micro, _values_only, forward_only=True
+            self.chunks, data.select(batch_keys=list(MODEL_KEYS)), micro, post_process, forward_only=True
         )
-        if not results:
-            return None
-        return DataProto.from_dict(tensors={"values": torch.cat(results).cpu()})
+        return torch.cat(results).cpu() if results else None
 
     def update_critic(self, data: DataProto) -> dict[str, list[float]]:
         """Epochs over mini-batches of the clipped value loss; one value per optimizer step."""
@@ -86,3 +103,7 @@ class MegatronCritic:
 
 def _values_only(output, micro_batch):
     return output.new_zeros(()), response_values(output, micro_batch["response_mask"])
+
+
+def _last_token_only(output, micro_batch):
+    return output.new_zeros(()), last_token_values(output, micro_batch["attention_mask"])

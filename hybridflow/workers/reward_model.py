@@ -28,14 +28,12 @@ class RewardModelWorker(Worker):
 
     @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE_PROTO)
     def compute_rm_score(self, data: DataProto) -> DataProto | None:
-        """`rm_scores` (B, R): the model's value at each response's last real token, placed there.
-        Only the last pipeline stage has values (and is the one collected); other stages return None."""
+        """`rm_scores` (B, R): the model's score of each whole sequence (its head at the last real
+        token), placed on the response's last token. Only the last pipeline stage has scores (and
+        is the one collected); the other stages return None."""
         data.meta_info["micro_batch_size"] = self.config.reward_model.micro_batch_size
-        out = self.scorer.compute_values(data)
+        out = self.scorer.compute_sequence_scores(data)
         if out is None:
             return None
-        values = out.batch["values"]  # (B, R)
-        response_mask = data.batch["response_mask"]  # (B, R)
-        last = (response_mask.sum(dim=-1).long() - 1).clamp(min=0)  # (B,)
-        scores = values.gather(1, last.unsqueeze(1)).squeeze(1)  # (B,)
-        return DataProto.from_dict({"rm_scores": place_on_last_token(scores, response_mask)})
+        scores = out.batch["scores"]  # (B,)
+        return DataProto.from_dict({"rm_scores": place_on_last_token(scores, data.batch["response_mask"])})
