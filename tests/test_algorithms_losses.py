@@ -18,6 +18,7 @@ MASK = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]])  # last sequence has no v
         ("token-mean", (1 + 2 + 4) / 3),
         ("seq-mean-token-sum", ((1 + 2) + 4) / 2),
         ("seq-mean-token-mean", ((1 + 2) / 2 + 4) / 2),
+        ("seq-mean-token-sum-norm", ((1 + 2) / 3 + 4 / 3) / 2),  # T = 3 columns
     ],
 )
 def test_agg_loss_modes_and_global_counts(mode, expected):

@@ -27,7 +27,13 @@ from engines.megatron.training import (
     update_epochs,
     validate_update_sizes,
 )
-from hybridflow.algorithms import agg_loss, compute_policy_loss, kl_penalty
+from hybridflow.algorithms import (
+    POLICY_LOSSES,
+    agg_loss,
+    compute_policy_loss,
+    compute_policy_loss_gspo,
+    kl_penalty,
+)
 from hybridflow.algorithms.kl import KL_PENALTY_KINDS
 from hybridflow.protocol import DataProto
 
@@ -47,6 +53,8 @@ def validate_actor_update_config(cfg: ActorUpdateConfig) -> None:
             "actor update needs 0 <= clip_ratio_low < 1, clip_ratio_high >= 0 and clip_ratio_c > 1; got "
             f"{cfg.clip_ratio_low}, {cfg.clip_ratio_high}, {cfg.clip_ratio_c}"
         )
+    if cfg.policy_loss not in POLICY_LOSSES:
+        raise ValueError(f"actor update policy_loss must be one of {POLICY_LOSSES}, got {cfg.policy_loss!r}")
 
 
 def response_logits(logits: torch.Tensor, response_len: int, temperature: float) -> torch.Tensor:
@@ -112,10 +120,16 @@ class MegatronActor:
         log_prob = forward.vocab_parallel_log_probs(
             logits, micro_batch["responses"], self.vocab_size
         )  # (b, R)
-        pg_loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss(
-            micro_batch["old_log_probs"], log_prob, micro_batch["advantages"], mask,
-            cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c, cfg.loss_agg_mode, tokens, seqs,
-        )  # fmt: skip
+        ratio_inputs = (micro_batch["old_log_probs"], log_prob, micro_batch["advantages"], mask)
+        if cfg.policy_loss == "gspo":
+            pg_loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss_gspo(
+                *ratio_inputs, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.loss_agg_mode, tokens, seqs
+            )
+        else:
+            pg_loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss(
+                *ratio_inputs, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c, cfg.loss_agg_mode,
+                tokens, seqs,
+            )  # fmt: skip
         with torch.set_grad_enabled(cfg.entropy_coeff != 0 and torch.is_grad_enabled()):
             entropy_tokens = forward.vocab_parallel_entropy(logits, self.vocab_size)  # (b, R)
         entropy = agg_loss(entropy_tokens, mask, cfg.loss_agg_mode, tokens, seqs)

@@ -56,12 +56,16 @@ class ActorUpdateConfig:
     clip_ratio_high: float = 0.2  # > clip_ratio_low is DAPO's clip-higher
     clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages
     loss_agg_mode: str = "token-mean"  # "token-mean" | "seq-mean-token-sum" | "seq-mean-token-mean"
+    # | "seq-mean-token-sum-norm" (Dr. GRPO)
     entropy_coeff: float = 0.0  # entropy bonus weight (loss -= coeff * entropy)
     use_kl_loss: bool = False  # KL to the reference policy as a loss term (needs ref_log_prob)
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"  # "kl"/"k1", "abs", "mse"/"k2", "low_var_kl"/"k3"
     shuffle: bool = False  # shuffle rows within this rank's shard before each epoch
     seed: int = 0  # seeds the shuffle
+    # "vanilla": token-level PPO ratio | "gspo": sequence-level ratio and clip (GSPO, Zheng et al.
+    # 2025; use clip ratios near 3e-4 / 4e-4 and loss_agg_mode "seq-mean-token-mean")
+    policy_loss: str = "vanilla"
 
 
 @dataclass

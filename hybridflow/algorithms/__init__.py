@@ -1,5 +1,5 @@
 """Pure RL math (tensors in, tensors out): advantage estimators, policy / value / KL losses,
-KL coefficient control. Imports only torch."""
+KL coefficient control, DAPO's group filter and overlong penalty. Imports only torch."""
 
 from hybridflow.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
@@ -11,27 +11,39 @@ from hybridflow.algorithms.advantages import (
     remax,
     rloo,
 )
+from hybridflow.algorithms.dapo import groups_with_reward_variance, overlong_penalty
 from hybridflow.algorithms.kl import AdaptiveKLController, FixedKLController, apply_kl_penalty, kl_penalty
-from hybridflow.algorithms.losses import LOSS_AGG_MODES, agg_loss, compute_policy_loss, compute_value_loss
+from hybridflow.algorithms.losses import (
+    LOSS_AGG_MODES,
+    POLICY_LOSSES,
+    agg_loss,
+    compute_policy_loss,
+    compute_policy_loss_gspo,
+    compute_value_loss,
+)
 from hybridflow.algorithms.masked import compute_response_mask, masked_mean, masked_sum, masked_whiten
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "LOSS_AGG_MODES",
+    "POLICY_LOSSES",
     "AdaptiveKLController",
     "FixedKLController",
     "agg_loss",
     "apply_kl_penalty",
     "compute_advantage",
     "compute_policy_loss",
+    "compute_policy_loss_gspo",
     "compute_response_mask",
     "compute_value_loss",
     "gae",
+    "groups_with_reward_variance",
     "grpo",
     "kl_penalty",
     "masked_mean",
     "masked_sum",
     "masked_whiten",
+    "overlong_penalty",
     "reinforce_plus_plus",
     "reinforce_plus_plus_baseline",
     "remax",

@@ -10,7 +10,8 @@ import torch
 
 from hybridflow.algorithms.masked import masked_mean
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+POLICY_LOSSES = ("vanilla", "gspo")
 
 
 def agg_loss(
@@ -27,6 +28,10 @@ def agg_loss(
       Liu et al. 2025).
     - "seq-mean-token-mean": per-sequence token mean, averaged over sequences (GRPO,
       Shao et al. 2024).
+    - "seq-mean-token-sum-norm": per-sequence token sum divided by the constant T (the padded
+      response width, i.e. the generation budget), averaged over sequences: Dr. GRPO's
+      length-unbiased loss (Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical
+      Perspective", eq. 3 and its constant-normaliser implementation).
     Sequences count when they hold at least one valid token. The divisors default to this
     batch's own counts; pass the whole mini-batch's `global_token_count` /
     `global_seq_count` to make micro-batch results add up to the mini-batch loss.
@@ -42,6 +47,8 @@ def agg_loss(
     seq_count = (tokens_per_seq > 0).sum() if global_seq_count is None else global_seq_count
     if loss_agg_mode == "seq-mean-token-mean":
         token_sums = token_sums / tokens_per_seq.clamp(min=1)
+    elif loss_agg_mode == "seq-mean-token-sum-norm":
+        token_sums = token_sums / loss_mat.size(-1)
     return token_sums.sum() / max(float(seq_count), 1.0)
 
 
@@ -88,6 +95,42 @@ def compute_policy_loss(
     pg_losses = torch.where(negative, dual_loss, clip_loss)  # (B, R)
     pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, global_token_count, global_seq_count)
     return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
+
+
+def compute_policy_loss_gspo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float = 3e-4,
+    clip_ratio_high: float = 4e-4,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    global_token_count: float | None = None,
+    global_seq_count: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv:2507.18071): the
+    importance ratio is the sequence's length-normalised likelihood ratio
+    s_i = exp(mean_t(log pi - log pi_old)), clipped to [1 - clip_ratio_low, 1 + clip_ratio_high]
+    (the paper uses 3e-4 / 4e-4) as a whole sequence.
+
+    Written as GSPO-token (eq. 13): s_i,t = sg[s_i] * pi(y_t) / sg[pi(y_t)] equals s_i in value, and
+    with one advantage per sequence its gradient averaged over the tokens is GSPO's. The paper's
+    objective is the sequence mean, "seq-mean-token-mean". Inputs (B, R); returns the same
+    four values as `compute_policy_loss` (no dual clip: the last one is 0).
+    """
+    mask = response_mask.to(log_prob.dtype)
+    log_ratio = log_prob - old_log_prob  # (B, R)
+    seq_log_ratio = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # (B,)
+    token_log_ratio = seq_log_ratio.detach().unsqueeze(-1) + log_prob - log_prob.detach()  # (B, R)
+    # the same overflow guard as the token-level loss
+    ratio = torch.exp(token_log_ratio.clamp(max=10.0))
+    unclipped = -advantages * ratio  # (B, R)
+    clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    pg_losses = torch.maximum(unclipped, clipped)  # (B, R)
+    pg_clipfrac = masked_mean((clipped > unclipped).float(), response_mask)
+    ppo_kl = masked_mean(-log_ratio, response_mask)
+    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, global_token_count, global_seq_count)
+    return pg_loss, pg_clipfrac, ppo_kl, torch.zeros_like(pg_clipfrac)
 
 
 def compute_value_loss(

@@ -7,7 +7,7 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridflow.algorithms import ADVANTAGE_ESTIMATORS, LOSS_AGG_MODES
+from hybridflow.algorithms import ADVANTAGE_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
 from hybridflow.algorithms.kl import KL_PENALTY_KINDS
 from hybridflow.config.schema import RecipeConfig
 from hybridflow.reward.registry import load_reward_fn
@@ -21,6 +21,7 @@ CHOICES = {
     "actor.update.kl_loss_type": KL_PENALTY_KINDS,
     "actor.update.loss_agg_mode": LOSS_AGG_MODES,
     "critic.update.loss_agg_mode": LOSS_AGG_MODES,
+    "actor.update.policy_loss": POLICY_LOSSES,
     "trainer.resume_mode": ("auto", "disable"),
     "trainer.mode": ("rl", "sft"),
 }
