@@ -4,7 +4,8 @@ This module imports nothing from Megatron-Core so that the recipe schema can com
 without pulling Megatron into `import hybridflow`.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -22,6 +23,18 @@ class MegatronConfig:
     grad_offload: bool = False
     optimizer_offload: bool = False
     seed: int = 42
+    # Any other Megatron-Core 0.16.1 setting by its own name, applied over what hybridflow builds
+    # (engines/megatron/passthrough.py), e.g. transformer: {recompute_granularity: full}
+    transformer: dict[str, Any] = field(default_factory=dict)  # TransformerConfig fields
+    ddp: dict[str, Any] = field(default_factory=dict)  # DistributedDataParallelConfig fields
+    optimizer: dict[str, Any] = field(default_factory=dict)  # OptimizerConfig fields
+
+    def __post_init__(self) -> None:
+        from engines.megatron.passthrough import check_megatron_passthrough
+
+        check_megatron_passthrough(
+            {"transformer": self.transformer, "ddp": self.ddp, "optimizer": self.optimizer}
+        )
 
 
 @dataclass

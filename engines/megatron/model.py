@@ -141,7 +141,7 @@ def to_transformer_config(hf_config: HFModelConfig, cfg: MegatronConfig):
     dtype = params_dtype(cfg)
     if cfg.sequence_parallel and not use_transformer_engine():
         raise ValueError("sequence_parallel=True needs Transformer Engine on CUDA; set it to false")
-    return TransformerConfig(
+    settings = dict(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
         ffn_hidden_size=hf_config.intermediate_size,
@@ -175,6 +175,7 @@ def to_transformer_config(hf_config: HFModelConfig, cfg: MegatronConfig):
         variable_seq_lengths=False,
         **cpu_compat.transformer_config_overrides(),
     )
+    return TransformerConfig(**{**settings, **cfg.transformer})  # the recipe's pass-through wins
 
 
 def layer_spec():
@@ -246,11 +247,12 @@ def _wrap_for_training(model, tf_config, cfg: MegatronConfig):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
-    ddp_config = DistributedDataParallelConfig(
+    settings = dict(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
         use_distributed_optimizer=cfg.use_distributed_optimizer and cpu_compat.cuda_available(),
     )
+    ddp_config = DistributedDataParallelConfig(**{**settings, **cfg.ddp})
     wrapped = DistributedDataParallel(config=tf_config, ddp_config=ddp_config, module=model)
     # What Megatron's training loop wires up: the schedule syncs grads through these.
     tf_config.no_sync_func = wrapped.no_sync

@@ -47,9 +47,9 @@ def validate_optim_config(optim: OptimConfig) -> None:
 
 
 def megatron_optimizer_config(optim: OptimConfig, cfg: MegatronConfig) -> OptimizerConfig:
-    """Megatron-Core's `OptimizerConfig` for these settings."""
+    """Megatron-Core's `OptimizerConfig` for these settings and `cfg.optimizer`'s pass-through fields."""
     dtype = params_dtype(cfg)
-    return OptimizerConfig(
+    settings = dict(
         optimizer=optim.optimizer,
         lr=optim.lr,
         min_lr=optim.min_lr,
@@ -62,6 +62,7 @@ def megatron_optimizer_config(optim: OptimConfig, cfg: MegatronConfig) -> Optimi
         params_dtype=dtype,
         use_distributed_optimizer=cfg.use_distributed_optimizer and torch.cuda.is_available(),
     )
+    return OptimizerConfig(**{**settings, **cfg.optimizer})  # the recipe's pass-through wins
 
 
 class CpuFP32Optimizer(FP32Optimizer):

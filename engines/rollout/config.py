@@ -5,8 +5,24 @@ its own values in `__post_init__` and raises `ValueError` naming the key and wha
 """
 
 from dataclasses import dataclass, field
+from typing import Any
+
+from engines.passthrough import check_setting_names
+from engines.rollout.sglang_server_args import SERVER_ARGS_FIELDS, SGLANG_VERSION
 
 ROLLOUT_ENGINES = ("hf", "sglang")
+# ServerArgs fields the sglang engine sets from the rollout settings (or needs as they are)
+SGLANG_SET_ELSEWHERE = {
+    "model_path": "model.path",
+    "dtype": "rollout.dtype",
+    "tp_size": "rollout.tensor_model_parallel_size",
+    "mem_fraction_static": "rollout.gpu_memory_utilization",
+    "load_format": "rollout.load_format",
+    "random_seed": "rollout.seed",
+    "base_gpu_id": "the worker's device",
+    "enable_memory_saver": "the hybrid engine (it must be true to release memory between phases)",
+    "skip_tokenizer_init": "whether stop strings are used",
+}
 ROLLOUT_DTYPES = ("float32", "bfloat16", "float16")
 LOAD_FORMATS = ("dummy", "auto")
 
@@ -65,6 +81,9 @@ class RolloutConfig:
     verify_weight_sync: bool = False  # checksum every tensor on both sides at every sync (hf engine)
     gpu_memory_utilization: float = 0.5  # SGLang mem_fraction_static
     free_cache_engine: bool = True  # release the engine's memory after generation
+    # any other SGLang ServerArgs field by its own name (checked against the pinned version's fields),
+    # e.g. {enable_torch_compile: true, attention_backend: fa3}
+    sglang: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.name not in ROLLOUT_ENGINES:
@@ -102,6 +121,15 @@ class RolloutConfig:
                 "rollout.verify_weight_sync needs rollout.name=hf: SGLang exposes no exact read-back "
                 "of its (fused, TP-sharded) parameters"
             )
+        if self.sglang and self.name != "sglang":
+            raise ValueError(f"rollout.sglang is set but rollout.name={self.name!r}; remove it or use sglang")
+        check_setting_names(
+            "rollout.sglang",
+            self.sglang,
+            SERVER_ARGS_FIELDS,
+            f"SGLang {SGLANG_VERSION} ServerArgs",
+            SGLANG_SET_ELSEWHERE,
+        )
 
     def max_new_tokens(self, sampling: SamplingConfig) -> int:
         """New tokens to generate under `sampling` (its own limit, else response_length)."""

@@ -55,6 +55,7 @@ class SGLangRolloutEngine(SeededGenerationMixin):
             random_seed=cfg.seed,
             enable_memory_saver=True,  # release/resume_memory_occupation need it
             skip_tokenizer_init=not uses_stop,  # stop strings are matched on text, so they need it
+            **cfg.sglang,  # the recipe's other ServerArgs fields
         )
         self._calls = 0
 
