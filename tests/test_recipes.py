@@ -218,7 +218,12 @@ def test_invalid_recipe_exits_non_zero_with_the_error(tmp_path):
         ["trainer.use_gpu=false", "rollout.name=hf", "rollout.tensor_model_parallel_size=1"],
     )
     assert result.returncode == 2
-    assert "model.path=models/Qwen2.5-0.5B-Instruct is not a Hugging Face model directory" in result.stderr
+    # the recipe's local directory is absent, and as a Hub id it is not cached (tests run offline)
+    assert (
+        "model.path=models/Qwen2.5-0.5B-Instruct is neither a local directory nor a usable Hub id"
+        in result.stderr
+    )
+    assert "hf download <id> --local-dir <dir>" in result.stderr
     help_text = subprocess.run(
         [sys.executable, "-m", "hybridflow.trainer.main", "--help"],
         capture_output=True,

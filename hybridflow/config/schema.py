@@ -15,10 +15,13 @@ from engines.rollout.config import RolloutConfig
 
 @dataclass
 class ModelConfig:
-    """The policy: a local Hugging Face directory (config.json, weights, tokenizer)."""
+    """The policy: a local Hugging Face directory (config.json, weights, tokenizer) or a Hub id."""
 
     path: str = MISSING
     tokenizer_path: str | None = None  # None: the tokenizer in `path`
+    # `path` and `tokenizer_path` may also be Hugging Face Hub ids (hybridflow/utils/hub.py);
+    # this is the Hub branch, tag or commit they resolve at (None: the default branch)
+    revision: str | None = None
 
 
 @dataclass

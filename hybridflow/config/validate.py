@@ -11,6 +11,7 @@ from hybridflow.algorithms import ADVANTAGE_ESTIMATORS, LOSS_AGG_MODES, POLICY_L
 from hybridflow.algorithms.kl import KL_PENALTY_KINDS
 from hybridflow.config.schema import RecipeConfig
 from hybridflow.reward.registry import load_reward_fn
+from hybridflow.utils.hub import HOW_TO_FETCH
 from hybridflow.utils.tracking import BACKENDS as LOGGERS
 
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
@@ -98,7 +99,7 @@ def _check_paths(cfg: RecipeConfig) -> list[str]:
     for key, path in models.items():
         if path is not None and not (Path(path) / "config.json").is_file():
             errors.append(
-                f"{key}={path} is not a Hugging Face model directory (no config.json there); fix the path"
+                f"{key}={path} is not a Hugging Face model directory (no config.json there); {HOW_TO_FETCH}"
             )
     if not cfg.data.train_files:
         errors.append("data.train_files is empty; list the training parquet files")

@@ -16,6 +16,7 @@ import sys
 from hybridflow.config.loader import load_recipe, write_resolved_recipe
 from hybridflow.config.schema import RecipeConfig
 from hybridflow.config.validate import Layout, validate_recipe
+from hybridflow.utils.hub import resolve_recipe_models
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -76,6 +77,7 @@ def prepare(argv: list[str] | None) -> tuple[RecipeConfig, Layout]:
     """Load, check and record the recipe; nothing has started yet."""
     args = parse_args(argv)
     cfg = load_recipe(args.recipe, args.overrides)
+    cfg = resolve_recipe_models(cfg)
     layout = validate_recipe(cfg)
     check_model_layouts(cfg)
     write_resolved_recipe(cfg, cfg.trainer.output_dir)
