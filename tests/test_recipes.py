@@ -212,6 +212,62 @@ def test_remax_with_a_reward_model_on_one_process_then_resume(local, tmp_path):
     assert (checkpoints / "global_step_1" / "actor" / "rollout" / "rank_0.pt").is_file()
 
 
+@pytest.mark.slow
+def test_dapo_recipe_runs_two_steps_with_dynamic_sampling_and_overlong_shaping(local, tmp_path):
+    """The DAPO recipe on the quickstart-sized model: groups whose two responses got the same digit
+    share are dropped and refilled from more prompts; responses reaching the 16-token limit lose up
+    to 1 through the 4-token overlong zone."""
+    overrides = [
+        *cpu_overrides(local, tmp_path / "dapo", tp=1),
+        "rollout.sampling.n=2",
+        "actor.update.ppo_mini_batch_size=4",
+        "algorithm.filter_groups.max_num_gen_batches=8",
+        "algorithm.overlong_buffer.length=4",
+    ]
+    result = run_recipe("recipes/gsm8k_dapo.yaml", overrides, pythonpath=local["root"])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    out = tmp_path / "dapo"
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    sampling_keys = (
+        "dynamic_sampling/gen_batches",
+        "dynamic_sampling/dropped_groups",
+        "dynamic_sampling/dropped_group_share",
+    )
+    for record in steps:
+        missing = [k for k in (*STEP_KEYS, *sampling_keys) if k not in record]
+        assert not missing, f"step {record['step']} lacks {missing}"
+        assert record["actor/grad_norm"] > 0 and "kl/mean" not in record  # DAPO has no KL term
+        # each round generates 4 groups; the dropped ones are counted, and at least 4 were kept
+        generated = 4 * record["dynamic_sampling/gen_batches"]
+        dropped = record["dynamic_sampling/dropped_groups"]
+        assert record["dynamic_sampling/dropped_group_share"] == pytest.approx(dropped / generated)
+        assert generated - dropped >= 4
+        # digit share in [0, 1] plus a penalty in [-1, 0]; a random model rarely stops before 16 tokens
+        assert -1.0 <= record["reward/min"] < 0.0 and record["reward/max"] <= 1.0
+    assert "val/accuracy" in steps[-1]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "global_step_2"
+
+
+@pytest.mark.parametrize("recipe", ["recipes/gsm8k_dapo.yaml", "recipes/gsm8k_gspo.yaml"])
+def test_dapo_and_gspo_recipes_validate_with_their_algorithm_settings(local, tmp_path, recipe):
+    from hybridflow.config.loader import load_recipe
+    from hybridflow.config.validate import validate_recipe
+
+    tiny = ["rollout.sampling.n=2", "actor.update.ppo_mini_batch_size=4", "reward.custom_fn=null"]
+    if "dapo" in recipe:
+        tiny.append("algorithm.overlong_buffer.length=4")  # within the 16-token responses
+    cfg = load_recipe(ROOT / recipe, [*cpu_overrides(local, tmp_path, tp=1), *tiny])
+    validate_recipe(cfg, cuda_available=False)
+    if "gspo" in recipe:
+        update = cfg.actor.update
+        assert (update.policy_loss, update.clip_ratio_low, update.clip_ratio_high) == ("gspo", 3e-4, 4e-4)
+    else:
+        assert cfg.algorithm.filter_groups.enable and cfg.algorithm.overlong_buffer.enable
+        assert cfg.actor.update.clip_ratio_high > cfg.actor.update.clip_ratio_low
+
+
 def test_invalid_recipe_exits_non_zero_with_the_error(tmp_path):
     result = run_recipe(
         "recipes/gsm8k_grpo.yaml",

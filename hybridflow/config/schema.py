@@ -103,6 +103,25 @@ class KLControlConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    """DAPO's dynamic sampling (Yu et al. 2025): drop prompt groups whose responses all scored the
+    same and generate more prompts until data.train_batch_size groups remain."""
+
+    enable: bool = False
+    max_num_gen_batches: int = 10  # generation rounds per step before the run stops with an error
+
+
+@dataclass
+class OverlongBufferConfig:
+    """DAPO's overlong reward shaping: a penalty falling linearly from 0 to -penalty_factor over the
+    last `length` tokens before the response limit (rollout max_new_tokens / response_length)."""
+
+    enable: bool = False
+    length: int = 0  # L_cache: tokens of the soft zone before the limit
+    penalty_factor: float = 1.0
+
+
+@dataclass
 class AlgorithmConfig:
     """How advantages are estimated and whether KL enters the reward."""
 
@@ -115,6 +134,8 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False
     kl_penalty: str = "kl"  # estimator of the KL in the reward: kl/k1, abs, mse/k2, low_var_kl/k3
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)  # DAPO dynamic sampling
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)  # DAPO
 
 
 @dataclass

@@ -144,6 +144,7 @@ def _check_algorithm(cfg: RecipeConfig) -> list[str]:
             f"algorithm.adv_estimator={estimator} compares responses to the same prompt: set "
             "rollout.sampling.n >= 2"
         )
+    errors += _check_dapo(cfg)
     if (cfg.trainer.test_freq > 0 or cfg.trainer.val_before_train) and not cfg.data.val_files:
         errors.append(
             "validation is requested (trainer.test_freq / trainer.val_before_train) but data.val_files is "
@@ -157,6 +158,28 @@ def _check_algorithm(cfg: RecipeConfig) -> list[str]:
         "trainer.n_gpus_per_node",
     )
     errors += [f"{key} must be positive, got {_get(cfg, key)}" for key in positive if _get(cfg, key) <= 0]
+    return errors
+
+
+def _check_dapo(cfg: RecipeConfig) -> list[str]:
+    """Dynamic sampling compares responses within a group; the overlong zone fits the limit."""
+    errors = []
+    dynamic, overlong = cfg.algorithm.filter_groups, cfg.algorithm.overlong_buffer
+    if dynamic.enable and cfg.rollout.sampling.n < 2:
+        errors.append(
+            "algorithm.filter_groups.enable=true keeps groups whose rewards differ: set "
+            "rollout.sampling.n >= 2"
+        )
+    if dynamic.enable and dynamic.max_num_gen_batches < 1:
+        errors.append(
+            f"algorithm.filter_groups.max_num_gen_batches must be >= 1, got {dynamic.max_num_gen_batches}"
+        )
+    limit = cfg.rollout.max_new_tokens(cfg.rollout.sampling)
+    if overlong.enable and not 0 < overlong.length <= limit:
+        errors.append(
+            f"algorithm.overlong_buffer.length={overlong.length} must be in (0, {limit}] (the response "
+            "limit, rollout.sampling.max_new_tokens or rollout.response_length)"
+        )
     return errors
 
 

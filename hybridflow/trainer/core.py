@@ -7,11 +7,13 @@ hybridflow.algorithms.
 import uuid
 
 import numpy as np
+import torch
 
-from hybridflow.algorithms import AdaptiveKLController, FixedKLController, apply_kl_penalty
+from hybridflow.algorithms import AdaptiveKLController, FixedKLController, apply_kl_penalty, overlong_penalty
 from hybridflow.algorithms import compute_advantage as run_estimator
-from hybridflow.config.schema import AlgorithmConfig, KLControlConfig
+from hybridflow.config.schema import AlgorithmConfig, KLControlConfig, OverlongBufferConfig
 from hybridflow.protocol import DataProto
+from hybridflow.reward.manager import place_on_last_token
 
 
 def new_uids(count: int) -> np.ndarray:
@@ -61,3 +63,10 @@ def compute_advantage(batch: DataProto, algorithm: AlgorithmConfig) -> DataProto
         norm_adv_by_std=algorithm.norm_adv_by_std_in_grpo,
     )
     return DataProto.from_dict({"advantages": advantages, "returns": returns})
+
+
+def overlong_scores(batch: DataProto, cfg: OverlongBufferConfig, max_length: int) -> torch.Tensor:
+    """DAPO's overlong penalty of each response, (B, R), on its last token like the rule scores."""
+    response_mask = batch.batch["response_mask"]  # (B, R)
+    penalty = overlong_penalty(response_mask.sum(-1), max_length, cfg.length, cfg.penalty_factor)  # (B,)
+    return place_on_last_token(penalty, response_mask)

@@ -21,6 +21,7 @@ from hybridflow.reward.registry import load_reward_fn, rule_reward_fn
 from hybridflow.trainer import core, metrics
 from hybridflow.trainer.balance import balanced_order
 from hybridflow.trainer.checkpoint import CheckpointManager, load_trainer_state, save_trainer_state
+from hybridflow.trainer.dynamic_sampling import collect_varied_groups
 from hybridflow.trainer.roles import RoleGroups, uses_reference
 from hybridflow.trainer.validation import PROMPT_KEYS, run_validation
 from hybridflow.utils.tracking import Tracking
@@ -84,16 +85,19 @@ class PPOTrainer:
     def train(self, tracker: Tracking) -> None:
         """Steps until total_steps, over as many epochs of the data as that takes."""
         while self.global_step < self.total_steps:
-            for batch_dict in self.train_loader:
-                self.global_step += 1
-                step_metrics = self.step(batch_dict)
-                if self._due(self.cfg.trainer.test_freq):
-                    step_metrics.update(self.validate())
-                tracker.log(step_metrics, step=self.global_step)
-                if self._due(self.cfg.trainer.save_freq):
-                    self.save_checkpoint()
-                if self.global_step >= self.total_steps:
-                    break
+            self.global_step += 1
+            step_metrics = self.step(self.next_batch())
+            if self._due(self.cfg.trainer.test_freq):
+                step_metrics.update(self.validate())
+            tracker.log(step_metrics, step=self.global_step)
+            if self._due(self.cfg.trainer.save_freq):
+                self.save_checkpoint()
+
+    def next_batch(self) -> dict:
+        """The loader's next batch of prompts, going on to the next epoch when this one is used up
+        (the loader keeps the position, so a step may draw several: dynamic sampling)."""
+        batch_dict = next(iter(self.train_loader), None)
+        return batch_dict if batch_dict is not None else next(iter(self.train_loader))
 
     def _due(self, freq: int) -> bool:
         return freq > 0 and (self.global_step % freq == 0 or self.global_step == self.total_steps)
@@ -102,11 +106,7 @@ class PPOTrainer:
         """One PPO step over a batch of prompts; returns its metrics."""
         roles, timings = self.roles, {}
         with metrics.timer("step", timings):
-            batch = self.generate(DataProto.from_single_dict(batch_dict), timings)
-            with metrics.timer("reward", timings):
-                if roles.reward_model is not None:
-                    batch = batch.union(roles.reward_model.compute_rm_score(batch))
-                batch = batch.union(compute_rewards(batch, self.tokenizer, self.reward_fn))
+            batch, sampling_metrics = self.sample(batch_dict, timings)
             with metrics.timer("old_log_prob", timings):
                 batch = batch.union(roles.actor_rollout.compute_log_prob(batch))
             if self.use_ref:
@@ -123,14 +123,48 @@ class PPOTrainer:
         return {
             **metrics.batch_metrics(batch),
             **kl_metrics,
+            **sampling_metrics,
             **worker_metrics,
             **metrics.timing_metrics(timings),
             **metrics.throughput(batch, timings["step"]),
         }
 
+    def sample(self, batch_dict: dict, timings: dict[str, float]) -> tuple[DataProto, dict[str, float]]:
+        """Scored responses to the step's prompts (with DAPO's dynamic sampling: only groups whose
+        rewards differ, drawing more prompts as needed), ordered so that every data-parallel rank
+        gets a similar number of tokens."""
+        batch, sampling_metrics = self.generate_and_score(batch_dict, timings), {}
+        dynamic = self.cfg.algorithm.filter_groups
+        if dynamic.enable:
+            batch, sampling_metrics = collect_varied_groups(
+                batch,
+                lambda: self.generate_and_score(self.next_batch(), timings),
+                groups_needed=self.cfg.data.train_batch_size,
+                n=self.cfg.rollout.sampling.n,
+                max_gen_batches=dynamic.max_num_gen_batches,
+                pad_token_id=self.tokenizer.pad_token_id,
+            )
+        if self.cfg.trainer.balance_batch:
+            batch.reorder(balanced_order(batch.batch["attention_mask"].sum(-1).tolist(), self.actor_dp))
+        return batch, sampling_metrics
+
+    def generate_and_score(self, batch_dict: dict, timings: dict[str, float]) -> DataProto:
+        """Responses to a batch of prompts with `token_level_scores` (rule or reward model, plus
+        DAPO's overlong penalty when enabled)."""
+        batch = self.generate(DataProto.from_single_dict(batch_dict), timings)
+        with metrics.timer("reward", timings):
+            if self.roles.reward_model is not None:
+                batch = batch.union(self.roles.reward_model.compute_rm_score(batch))
+            batch = batch.union(compute_rewards(batch, self.tokenizer, self.reward_fn))
+            overlong = self.cfg.algorithm.overlong_buffer
+            if overlong.enable:
+                limit = self.cfg.rollout.max_new_tokens(self.cfg.rollout.sampling)
+                scores = batch.batch["token_level_scores"]
+                batch.batch["token_level_scores"] = scores + core.overlong_scores(batch, overlong, limit)
+        return batch
+
     def generate(self, batch: DataProto, timings: dict[str, float]) -> DataProto:
-        """n responses per prompt (grouped by `uid`), ReMax's greedy baseline when needed, and the
-        rows ordered so that every data-parallel rank gets a similar number of tokens."""
+        """n responses per prompt (grouped by `uid`) and ReMax's greedy baseline when needed."""
         n = self.cfg.rollout.sampling.n
         batch.non_tensor_batch["uid"] = core.new_uids(len(batch))
         prompts = batch.pop(batch_keys=PROMPT_KEYS)
@@ -144,8 +178,6 @@ class PPOTrainer:
         batch = batch.repeat(n, interleave=True).union(responses)
         if baselines is not None:
             batch.batch["reward_baselines"] = baselines
-        if self.cfg.trainer.balance_batch:
-            batch.reorder(balanced_order(batch.batch["attention_mask"].sum(-1).tolist(), self.actor_dp))
         return batch
 
     def update_models(self, batch: DataProto, timings: dict[str, float]) -> dict[str, float]:
