@@ -1,8 +1,10 @@
 """Tracking: metrics.jsonl records, console/progress lines, TensorBoard scalars, plots refreshed
 every few steps, and trimming of records past the resume step."""
 
-import importlib.util
 import json
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -47,10 +49,70 @@ def test_non_numbers_and_unknown_backends_are_rejected(tmp_path):
     tracker.close()
 
 
-@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed")
-def test_wandb_without_the_package_is_a_clear_error(tmp_path):
+def test_wandb_without_the_package_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # what a missing package looks like to `import`
     with pytest.raises(ValueError, match="wandb is not installed"):
         Tracking(tmp_path, backends=["wandb"])
+
+
+def wandb_records(path: Path) -> list[bytes]:
+    """The protobuf records of a .wandb file: a 7-byte ":W&B" header, then LevelDB's log format
+    (32 KiB blocks of chunks with a 7-byte header: CRC-32C, little-endian length, type 1 full /
+    2 first / 3 middle / 4 last); read independently of wandb, which offers no reader."""
+    data, block = path.read_bytes(), 32768
+    assert data[:4] == b":W&B"
+    pos, records, pending = 7, [], b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        pending += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            records.append(pending)
+            pending = b""
+    return records
+
+
+def read_wandb_run(path: Path, timeout_s: float = 120.0) -> list:
+    """The run's decoded records once its exit record is there (wandb's writer process may still be
+    flushing the file when `finish()` returns)."""
+    from wandb.proto.wandb_internal_pb2 import Record
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = []
+        for raw in wandb_records(path):
+            records.append(Record())
+            records[-1].ParseFromString(raw)
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.5)
+
+
+def test_wandb_offline_run_holds_every_logged_step_and_the_config(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    tracker = Tracking(
+        tmp_path, backends=["wandb"], project_name="p", experiment_name="e", config={"actor": {"lr": 0.5}}
+    )
+    for step in (1, 2):
+        tracker.log(step_metrics(step), step=step)
+    tracker.close()
+    (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    records = read_wandb_run(run_file)
+    history = [
+        {"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in r.history.item}
+        for r in records
+        if r.WhichOneof("record_type") == "history"
+    ]
+    (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    config = {i.key: json.loads(i.value_json) for i in run.config.update}
+    assert [row["_step"] for row in history] == [1, 2]
+    for row, step in zip(history, (1, 2), strict=True):
+        assert {k: row[k] for k in step_metrics(step)} == pytest.approx(step_metrics(step))
+    assert config["actor"] == {"lr": 0.5}
 
 
 def test_console_line_shows_highlights(tmp_path, capsys):

@@ -59,7 +59,8 @@ class Tracking:
     """Sends `log(metrics, step)` to every enabled backend; metrics.jsonl is always written.
 
     backends: any of "console" (one line per step), "progress" (a tqdm bar showing step, reward,
-    accuracy), "tensorboard" (<output_dir>/tensorboard), "wandb" (needs `pip install wandb`).
+    accuracy), "tensorboard" (<output_dir>/tensorboard), "wandb" (<output_dir>/wandb; WANDB_MODE,
+    WANDB_API_KEY etc. as wandb reads them).
     plot_every: re-render <output_dir>/plots/*.png every this many logged steps (0: only at close).
     """
 
@@ -120,7 +121,10 @@ class Tracking:
                 "trainer.logger includes 'wandb' but wandb is not installed: `pip install wandb`, "
                 "or remove 'wandb' from trainer.logger"
             ) from err
-        return wandb.init(project=project_name, name=experiment_name, config=config or {})
+        # the run's files go under the output directory (WANDB_MODE=offline keeps them there to `wandb sync`)
+        return wandb.init(
+            project=project_name, name=experiment_name, config=config or {}, dir=str(self.output_dir)
+        )
 
     def _open_progress(self, total_steps: int | None, resume_step: int | None):
         from tqdm import tqdm
