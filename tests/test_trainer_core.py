@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybridflow.config.schema import AlgorithmConfig, KLControlConfig
+from hybridflow.config.schema import AlgorithmConfig, KLControlConfig, OverlongBufferConfig
 from hybridflow.protocol import DataProto
 from hybridflow.trainer import core, metrics
 from hybridflow.trainer.validation import accuracy_metrics
@@ -86,3 +86,11 @@ def test_worker_metrics_are_averaged_and_timings_named():
 def test_accuracy_per_data_source():
     out = accuracy_metrics([1.0, 0.0, 1.0, 1.0], ["openai/gsm8k", "openai/gsm8k", "arith", "arith"])
     assert out == {"val/accuracy": 0.75, "val/openai/gsm8k/accuracy": 0.5, "val/arith/accuracy": 1.0}
+
+
+def test_overlong_penalty_lands_on_each_responses_last_token():
+    # lengths 2, 3, 1, 2 against a 3-token limit with a 2-token zone: no penalty up to 1 token,
+    # then ((3 - 2) - length) / 2, i.e. -0.5 at 2 tokens and -1 at 3, scaled by penalty_factor 0.5
+    overlong = OverlongBufferConfig(enable=True, length=2, penalty_factor=0.5)
+    expected = torch.tensor([[0, -0.25, 0], [0, 0, -0.5], [0, 0, 0], [0, -0.25, 0]])
+    torch.testing.assert_close(core.overlong_scores(_batch(), overlong, max_length=3), expected)

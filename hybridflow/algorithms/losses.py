@@ -122,8 +122,7 @@ def compute_policy_loss_gspo(
     log_ratio = log_prob - old_log_prob  # (B, R)
     seq_log_ratio = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # (B,)
     token_log_ratio = seq_log_ratio.detach().unsqueeze(-1) + log_prob - log_prob.detach()  # (B, R)
-    # the same overflow guard as the token-level loss
-    ratio = torch.exp(token_log_ratio.clamp(max=10.0))
+    ratio = torch.exp(token_log_ratio.clamp(-20.0, 20.0))  # the same overflow guard as PPO's
     unclipped = -advantages * ratio  # (B, R)
     clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     pg_losses = torch.maximum(unclipped, clipped)  # (B, R)
