@@ -14,7 +14,7 @@ from pathlib import Path
 from hybridflow.config.schema import RecipeConfig
 
 # what loading a model and its tokenizer reads; not *.bin / *.pth / GGUF copies of the weights
-MODEL_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.py"]
+MODEL_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
