@@ -10,6 +10,7 @@ that of a single-process full-batch step. Tensor / pipeline ranks hold the same 
 and need no correction.
 """
 
+import math
 from functools import partial
 
 import numpy as np
@@ -124,13 +125,22 @@ def train_step(
 
 
 def optimizer_step(optimizer, scheduler) -> dict[str, float]:
-    """Clip, step, advance the LR schedule; the grad norm (before clipping) and the LR used."""
+    """Clip, step, advance the LR schedule; the grad norm (before clipping) and the LR used.
+
+    The norm is checked before the step: when it is NaN / inf the update is not applied (weights,
+    optimizer moments and LR schedule stay as they were) and `nonfinite_skipped` is 1, for the
+    driver to stop the run or count the skip. The norm is all-reduced over the model-parallel
+    group and the gradients over the data-parallel group, so every rank decides the same."""
     lr = current_lr(optimizer)
-    _, grad_norm, _ = optimizer.step()  # (success, norm, zeros): success is False only for fp16
-    if grad_norm is None:  # Megatron-Core computes the norm only when it clips
-        grad_norm = optimizer.get_grad_norm()
+    # prepare_grads (the main-grad copy) runs again inside step(): harmless, as it is a plain copy
+    # when there is no grad scaler, and megatron_optimizer_config sets neither fp16 nor loss_scale.
+    optimizer.prepare_grads()
+    grad_norm = float(optimizer.get_grad_norm())
+    if not math.isfinite(grad_norm):
+        return {"grad_norm": grad_norm, "lr": lr, "nonfinite_skipped": 1.0}
+    optimizer.step()
     scheduler.step(1)
-    return {"grad_norm": float(grad_norm), "lr": lr}
+    return {"grad_norm": grad_norm, "lr": lr, "nonfinite_skipped": 0.0}
 
 
 def sum_over_data_parallel(per_micro_batch: list[dict[str, torch.Tensor]]) -> dict[str, float]:
