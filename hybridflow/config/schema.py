@@ -138,6 +138,12 @@ class TrainerConfig:
     logger: list[str] = field(default_factory=lambda: ["console", "progress"])  # + tensorboard, wandb
     balance_batch: bool = True  # reorder each batch so every DP rank gets a similar token count
     export_hf: bool = False  # write the final actor as a Hugging Face checkpoint to <output_dir>/hf
+    # NaN / inf reward, loss or grad norm: "error" stops the run before the optimizer step (no
+    # checkpoint, no export) | "skip" drops the step's update and counts it (nonfinite/skipped_steps)
+    nonfinite_policy: str = "error"
+    # recipe keys that may differ from the resumed checkpoint's although they move the data
+    # position or change the update (hybridflow.trainer.resume.POSITION_AND_UPDATE_KEYS)
+    resume_accept_changes: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -16,6 +16,8 @@ import sys
 from hybridflow.config.loader import load_recipe, write_resolved_recipe
 from hybridflow.config.schema import RecipeConfig
 from hybridflow.config.validate import Layout, validate_recipe
+from hybridflow.trainer.resume import plan_resume
+from hybridflow.utils.nonfinite import NonFiniteError
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -90,8 +92,8 @@ def connect_and_check_cluster(cfg: RecipeConfig) -> None:
     check_cluster_resources(cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, cfg.trainer.use_gpu)
 
 
-def run(cfg: RecipeConfig, layout: Layout) -> None:
-    """Start the roles on the connected cluster and train."""
+def run(cfg: RecipeConfig, layout: Layout, resume_plan) -> None:
+    """Start the roles on the connected cluster and train (resuming as `resume_plan` says)."""
     from hybridflow.trainer.roles import start_roles
 
     if cfg.trainer.mode == "sft":
@@ -100,7 +102,7 @@ def run(cfg: RecipeConfig, layout: Layout) -> None:
         from hybridflow.trainer.ppo_trainer import PPOTrainer as Trainer
     roles = start_roles(cfg)
     try:
-        Trainer(cfg, roles, actor_dp=layout.actor_dp).fit()
+        Trainer(cfg, roles, actor_dp=layout.actor_dp).fit(resume_plan)
     finally:
         roles.shutdown()
 
@@ -108,12 +110,27 @@ def run(cfg: RecipeConfig, layout: Layout) -> None:
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg, layout = prepare(argv)
+        resume_plan = plan_resume(cfg)  # a bad checkpoint or refused recipe change fails before Ray
         connect_and_check_cluster(cfg)
     except (ValueError, TypeError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    run(cfg, layout)
+    except KeyboardInterrupt:
+        return interrupted()
+    try:
+        run(cfg, layout, resume_plan)
+    except KeyboardInterrupt:
+        return interrupted()
+    except NonFiniteError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     return 0
+
+
+def interrupted() -> int:
+    """SIGINT: one line and the shell's status for it; the last complete checkpoint stays."""
+    print("interrupted (SIGINT): rerun the same command to resume from the last checkpoint", file=sys.stderr)
+    return 130
 
 
 if __name__ == "__main__":

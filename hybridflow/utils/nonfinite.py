@@ -13,6 +13,14 @@ class NonFiniteError(ArithmeticError):
     quantity."""
 
 
-def nonfinite_items(values: dict[str, float]) -> dict[str, float]:
-    """The entries of `values` that are NaN or infinite."""
-    return {key: value for key, value in values.items() if not math.isfinite(value)}
+SKIPPED_SUFFIX = "/nonfinite_skipped"  # a worker's share of optimizer steps it did not apply
+
+
+def nonfinite_update(step_metrics: dict[str, float]) -> list[str]:
+    """What made a step non-finite, e.g. ["actor/grad_norm is nan"]: its metrics that are NaN /
+    inf. A worker's skipped optimizer step shows as a non-finite `<role>/grad_norm` (the mean
+    over the update's steps), so the workers' `<role>/nonfinite_skipped` entries are removed
+    from `step_metrics` (the driver counts skipped steps itself)."""
+    for key in [k for k in step_metrics if k.endswith(SKIPPED_SUFFIX)]:
+        del step_metrics[key]
+    return [f"{key} is {value}" for key, value in step_metrics.items() if not math.isfinite(value)]
