@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from shared_data import gsm8k_dir
 from transformers import AutoModelForCausalLM
 
 from hybridflow.utils.tiny_model import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
-GSM8K_DIR = Path("/work/shared/data/gsm8k")
 STEP_KEYS = (
     "reward/mean",
     "response_length/mean",
@@ -57,7 +57,7 @@ def local(tmp_path_factory) -> dict:
             sys.executable,
             ROOT / "scripts/prepare_gsm8k.py",
             "--local_dir",
-            GSM8K_DIR,
+            gsm8k_dir(),
             "--out",
             root / "gsm8k",
         ],
