@@ -95,5 +95,5 @@ def test_head_and_worker_join_over_ipv6_and_stop_on_sigterm(tmp_path):
         for proc in nodes.values():
             proc.wait(timeout=600)  # generous: the script's own bound is its grace period
         subprocess.run(["rm", "-rf", temp_dir], check=False)
-    assert [proc.returncode for proc in nodes.values()] == [143, 143]  # stopped by the SIGTERM
     assert_nothing_left(token, timeout_s=0)  # the scripts returned only once their nodes were gone
+    assert [proc.returncode for proc in nodes.values()] == [143, 143]  # stopped by the SIGTERM
