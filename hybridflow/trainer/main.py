@@ -11,6 +11,7 @@ forces a fresh one) or starts a local one sized to the machine, and runs.
 
 import argparse
 import os
+import signal
 import sys
 
 from hybridflow.config.loader import load_recipe, write_resolved_recipe
@@ -134,4 +135,6 @@ def interrupted() -> int:
 
 
 if __name__ == "__main__":
+    # run_recipe.sh starts the driver as a background job, which begins with SIGINT ignored
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.exit(main())
