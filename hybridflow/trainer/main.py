@@ -17,7 +17,7 @@ import sys
 from hybridflow.config.loader import load_recipe, write_resolved_recipe
 from hybridflow.config.schema import RecipeConfig
 from hybridflow.config.validate import Layout, validate_recipe
-from hybridflow.trainer.resume import plan_resume
+from hybridflow.trainer.resume import ResumePlan, plan_resume
 from hybridflow.utils.nonfinite import NonFiniteError
 
 
@@ -93,7 +93,7 @@ def connect_and_check_cluster(cfg: RecipeConfig) -> None:
     check_cluster_resources(cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, cfg.trainer.use_gpu)
 
 
-def run(cfg: RecipeConfig, layout: Layout, resume_plan) -> None:
+def run(cfg: RecipeConfig, layout: Layout, resume_plan: ResumePlan | None) -> None:
     """Start the roles on the connected cluster and train (resuming as `resume_plan` says)."""
     from hybridflow.trainer.roles import start_roles
 

@@ -113,7 +113,9 @@ class PPOTrainer:
             step_metrics = self.step(batch_dict)
             problems = nonfinite_update(step_metrics)
             if problems:
-                raise NonFiniteError(f"{', '.join(problems)} (the update was not applied)")
+                raise NonFiniteError(
+                    f"{', '.join(problems)} (no optimizer step with a non-finite grad norm was applied)"
+                )
         except NonFiniteError as err:
             if self.cfg.trainer.nonfinite_policy == "error":
                 raise NonFiniteError(
