@@ -28,6 +28,13 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForSequenceClassification": "qwen2",
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+REQUIRED_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
 
 
 @dataclass(frozen=True)
@@ -78,7 +85,15 @@ def load_hf_config(path) -> HFModelConfig:
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
         raise ValueError(f"no config.json in Hugging Face model directory {path}")
-    raw = json.loads(config_file.read_text())
+    try:
+        raw = json.loads(config_file.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{config_file} is not valid JSON ({err})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{config_file} must hold a JSON object, got {type(raw).__name__}")
+    missing = [key for key in REQUIRED_FIELDS if key not in raw]
+    if missing:
+        raise ValueError(f"{config_file} lacks {missing}, which the Megatron model needs")
     architectures = raw.get("architectures") or []
     if len(architectures) != 1 or architectures[0] not in SUPPORTED_ARCHITECTURES:
         raise ValueError(

@@ -3,14 +3,30 @@ differs. Engine settings are the engines' own config classes (Megatron-Core and 
 
 Top level: model, data, actor, ref, rollout, critic, reward_model, reward, algorithm, trainer.
 `load_recipe` (loader.py) fills these from YAML plus `key.path=value` overrides.
+
+Choice fields are `Literal` types built from the tuple the code dispatches on (the estimator
+table, the KL estimators, the tracking backends), so each list of valid values is written once
+and OmegaConf rejects any other value when the recipe loads, naming the key.
 """
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from omegaconf import MISSING
 
-from engines.megatron.config import ActorUpdateConfig, CriticUpdateConfig, MegatronConfig, OptimConfig
+from engines.megatron.config import (
+    ActorUpdateConfig,
+    CriticUpdateConfig,
+    KlPenaltyKind,
+    MegatronConfig,
+    OptimConfig,
+)
 from engines.rollout.config import RolloutConfig
+from hybridflow.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from hybridflow.utils.tracking import BACKENDS
+
+AdvEstimator = Literal[tuple(ADVANTAGE_ESTIMATORS)]
+LoggerBackend = Literal[BACKENDS]
 
 
 @dataclass
@@ -93,7 +109,7 @@ class RewardConfig:
 class KLControlConfig:
     """KL coefficient for KL-in-reward: fixed, or adaptive (Ziegler et al. 2019)."""
 
-    type: str = "fixed"  # "fixed" | "adaptive"
+    type: Literal["fixed", "adaptive"] = "fixed"
     kl_coef: float = 0.001
     target_kl: float = 0.1  # adaptive only
     horizon: int = 10000  # adaptive only
@@ -103,14 +119,12 @@ class KLControlConfig:
 class AlgorithmConfig:
     """How advantages are estimated and whether KL enters the reward."""
 
-    adv_estimator: str = (
-        "grpo"  # gae | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax
-    )
+    adv_estimator: AdvEstimator = "grpo"
     gamma: float = 1.0
     lam: float = 1.0
     norm_adv_by_std_in_grpo: bool = True  # False: Dr. GRPO (mean-centred only)
     use_kl_in_reward: bool = False
-    kl_penalty: str = "kl"  # estimator of the KL in the reward: kl/k1, abs, mse/k2, low_var_kl/k3
+    kl_penalty: KlPenaltyKind = "kl"  # estimator of the KL in the reward: kl/k1, abs, mse/k2, low_var_kl/k3
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
 
 
@@ -118,7 +132,7 @@ class AlgorithmConfig:
 class TrainerConfig:
     """The run: devices, length, validation, checkpoints, logging and output."""
 
-    mode: str = "rl"  # "rl": the PPO-family loop | "sft": supervised warm start (hybridflow.trainer.sft)
+    mode: Literal["rl", "sft"] = "rl"  # rl: the PPO-family loop | sft: supervised warm start (trainer/sft.py)
     project_name: str = "hybridflow"
     experiment_name: str = "run"
     output_dir: str = "outputs/run"
@@ -131,11 +145,9 @@ class TrainerConfig:
     val_before_train: bool = False
     save_freq: int = 0  # checkpoint every this many steps and after the last one (0: never)
     max_ckpt_to_keep: int | None = None  # None: keep every checkpoint
-    resume_mode: str = (
-        "auto"  # "auto": continue from <output_dir>/checkpoints/latest when present | "disable"
-    )
+    resume_mode: Literal["auto", "disable"] = "auto"  # auto: continue from <output_dir>/checkpoints/latest
     resume_from_path: str | None = None  # a global_step_N directory to continue from (overrides auto)
-    logger: list[str] = field(default_factory=lambda: ["console", "progress"])  # + tensorboard, wandb
+    logger: list[LoggerBackend] = field(default_factory=lambda: ["console", "progress"])
     balance_batch: bool = True  # reorder each batch so every DP rank gets a similar token count
     export_hf: bool = False  # write the final actor as a Hugging Face checkpoint to <output_dir>/hf
 
