@@ -124,7 +124,7 @@ def test_malformed_override_and_missing_required_key(tmp_path):
 
 
 def test_choice_values_are_literal_types_that_suggest_the_nearest():
-    with pytest.raises(ValueError, match=r"algorithm.adv_estimator='rlooo' is not one of .*did you mean 'rloo'"):
+    with pytest.raises(ValueError, match=r"adv_estimator='rlooo' is not one of .*did you mean 'rloo'"):
         load_recipe(GRPO, ["algorithm.adv_estimator=rlooo"])
     with pytest.raises(ValueError, match=r"trainer.logger\[1\]='tensorbord' is not one of .*'tensorboard'"):
         load_recipe(GRPO, ["trainer.logger=[console,tensorbord]"])
