@@ -1,5 +1,9 @@
 """Recipe loading and validation: typed overrides, and one test per validation error (no Ray)."""
 
+import ast
+import importlib
+import sys
+import typing
 from pathlib import Path
 
 import pytest
@@ -259,3 +263,51 @@ def test_forward_micro_batches_must_divide_each_ranks_rows(local):
     )
     assert "actor.log_prob_micro_batch_size=3 does not divide the 8 responses" in message
     assert "ref.log_prob_micro_batch_size" not in message
+
+
+def engine_validators() -> list:
+    """Every `validate_*` function in engines/ and every `__post_init__` of an engine config class,
+    found by reading the source (so a validator added later is walked too)."""
+    found = []
+    for path in sorted((ROOT / "engines").rglob("*.py")):
+        module = importlib.import_module(".".join(path.relative_to(ROOT).with_suffix("").parts))
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("validate_"):
+                found.append(getattr(module, node.name))
+            elif isinstance(node, ast.ClassDef):
+                found += [
+                    getattr(module, node.name).__post_init__
+                    for item in node.body
+                    if isinstance(item, ast.FunctionDef) and item.name == "__post_init__"
+                ]
+    return found
+
+
+def test_every_engine_validator_runs_in_validate_recipe(local):
+    validators = {f"{fn.__module__}.{fn.__qualname__}": fn for fn in engine_validators()}
+    assert {
+        "engines.megatron.actor.validate_actor_update_config",
+        "engines.rollout.config.RolloutConfig.__post_init__",
+    } <= set(validators)
+    cfg = load_valid(
+        PPO, local, "reward_model.enable=true", f"reward_model.path={local['model']}",
+        "reward_model.megatron.tensor_model_parallel_size=2",
+    )  # fmt: skip
+    called = set()
+    sys.setprofile(lambda frame, event, arg: called.add(frame.f_code) if event == "call" else None)
+    try:
+        validate_recipe(cfg, cuda_available=False)
+    finally:
+        sys.setprofile(None)
+    assert [name for name, fn in validators.items() if fn.__code__ not in called] == []
+
+
+def test_engine_checks_accept_exactly_the_schema_choices():
+    """The engines still check values given to them directly (not through a recipe); their lists
+    must be the schema's Literal values."""
+    from engines.megatron.config import LrDecayStyle, ParamsDtype
+    from engines.megatron.model import DTYPES
+    from engines.megatron.optimizer import LR_DECAY_STYLES
+
+    assert set(DTYPES) == set(typing.get_args(ParamsDtype))
+    assert set(LR_DECAY_STYLES) == set(typing.get_args(LrDecayStyle))
