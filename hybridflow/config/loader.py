@@ -33,7 +33,7 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> RecipeConfig:
             f"{path}: {err.full_key} is required; set it in the recipe or pass {err.full_key}=<value>"
         ) from None
     except ValueError as err:  # an engine config's own __post_init__ check
-        raise ValueError(f"{path}: {err}") from None
+        raise ValueError(f"{path}{' with the command-line overrides' if overrides else ''}: {err}") from None
 
 
 def _yaml_problem(err: yaml.YAMLError) -> str:

@@ -18,6 +18,20 @@ from hybridflow.config.schema import RecipeConfig
 from hybridflow.reward.registry import load_reward_fn
 
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+UPDATE_SIZES = ("ppo_mini_batch_size", "ppo_micro_batch_size", "ppo_epochs")
+MEGATRON_SIZES = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "context_parallel_size",
+    "make_vocab_size_divisible_by",
+)
+NULL_MEANS = {
+    "data.val_batch_size": "null: the whole validation set in one batch",
+    "data.train_max_samples": "null: every row",
+    "data.val_max_samples": "null: every row",
+    "trainer.total_training_steps": "null: trainer.total_epochs passes over the data",
+    "trainer.max_ckpt_to_keep": "null: keep every checkpoint",
+}
 
 
 class RecipeError(ValueError):
@@ -116,23 +130,7 @@ def _check_ranges(cfg: RecipeConfig) -> list[str]:
     return errors
 
 
-UPDATE_SIZES = ("ppo_mini_batch_size", "ppo_micro_batch_size", "ppo_epochs")
-MEGATRON_SIZES = (
-    "tensor_model_parallel_size",
-    "pipeline_model_parallel_size",
-    "context_parallel_size",
-    "make_vocab_size_divisible_by",
-)
-NULL_MEANS = {
-    "data.val_batch_size": "null: the whole validation set in one batch",
-    "data.train_max_samples": "null: every row",
-    "data.val_max_samples": "null: every row",
-    "trainer.total_training_steps": "null: trainer.total_epochs passes over the data",
-    "trainer.max_ckpt_to_keep": "null: keep every checkpoint",
-}
-
-
-def engine_validators(cfg: RecipeConfig) -> dict:
+def _engine_validators(cfg: RecipeConfig) -> dict:
     """Section key -> the engine's own check of that section (each raises ValueError)."""
     with warnings.catch_warnings():  # Megatron-Core warns at import when Apex / TE are absent
         warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
@@ -157,7 +155,7 @@ def _check_engine_settings(cfg: RecipeConfig, range_errors: list[str]) -> list[s
     """Runs each engine validator on its section, except where a range error already names a key of
     that section (the engine would repeat it in its own words)."""
     errors = []
-    for section, check in engine_validators(cfg).items():
+    for section, check in _engine_validators(cfg).items():
         if any(error.startswith(section + ".") for error in range_errors):
             continue
         try:
@@ -275,9 +273,10 @@ def _check_devices(cfg: RecipeConfig, cuda_available: bool) -> list[str]:
 
 def model_dirs(cfg: RecipeConfig) -> list[tuple[str, str, str]]:
     """(role, key of the model directory, directory) of every Megatron model the run builds."""
+    policy = ("model.path", cfg.model.path)
     dirs = {
-        "actor": ("model.path", cfg.model.path),
-        "critic": ("critic.model_path", cfg.critic.model_path or cfg.model.path),
+        "actor": policy,
+        "critic": ("critic.model_path", cfg.critic.model_path) if cfg.critic.model_path else policy,
         "reward_model": ("reward_model.path", cfg.reward_model.path),
     }
     return [(role, *dirs[role]) for role in _megatron_roles(cfg) if dirs[role][1] is not None]

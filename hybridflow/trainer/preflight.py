@@ -28,7 +28,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 
 def check_run_inputs(cfg: RecipeConfig) -> None:
-    for _, key, path in model_dirs(cfg):
+    for path, key in {path: key for _, key, path in model_dirs(cfg)}.items():  # each directory once
         check_safetensors(key, Path(path))
     tokenizer = load_tokenizer(cfg)
     check_data(cfg, tokenizer)
