@@ -23,6 +23,7 @@ import yaml
 
 from hybridflow.data.arith import ArithConfig, write_arith_parquet
 from hybridflow.trainer import main as entry
+from hybridflow.trainer.preflight import check_reward_inputs
 from hybridflow.utils.tiny_model import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,6 +115,8 @@ def files(tmp_path_factory) -> dict[str, Path]:
         files[f"{name}.parquet"] = write_rows(
             data / f"{name}.parquet", [rows[0], {**rows[1], "prompt": prompt}]
         )
+    no_answer = [{**r, "extra_info": {**r["extra_info"], "answer": None}} for r in rows]
+    files["no_answer.parquet"] = write_rows(data / "no_answer.parquet", no_answer)
     strings = [{**r, "prompt": r["prompt"][0]["content"]} for r in rows]  # a column holds one type
     files["string_prompt.parquet"] = write_rows(data / "string_prompt.parquet", strings)
     files["unknown_source.parquet"] = write_rows(
@@ -158,11 +161,12 @@ def test_the_table_lists_at_least_35_distinct_bad_inputs():
     assert set(SUBPROCESS_CASES) <= {case for case, _, _ in CASES}
 
 
-def test_the_valid_recipe_gets_as_far_as_ray(files, monkeypatch, capsys):
+@pytest.mark.parametrize("mode", ["rl", "sft"])
+def test_the_valid_recipe_gets_as_far_as_ray(mode, files, monkeypatch, capsys):
     """The control: without a bad input the same checks pass and the entry point goes on to Ray,
     so each row below fails because of its own input, before that point."""
     with pytest.raises(RayStarted):
-        run_in_process([str(files["recipe"])], monkeypatch, capsys)
+        run_in_process([str(files["recipe"]), f"trainer.mode={mode}"], monkeypatch, capsys)
     assert (files["out"] / "config.yaml").is_file()
     (files["out"] / "config.yaml").unlink()
 
@@ -198,3 +202,18 @@ def test_entry_point_exits_2_without_traceback_or_ray_session(case, files, tmp_p
     assert "Traceback" not in done.stderr
     assert resolve(message, files) in done.stderr
     assert list(ray_tmp.iterdir()) == []
+
+
+def test_missing_ground_truths_are_an_error_for_the_rule_reward_and_a_warning_for_a_custom_one(caplog):
+    def row(truth):
+        return {"data_source": "arith", "reward_model": {"style": "rule", "ground_truth": truth}}
+
+    some = [("f.parquet row 0", row(None)), ("f.parquet row 1", row("3"))]
+    check_reward_inputs(some, custom_fn=None)
+    assert "ground_truth is null in 1 of 2 rows, e.g. f.parquet row 0" in caplog.text
+    none = [("f.parquet row 0", row(None)), ("f.parquet row 1", row(None))]
+    with pytest.raises(ValueError, match=r"null in every row \(f.parquet row 0 ... f.parquet row 1\)"):
+        check_reward_inputs(none, custom_fn=None)
+    caplog.clear()
+    check_reward_inputs(none, custom_fn="my_rewards.score")
+    assert "ground_truth is null in 2 of 2 rows" in caplog.text
