@@ -3,9 +3,9 @@
 Each row is a command line (`python -m hybridflow.trainer.main <args>`) whose `<name>` parts are
 files this module builds once (a valid tiny recipe, broken copies of a tiny model, broken
 parquet files, a broken checkpoint folder). Each must exit with status 2 and one `error:` line
-holding the table's message, no traceback, and Ray never started: in-process, `connect_ray` is
-replaced by a function that fails the test (a control row shows the valid recipe does reach it);
-in a subprocess, RAY_TMPDIR is a fresh folder that Ray would have written its session into.
+holding the table's message, no traceback, and Ray never started: in-process, `connect_ray` and
+`ray.init` are replaced by a function that fails the test (a control test shows the valid recipe
+does reach it); in a subprocess, RAY_TMPDIR is a fresh folder Ray would write its session into.
 """
 
 import json
@@ -144,10 +144,13 @@ def resolve(text: str, files: dict[str, Path]) -> str:
 
 
 def run_in_process(argv: list[str], monkeypatch, capsys) -> tuple[int, str]:
-    def refuse(cfg):
-        raise RayStarted("the checks passed and the entry point went on to connect to Ray")
+    import ray
+
+    def refuse(*args, **kwargs):
+        raise RayStarted("the checks passed and the entry point went on to start Ray")
 
     monkeypatch.setattr(entry, "connect_ray", refuse)
+    monkeypatch.setattr(ray, "init", refuse)  # in case anything before connect_ray starts Ray
     code = entry.main(argv)
     return code, capsys.readouterr().err
 
