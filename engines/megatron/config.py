@@ -11,7 +11,8 @@ from typing import Literal
 from hybridflow.algorithms.kl import KL_PENALTY_KINDS
 from hybridflow.algorithms.losses import LOSS_AGG_MODES
 
-# The valid values of each choice, written once; engine code checks against get_args(<type>).
+# The valid values of each choice. model.DTYPES and optimizer.LR_DECAY_STYLES, which check values
+# given to the engine directly, must equal these (tests/test_config.py checks).
 ParamsDtype = Literal["float32", "bfloat16"]  # bf16 keeps fp32 master weights
 OptimizerName = Literal["adam"]  # AdamW (decoupled weight decay)
 LrDecayStyle = Literal["constant", "linear", "cosine"]
