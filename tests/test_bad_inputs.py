@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
+from safetensors import safe_open
 
 from hybridflow.data.arith import ArithConfig, write_arith_parquet
 from hybridflow.trainer import main as entry
@@ -29,6 +30,7 @@ from hybridflow.utils.tiny_model import make_tiny_model
 ROOT = Path(__file__).resolve().parents[1]
 TABLE = ROOT / "docs" / "bad-inputs.md"
 ROW = re.compile(r"^\| (?P<case>[^|`]+?) \| `(?P<command>[^`]+)` \| `(?P<message>[^`]+)` \|$")
+INDEX = "model.safetensors.index.json"
 SUBPROCESS_CASES = ("YAML syntax error", "prompt is null")  # the cheapest and the deepest check
 
 
@@ -99,6 +101,14 @@ def files(tmp_path_factory) -> dict[str, Path]:
         tiny, root / "weights_garbage", write={"model.safetensors": garbage}
     )
     files["weights_absent"] = model_copy(tiny, root / "weights_absent", drop=("model.safetensors",))
+    with safe_open(tiny / "model.safetensors", framework="pt") as weights:
+        names = list(weights.keys())
+    index = {"weight_map": dict.fromkeys(names, "model.safetensors")}
+    files["sharded"] = model_copy(tiny, root / "sharded", write={INDEX: json.dumps(index).encode()})
+    index["weight_map"][names[-1]] = "model-00002-of-00002.safetensors"
+    files["shard_missing"] = model_copy(
+        tiny, root / "shard_missing", write={INDEX: json.dumps(index).encode()}
+    )
     tokenizer_files = tuple(
         f.name for f in tiny.iterdir() if f.name.startswith(("tokenizer", "vocab", "merges"))
     )
@@ -164,12 +174,13 @@ def test_the_table_lists_at_least_35_distinct_bad_inputs():
     assert set(SUBPROCESS_CASES) <= {case for case, _, _ in CASES}
 
 
-@pytest.mark.parametrize("mode", ["rl", "sft"])
-def test_the_valid_recipe_gets_as_far_as_ray(mode, files, monkeypatch, capsys):
+@pytest.mark.parametrize("overrides", ["trainer.mode=rl", "trainer.mode=sft", "model.path=<sharded>"])
+def test_the_valid_recipe_gets_as_far_as_ray(overrides, files, monkeypatch, capsys):
     """The control: without a bad input the same checks pass and the entry point goes on to Ray,
-    so each row below fails because of its own input, before that point."""
+    so each row below fails because of its own input, before that point. (`<sharded>` is the
+    tiny model with a safetensors index, the layout of an export.)"""
     with pytest.raises(RayStarted):
-        run_in_process([str(files["recipe"]), f"trainer.mode={mode}"], monkeypatch, capsys)
+        run_in_process([str(files["recipe"]), resolve(overrides, files)], monkeypatch, capsys)
     assert (files["out"] / "config.yaml").is_file()
     (files["out"] / "config.yaml").unlink()
 
