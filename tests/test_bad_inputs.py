@@ -76,76 +76,73 @@ def write_rows(path: Path, rows: list[dict]) -> Path:
     return path
 
 
+def broken_models(tiny: Path, root: Path) -> dict[str, Path]:
+    """Copies of the tiny model with a broken config.json, weights or tokenizer."""
+    config = json.loads((tiny / "config.json").read_text())
+    headless = json.dumps({k: v for k, v in config.items() if k != "num_attention_heads"}).encode()
+    weights = (tiny / "model.safetensors").read_bytes()
+    with safe_open(tiny / "model.safetensors", framework="pt") as handle:
+        names = list(handle.keys())
+    index = {"weight_map": dict.fromkeys(names, "model.safetensors")}
+    shard_missing = {"weight_map": {**index["weight_map"], names[-1]: "model-00002-of-00002.safetensors"}}
+    tokenizer = tuple(f.name for f in tiny.iterdir() if f.name.startswith(("tokenizer", "vocab", "merges")))
+    variants = {
+        "config_not_json": {"write": {"config.json": b"{not json"}},
+        "config_no_heads": {"write": {"config.json": headless}},
+        "weights_truncated": {"write": {"model.safetensors": weights[: len(weights) // 2]}},
+        "weights_garbage": {"write": {"model.safetensors": b"garbage!" * 512}},
+        "weights_absent": {"drop": ("model.safetensors",)},
+        "sharded": {"write": {INDEX: json.dumps(index).encode()}},  # valid: an export's layout
+        "shard_missing": {"write": {INDEX: json.dumps(shard_missing).encode()}},
+        "tokenizer_absent": {"drop": tokenizer},
+    }
+    return {name: model_copy(tiny, root / name, **how) for name, how in variants.items()}
+
+
+def broken_parquets(rows: list[dict], out: Path) -> dict[str, Path]:
+    """Parquet files that break one rule each, made from valid rows."""
+    out.mkdir()
+    variants = {
+        "null_prompt": [rows[0], {**rows[1], "prompt": None}],
+        "empty_prompt": [rows[0], {**rows[1], "prompt": []}],
+        "string_prompt": [{**r, "prompt": r["prompt"][0]["content"]} for r in rows],  # one type a column
+        "no_answer": [{**r, "extra_info": {**r["extra_info"], "answer": None}} for r in rows],
+        "unknown_source": [{**r, "data_source": "mystery"} for r in rows],
+        "no_ground_truth": [{**r, "reward_model": {"style": "rule", "ground_truth": None}} for r in rows],
+    }
+    files = {f"{name}.parquet": write_rows(out / f"{name}.parquet", bad) for name, bad in variants.items()}
+    files["no_prompt.parquet"] = out / "no_prompt.parquet"
+    pq.write_table(pa.Table.from_pylist(rows).drop(["prompt"]), files["no_prompt.parquet"])
+    files["empty.parquet"] = out / "empty.parquet"
+    pq.write_table(pa.Table.from_pylist(rows).slice(0, 0), files["empty.parquet"])
+    files["not_parquet.parquet"] = out / "not_parquet.parquet"
+    files["not_parquet.parquet"].write_text("question,answer\n1+1,2\n")
+    return files
+
+
+def broken_recipes_and_checkpoints(root: Path) -> dict[str, Path]:
+    files = {"bad_syntax.yaml": root / "bad_syntax.yaml", "list.yaml": root / "list.yaml"}
+    files["bad_syntax.yaml"].write_text("model:\n  path: [unclosed\ndata:\n  train_batch_size: 4\n")
+    files["list.yaml"].write_text("- model\n- data\n")
+    files["garbage_latest"] = root / "garbage_latest"  # an output_dir
+    (files["garbage_latest"] / "checkpoints").mkdir(parents=True)
+    (files["garbage_latest"] / "checkpoints" / "latest").write_text("\x00\x17garbage")
+    files["unfinished_ckpt"] = root / "ckpt" / "global_step_3"  # no manifest.json
+    (files["unfinished_ckpt"] / "actor").mkdir(parents=True)
+    return files
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, Path]:
+    """Every `<name>` the table uses, built once for the module."""
     root = tmp_path_factory.mktemp("bad_inputs")
-    files = {
-        "root": root,
-        "tiny": make_tiny_model(root / "tiny"),
-        "out": root / "out",
-        "missing": root / "missing",
-    }
+    files = {"tiny": make_tiny_model(root / "tiny"), "out": root / "out", "missing": root / "missing"}
     files.update(write_arith_parquet(root / "data", ArithConfig(num_train=8, num_test=4, seed=3)))
-    tiny, rows = files["tiny"], pq.read_table(files["train"]).to_pylist()
-    config = json.loads((tiny / "config.json").read_text())
-    weights = (tiny / "model.safetensors").read_bytes()
-    files["config_not_json"] = model_copy(tiny, root / "config_not_json", write={"config.json": b"{not json"})
-    headless = json.dumps({k: v for k, v in config.items() if k != "num_attention_heads"}).encode()
-    files["config_no_heads"] = model_copy(tiny, root / "config_no_heads", write={"config.json": headless})
-    truncated = weights[: len(weights) // 2]
-    files["weights_truncated"] = model_copy(
-        tiny, root / "weights_truncated", write={"model.safetensors": truncated}
-    )
-    garbage = os.urandom(4096)
-    files["weights_garbage"] = model_copy(
-        tiny, root / "weights_garbage", write={"model.safetensors": garbage}
-    )
-    files["weights_absent"] = model_copy(tiny, root / "weights_absent", drop=("model.safetensors",))
-    with safe_open(tiny / "model.safetensors", framework="pt") as weights:
-        names = list(weights.keys())
-    index = {"weight_map": dict.fromkeys(names, "model.safetensors")}
-    files["sharded"] = model_copy(tiny, root / "sharded", write={INDEX: json.dumps(index).encode()})
-    index["weight_map"][names[-1]] = "model-00002-of-00002.safetensors"
-    files["shard_missing"] = model_copy(
-        tiny, root / "shard_missing", write={INDEX: json.dumps(index).encode()}
-    )
-    tokenizer_files = tuple(
-        f.name for f in tiny.iterdir() if f.name.startswith(("tokenizer", "vocab", "merges"))
-    )
-    files["tokenizer_absent"] = model_copy(tiny, root / "tokenizer_absent", drop=tokenizer_files)
-    data = root / "bad_data"
-    data.mkdir()
-    files["no_prompt.parquet"] = data / "no_prompt.parquet"
-    pq.write_table(pa.Table.from_pylist(rows).drop(["prompt"]), files["no_prompt.parquet"])
-    files["not_parquet.parquet"] = data / "not_parquet.parquet"
-    files["not_parquet.parquet"].write_text("question,answer\n1+1,2\n")
-    files["empty.parquet"] = data / "empty.parquet"
-    pq.write_table(pa.Table.from_pylist(rows).slice(0, 0), files["empty.parquet"])
-    for name, prompt in (("null_prompt", None), ("empty_prompt", [])):
-        files[f"{name}.parquet"] = write_rows(
-            data / f"{name}.parquet", [rows[0], {**rows[1], "prompt": prompt}]
-        )
-    no_answer = [{**r, "extra_info": {**r["extra_info"], "answer": None}} for r in rows]
-    files["no_answer.parquet"] = write_rows(data / "no_answer.parquet", no_answer)
-    strings = [{**r, "prompt": r["prompt"][0]["content"]} for r in rows]  # a column holds one type
-    files["string_prompt.parquet"] = write_rows(data / "string_prompt.parquet", strings)
-    files["unknown_source.parquet"] = write_rows(
-        data / "unknown_source.parquet", [{**r, "data_source": "mystery"} for r in rows]
-    )
-    no_truth = [{**r, "reward_model": {"style": "rule", "ground_truth": None}} for r in rows]
-    files["no_ground_truth.parquet"] = write_rows(data / "no_ground_truth.parquet", no_truth)
-    files["bad_syntax.yaml"] = root / "bad_syntax.yaml"
-    files["bad_syntax.yaml"].write_text("model:\n  path: [unclosed\ndata:\n  train_batch_size: 4\n")
-    files["list.yaml"] = root / "list.yaml"
-    files["list.yaml"].write_text("- model\n- data\n")
+    files.update(broken_models(files["tiny"], root))
+    files.update(broken_parquets(pq.read_table(files["train"]).to_pylist(), root / "bad_data"))
+    files.update(broken_recipes_and_checkpoints(root))
     files["recipe"] = root / "recipe.yaml"
     files["recipe"].write_text(yaml.safe_dump(base_recipe(files)))
-    garbage_latest = root / "garbage_latest"
-    (garbage_latest / "checkpoints").mkdir(parents=True)
-    (garbage_latest / "checkpoints" / "latest").write_text("\x00\x17garbage")
-    files["garbage_latest"] = garbage_latest
-    files["unfinished_ckpt"] = root / "ckpt" / "global_step_3"
-    (files["unfinished_ckpt"] / "actor").mkdir(parents=True)
     return files
 
 
