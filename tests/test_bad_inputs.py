@@ -171,13 +171,21 @@ def test_the_table_lists_at_least_35_distinct_bad_inputs():
     assert set(SUBPROCESS_CASES) <= {case for case, _, _ in CASES}
 
 
-@pytest.mark.parametrize("overrides", ["trainer.mode=rl", "trainer.mode=sft", "model.path=<sharded>"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["trainer.mode=sft"],
+        ["model.path=<sharded>"],
+        ["algorithm.adv_estimator=gae", "critic.enable=true"],
+    ],
+)
 def test_the_valid_recipe_gets_as_far_as_ray(overrides, files, monkeypatch, capsys):
     """The control: without a bad input the same checks pass and the entry point goes on to Ray,
     so each row below fails because of its own input, before that point. (`<sharded>` is the
     tiny model with a safetensors index, the layout of an export.)"""
     with pytest.raises(RayStarted):
-        run_in_process([str(files["recipe"]), resolve(overrides, files)], monkeypatch, capsys)
+        run_in_process([str(files["recipe"]), *(resolve(o, files) for o in overrides)], monkeypatch, capsys)
     assert (files["out"] / "config.yaml").is_file()
     (files["out"] / "config.yaml").unlink()
 
