@@ -8,8 +8,11 @@ the file (and row) and the fix. The prompt data is tokenized here once more than
 does it; that costs seconds, a failure in the workers costs minutes.
 """
 
+import json
 import logging
 from pathlib import Path
+
+from safetensors import SafetensorError, safe_open
 
 from hybridflow.config.schema import RecipeConfig
 from hybridflow.config.validate import model_dirs
@@ -37,10 +40,6 @@ def check_run_inputs(cfg: RecipeConfig) -> None:
 
 def check_safetensors(key: str, model_dir: Path) -> None:
     """Every safetensors file of the model directory exists and has a whole, readable header."""
-    import json
-
-    from safetensors import SafetensorError, safe_open
-
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -92,9 +91,11 @@ def check_data(cfg: RecipeConfig, tokenizer) -> None:
     if cfg.trainer.mode == "sft":
         from hybridflow.trainer.sft import SFTDataset
 
-        located = read_located_rows(data.train_files, (data.prompt_key, "extra_info"))
-        # SFTDataset renders the prompts without naming a bad row
-        for where, row in located[: data.train_max_samples]:
+        rows = read_located_rows(data.train_files, (data.prompt_key, "extra_info"))
+        located = rows[: data.train_max_samples]
+        if not located:
+            raise ValueError(f"{data.train_files} hold no rows; add rows")
+        for where, row in located:  # SFTDataset renders the prompts without naming a bad row
             check_chat_prompt(row[data.prompt_key], where, data.prompt_key)
         train = SFTDataset(
             data.train_files, tokenizer, data.max_prompt_length, cfg.rollout.response_length,
