@@ -164,6 +164,8 @@ def _run(receivers: list) -> list[dict]:
         ("Ray split to 4 actors: before (copy on receive)", nbytes, lambda: ray_split(data, receivers, True)),
         ("Ray split to 4 actors: after (in place)", nbytes, lambda: ray_split(data, receivers, False)),
     ]
+    for _ in range(3):  # the object store's shared memory is touched for the first time here, not timed
+        ray_split(data, receivers, copy=False)
     timed = [(name, moved, time_runs(fn)) for name, moved, fn in cases]
     # seconds per tensor byte of each baseline, so rows moving fewer bytes compare fairly
     memcpy_per_byte = statistics.median(timed[0][2]) / nbytes

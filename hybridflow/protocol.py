@@ -31,6 +31,7 @@ from __future__ import annotations
 import copy
 import os
 import pickle
+import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -57,6 +58,7 @@ __all__ = [
 METRICS_KEY = "metrics"
 # Integer dtypes used to carry tensor bytes whose dtype numpy lacks (bfloat16, float8, ...).
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_COPY_LOCK = threading.Lock()  # guards the copy of borrowed tensors (see DataProto.batch)
 
 
 class DataProtoConflictError(ValueError, AssertionError):
@@ -113,9 +115,10 @@ class DataProto:
     def batch(self) -> TensorDict | None:
         """The tensors; borrowed (read-only) ones are copied here, on first access."""
         if self._borrowed:
-            for key in self._borrowed:
-                self._batch[key] = self._batch[key].clone()
-            self._borrowed = frozenset()
+            with _COPY_LOCK:  # two threads reading at once must not each make (and write) a copy
+                for key in self._borrowed:
+                    self._batch[key] = self._batch[key].clone()
+                self._borrowed = frozenset()
         return self._batch
 
     @batch.setter
