@@ -156,6 +156,7 @@ def _run(receivers: list) -> list[dict]:
         ("pickle round trip tensors p4", nbytes, lambda: pickle_round_trip(tensors_only, 4)),
         ("pickle round trip full batch p5", nbytes, lambda: pickle_round_trip(data, 5)),
         ("torch-native pickle dict of tensors p5", nbytes, lambda: pickle_round_trip(plain_dict, 5)),
+        ("pickle round trip bare numpy arrays p5 (floor)", nbytes, lambda: pickle_round_trip(sources, 5)),
         ("pickle round trip chunk(8)[0] p5", chunk_bytes, lambda: pickle_round_trip(chunks8[0], 5)),
         # torch pickles a view's whole storage, so one chunk costs as much as the full batch
         ("torch-native pickle of chunk views p5", chunk_bytes, lambda: pickle_round_trip(chunk_dict, 5)),
