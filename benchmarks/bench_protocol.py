@@ -15,6 +15,7 @@ code copied every tensor out of them on receive; now tensors stay in the object 
 `batch` is first read. "before" rows reproduce the old cost by reading `batch` right after the
 receive (the same copy of every tensor into fresh memory); "after" rows receive and leave the
 tensors in place (a receiver that forwards, slices, concatenates or moves them to a device).
+Before and after calls take turns, so load from other processes falls on both alike.
 "Ray split" sends `chunk(4)` of the full batch to 4 actors and waits for them (GB/s of tensor
 bytes per call). Run: `python -m benchmarks protocol` (starts its own Ray unless one is running).
 """
@@ -57,13 +58,17 @@ def tensor_bytes(data: DataProto) -> int:
     return sum(v.numel() * v.element_size() for v in data.batch.values())
 
 
-def time_runs(fn: Callable[[], object]) -> list[float]:
-    fn()  # warm-up: first-touch page faults and allocator growth
-    times = []
+def time_runs(fns: list[Callable[[], object]]) -> list[list[float]]:
+    """REPEATS times per function, calls taking turns, so load from other processes (the machine
+    is shared) falls on each alike; before/after pairs are timed this way."""
+    for fn in fns:
+        fn()  # warm-up: first-touch page faults and allocator growth
+    times = [[] for _ in fns]
     for _ in range(REPEATS):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
+        for fn, out in zip(fns, times, strict=True):
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
     return times
 
 
@@ -160,6 +165,8 @@ def _run(receivers: list) -> list[dict]:
         ("pickle round trip chunk(8)[0] p5", chunk_bytes, lambda: pickle_round_trip(chunks8[0], 5)),
         # torch pickles a view's whole storage, so one chunk costs as much as the full batch
         ("torch-native pickle of chunk views p5", chunk_bytes, lambda: pickle_round_trip(chunk_dict, 5)),
+    ]
+    before_after = [
         ("Ray put+get tensors: before (copy on receive)", nbytes, lambda: ray_round_trip(tensors_only, True)),
         ("Ray put+get tensors: after (in place)", nbytes, lambda: ray_round_trip(tensors_only, False)),
         ("Ray split to 4 actors: before (copy on receive)", nbytes, lambda: ray_split(data, receivers, True)),
@@ -167,7 +174,9 @@ def _run(receivers: list) -> list[dict]:
     ]
     for _ in range(3):  # the object store's shared memory is touched for the first time here, not timed
         ray_split(data, receivers, copy=False)
-    timed = [(name, moved, time_runs(fn)) for name, moved, fn in cases]
+    timed = [(name, moved, time_runs([fn])[0]) for name, moved, fn in cases]
+    pair_times = time_runs([fn for _, _, fn in before_after])
+    timed += [(name, moved, t) for (name, moved, _), t in zip(before_after, pair_times, strict=True)]
     # seconds per tensor byte of each baseline, so rows moving fewer bytes compare fairly
     memcpy_per_byte = statistics.median(timed[0][2]) / nbytes
     fresh_copy_per_byte = statistics.median(timed[1][2]) / nbytes
