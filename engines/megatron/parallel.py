@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from engines.megatron import cpu_compat
 from engines.megatron.config import MegatronConfig
+from engines.placement import training_device_index, visible_devices
 
 
 def validate_parallel_layout(hf_config, tp: int, pp: int) -> None:
@@ -68,7 +69,8 @@ def _init_torch_distributed() -> None:
             "launch with torchrun or export them before init_megatron"
         )
     if cpu_compat.cuda_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        visible = visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count())
+        torch.cuda.set_device(training_device_index(visible, int(os.environ.get("LOCAL_RANK", "0"))))
         dist.init_process_group("nccl")
     else:
         dist.init_process_group("gloo")

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from engines.rollout.base import SeededGenerationMixin, load_tokenizer, read_special_token_ids
+from engines.rollout.base import WEIGHTS_TAG, SeededGenerationMixin, load_tokenizer, read_special_token_ids
 from engines.rollout.config import RolloutConfig, SamplingConfig
 from engines.rollout.weight_sync import tensor_checksum, torch_dtype
 from hybridflow.protocol import DataProto
@@ -117,14 +117,21 @@ class HFRolloutEngine(SeededGenerationMixin):
         return {name: tensor_checksum(self._params[name]) for name in names}
 
     # ------------------------------------------------------------------ memory and RNG
-    def release_memory(self) -> None:
-        """On CUDA, move the weights to host memory so the actor can use the device; on CPU a no-op."""
-        if self.device.type == "cuda":
+    def begin_weight_update(self) -> None:
+        """Nothing to open: `update_weights` writes the parameters in place."""
+
+    def end_weight_update(self) -> None:
+        """Nothing to close."""
+
+    def release_memory(self, tags: list[str] | None = None) -> None:
+        """On CUDA, move the weights to host memory so the actor can use the device; on CPU a no-op.
+        Only the "weights" tag means anything here (the KV cache lives only during `generate`)."""
+        if self.device.type == "cuda" and (tags is None or WEIGHTS_TAG in tags):
             self.model.to("cpu")
             torch.cuda.empty_cache()
 
-    def resume_memory(self) -> None:
-        if self.device.type == "cuda":
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        if self.device.type == "cuda" and (tags is None or WEIGHTS_TAG in tags):
             self.model.to(self.device)
 
 

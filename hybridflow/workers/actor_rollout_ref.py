@@ -50,7 +50,6 @@ class ActorRolloutRefWorker(Worker):
         from engines.megatron.model import build_model, unwrap_model
         from engines.megatron.offload import offload_optimizer, reload_optimizer
         from engines.megatron.optimizer import build_optimizer
-        from engines.rollout.base import create_rollout_engine
         from engines.rollout.sharding_manager import MegatronRolloutShardingManager, OffloadHooks
 
         cfg = self.config
@@ -59,9 +58,7 @@ class ActorRolloutRefWorker(Worker):
             self.actor_chunks, cfg.actor.optim, cfg.actor.megatron
         )
         self.actor = MegatronActor(self.actor_chunks, self.optimizer, self.scheduler, cfg.actor.update)
-        # One engine per rollout group (SGLang TP); its first rank holds it.
-        holds_engine = torch.distributed.get_rank() % cfg.rollout.tensor_model_parallel_size == 0
-        self.rollout = create_rollout_engine(cfg.rollout, cfg.model.path) if holds_engine else None
+        self.rollout = self._build_rollout_engine()
         hooks = None
         if cfg.actor.megatron.optimizer_offload:  # free the optimizer's memory while generating
             hooks = OffloadHooks(
@@ -72,6 +69,21 @@ class ActorRolloutRefWorker(Worker):
         self.sharding_manager = MegatronRolloutShardingManager(
             self.actor_chunks, self.hf_config, self.rollout, cfg.rollout, offload_hooks=hooks
         )
+
+    def _build_rollout_engine(self):
+        """The hf engine on every rank; one SGLang engine per rollout group (SGLang TP), on the
+        group's first rank, started on the group's GPUs (`engines.placement`)."""
+        from engines.rollout.base import create_rollout_engine
+
+        cfg = self.config
+        if cfg.rollout.name != "sglang":
+            return create_rollout_engine(cfg.rollout, cfg.model.path)
+        from engines.placement import gather_engine_devices
+
+        devices = gather_engine_devices(cfg.rollout.tensor_model_parallel_size, torch.cuda.device_count())
+        if devices is None:
+            return None
+        return create_rollout_engine(cfg.rollout, cfg.model.path, devices=devices)
 
     @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:

@@ -11,15 +11,28 @@ One launch checks, printing "OK <check>" on rank 0 after each:
                   on every rank, rows and uids in order;
   independent     one prompt repeated 8 times (a GRPO group spread over the 4 ranks) gets 8
                   different samples: ranks' slices do not share a random stream;
-  rollout-groups  with engines on every other rank (rollout groups of 2, as SGLang TP=2 would be),
-                  only engine ranks load weights, and the gathered output is again exact;
+  sglang-cycle    rollout TP 2 (two engines, on ranks 0 and 2) through the sglang contract double
+                  (tests/doubles): each rank sees one GPU, as under Ray; the first generate after
+                  the engine is built works (the manager released it at build and resumes what it
+                  released, weights before the stream, KV cache after), twice; scheduler i of each
+                  engine runs on group member i's GPU and loads its tensors from that GPU only;
+                  greedy output equals transformers' on the exported checkpoint;
+  sglang-keep     with free_cache_engine false nothing is ever released or resumed;
+  sglang-refused  an update SGLang refuses (outside a weight-update session) stops every rank with
+                  a WeightSyncError naming the bucket and SGLang's message;
   verify-catches  a corrupted tensor on rank 1 stops every rank with a WeightSyncError naming it;
   dp2-chunks      re-initialised as TP2 x DP2 with the original weights, each data-parallel rank's
                   chunk comes back as transformers' greedy output of the original checkpoint.
 """
 
+import os
 import sys
 from pathlib import Path
+
+# Every rank sees one GPU, as a Ray worker that asked for one does; "GPUs" 4-7 so that an index
+# and a GPU name never coincide. The sglang contract double stands in for sglang on CPU.
+os.environ["CUDA_VISIBLE_DEVICES"] = str(4 + int(os.environ["RANK"]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "doubles"))
 
 import numpy as np
 import torch
@@ -29,9 +42,11 @@ from engines.megatron.config import MegatronConfig
 from engines.megatron.model import build_model, unwrap_model
 from engines.megatron.parallel import init_megatron
 from engines.megatron.weights import save_hf_checkpoint
+from engines.placement import gather_engine_devices
 from engines.rollout.config import RolloutConfig, SamplingConfig
 from engines.rollout.hf_rollout import HFRolloutEngine
-from engines.rollout.sharding_manager import MegatronRolloutShardingManager
+from engines.rollout.sglang_rollout import SGLangRolloutEngine
+from engines.rollout.sharding_manager import ALL_TAGS, MegatronRolloutShardingManager
 from engines.rollout.weight_sync import WeightSyncError
 from hybridflow.protocol import DataProto
 
@@ -145,6 +160,91 @@ def check_data_parallel_chunks(hf_dir: Path, engine, cfg: RolloutConfig, prompts
         check_greedy(generate_through(manager, engine, chunk), chunk, reference_greedy(hf_dir, chunk))
 
 
+def sglang_engine(hf_dir: Path, cfg: RolloutConfig, engine_cls=SGLangRolloutEngine):
+    """The engine of this rank's rollout group on its first rank (the placement the worker uses)."""
+    devices = gather_engine_devices(cfg.tensor_model_parallel_size, device_count=0)
+    return None if devices is None else engine_cls(hf_dir, cfg, devices)
+
+
+def reference_greedy_per_row(export_dir: Path, prompts: DataProto) -> torch.Tensor:
+    """Greedy continuations of each unpadded prompt (SGLang serves requests unpadded), (B, MAX_NEW)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32).eval()
+    rows = torch.full((len(prompts), MAX_NEW), PAD)
+    with torch.no_grad():
+        for row in range(len(prompts)):
+            prompt = prompts.batch["input_ids"][row][prompts.batch["attention_mask"][row].bool()][None]
+            out = model.generate(
+                input_ids=prompt, do_sample=False, max_new_tokens=MAX_NEW, eos_token_id=EOS,
+                pad_token_id=PAD, use_cache=False,
+            )[0, prompt.shape[1] :]  # fmt: skip
+            rows[row, : len(out)] = out
+    return rows
+
+
+def check_sglang_cycle(chunks, hf_config, hf_dir: Path, export_dir: Path, prompts: DataProto) -> None:
+    from safetensors.torch import load_file
+
+    cfg = rollout_cfg(name="sglang", tensor_model_parallel_size=2)
+    engine = sglang_engine(hf_dir, cfg)
+    manager = MegatronRolloutShardingManager(chunks, hf_config, engine, cfg)
+    expected = reference_greedy_per_row(export_dir, prompts)
+    for _ in range(2):
+        with manager:
+            if engine is not None:
+                assert not engine.engine.offload_tags, engine.engine.offload_tags
+            check_greedy(generate_through(manager, engine, prompts), prompts, expected)
+        if engine is not None:
+            assert engine.engine.offload_tags == set(ALL_TAGS)
+    if engine is None:
+        return
+    double = engine.engine
+    rank = dist.get_rank()
+    assert double.scheduler_gpus == [str(4 + rank), str(5 + rank)], double.scheduler_gpus
+    assert double.calls.release == [ALL_TAGS] * 3, double.calls.release
+    assert double.calls.resume == [["weights"], ["kv_cache", "cuda_graph"]] * 2, double.calls.resume
+    exported = {}
+    for file in export_dir.glob("*.safetensors"):
+        exported.update(load_file(file))
+    for scheduler, gpu in enumerate(double.scheduler_gpus):
+        received = double.received[scheduler]
+        assert set(received) == set(exported), sorted(set(received) ^ set(exported))
+        assert {r.source_gpu for r in received.values()} == {gpu}, (scheduler, gpu)
+        assert all(torch.equal(received[name].tensor, exported[name]) for name in exported)
+
+
+def check_sglang_keeps_memory(chunks, hf_config, hf_dir: Path, prompts: DataProto) -> None:
+    cfg = rollout_cfg(name="sglang", tensor_model_parallel_size=2, free_cache_engine=False)
+    engine = sglang_engine(hf_dir, cfg)
+    manager = MegatronRolloutShardingManager(chunks, hf_config, engine, cfg)
+    for _ in range(2):
+        with manager:
+            generate_through(manager, engine, prompts)
+    if engine is not None:
+        calls = engine.engine.calls
+        assert (calls.release, calls.resume, calls.begin, calls.end) == ([], [], 2, 2), calls
+
+
+class SessionlessEngine(SGLangRolloutEngine):
+    """Updates without opening SGLang's weight-update session (what a pre-0.5.21 driver does)."""
+
+    def begin_weight_update(self) -> None:
+        pass
+
+
+def check_sglang_refused_update(chunks, hf_config, hf_dir: Path) -> None:
+    cfg = rollout_cfg(name="sglang", tensor_model_parallel_size=2)
+    engine = sglang_engine(hf_dir, cfg, SessionlessEngine)
+    manager = MegatronRolloutShardingManager(chunks, hf_config, engine, cfg)
+    try:
+        with manager:
+            raise AssertionError("the refused update was not caught")
+    except WeightSyncError as err:
+        text = str(err)
+        assert "bucket 0 (" in text and "must run between begin_weight_update()" in text, text
+
+
 def say(message: str) -> None:
     if dist.get_rank() == 0:
         print(f"OK {message}", flush=True)
@@ -174,12 +274,12 @@ def main(hf_dir: Path, out_dir: Path) -> None:
         assert len({tuple(row.tolist()) for row in samples}) == 8, samples
         say("independent")
 
-    grouped_cfg = rollout_cfg(name="sglang", tensor_model_parallel_size=2)
-    grouped_engine = HFRolloutEngine(hf_dir, grouped_cfg, device="cpu") if dist.get_rank() % 2 == 0 else None
-    with MegatronRolloutShardingManager(chunks, hf_config, grouped_engine, grouped_cfg) as manager:
-        assert manager.last_sync.tensors == len(dict(engine.model.named_parameters()))
-        check_greedy(generate_through(manager, grouped_engine, prompts), prompts, expected)
-        say("rollout-groups")
+    check_sglang_cycle(chunks, hf_config, hf_dir, export_dir, prompts)
+    say("sglang-cycle")
+    check_sglang_keeps_memory(chunks, hf_config, hf_dir, prompts)
+    say("sglang-keep")
+    check_sglang_refused_update(chunks, hf_config, hf_dir)
+    say("sglang-refused")
 
     corrupting = (CorruptingEngine if dist.get_rank() == 1 else HFRolloutEngine)(hf_dir, cfg, device="cpu")
     bad_manager = MegatronRolloutShardingManager(chunks, hf_config, corrupting, cfg)

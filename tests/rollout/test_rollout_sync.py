@@ -1,4 +1,5 @@
-"""Actor (Megatron-Core, TP2 x PP2 on 4 gloo processes) -> hf rollout engine: one launch, six checks.
+"""Actor (Megatron-Core, TP2 x PP2 on 4 gloo processes) -> rollout engines (hf, and SGLang through its
+contract double): one launch, eight checks.
 
 See `_sync_worker.py` for what each check proves.
 """
@@ -13,7 +14,16 @@ from launch import run_distributed
 from tiny_hf import char_vocab, make_tiny_hf_checkpoint
 
 WORKER = Path(__file__).resolve().parent / "_sync_worker.py"
-CHECKS = ("sync-exact", "greedy-export", "independent", "rollout-groups", "verify-catches", "dp2-chunks")
+CHECKS = (
+    "sync-exact",
+    "greedy-export",
+    "independent",
+    "sglang-cycle",
+    "sglang-keep",
+    "sglang-refused",
+    "verify-catches",
+    "dp2-chunks",
+)
 
 
 @pytest.mark.slow
