@@ -25,4 +25,7 @@ CRITIC_UPDATE = CriticUpdateConfig(
     ppo_mini_batch_size=8, ppo_micro_batch_size=2, ppo_epochs=2, cliprange_value=0.2
 )
 TEMPERATURE = 0.9
+# Token budget of the packed micro-batches on the heavy-tailed batch (its longest row has 38
+# tokens): several micro-batches of unequal row counts per rank.
+PACKED_BUDGET = 40
 SFT_STEPS = 6
