@@ -13,7 +13,8 @@ this layout; rank 0 writes ROOT/TAG.pt with the exported HF tensors and metrics 
 - `load:<dir>`: a fresh actor and optimizer restored from ROOT/<dir>, exported (`loaded`), then a
   second `update_policy` call (`after_load`).
 - `heavy-actor:<mode>:<padded|packed>`, `heavy-critic:<padded|packed>`: as `actor` / `critic` on
-  the heavy batch, with padded fixed micro-batches or packed token-budget ones (`PACKED_BUDGET`).
+  the heavy batch, with padded fixed micro-batches or packed token-budget ones (`PACKED_BUDGET`),
+  and `HEAVY_OPTIM`.
 - `packing`: on the heavy batch, padded and packed side by side in this process: log-probs and
   entropies, values, reward-model scores, and the gradients of a token-mean loss (log-prob NLL
   minus an entropy bonus) through the schedule (`padded` / `packed` entries).
@@ -26,7 +27,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _train_settings import ACTOR_UPDATE, CRITIC_UPDATE, OPTIM, PACKED_BUDGET, SFT_STEPS, TEMPERATURE
+from _train_settings import (
+    ACTOR_UPDATE,
+    CRITIC_UPDATE,
+    HEAVY_OPTIM,
+    OPTIM,
+    PACKED_BUDGET,
+    SFT_STEPS,
+    TEMPERATURE,
+)
 
 from engines.megatron import forward
 from engines.megatron.actor import MegatronActor
@@ -59,16 +68,16 @@ def packing_settings(packed: bool) -> dict:
     return {"use_dynamic_bsz": packed, "max_token_len_per_gpu": PACKED_BUDGET}
 
 
-def build_actor(hf_dir, cfg, mode, packed=False):
+def build_actor(hf_dir, cfg, mode, packed=False, optim=OPTIM):
     chunks = build_model(hf_dir, cfg)
-    optimizer, scheduler = build_optimizer(chunks, OPTIM, cfg)
+    optimizer, scheduler = build_optimizer(chunks, optim, cfg)
     update_cfg = ActorUpdateConfig(**ACTOR_UPDATE, loss_agg_mode=mode, **packing_settings(packed))
     return MegatronActor(chunks, optimizer, scheduler, update_cfg)
 
 
-def run_critic(hf_dir, cfg, shard, packed=False) -> dict:
+def run_critic(hf_dir, cfg, shard, packed=False, optim=OPTIM) -> dict:
     chunks = build_model(hf_dir, cfg, value_head=True)
-    optimizer, scheduler = build_optimizer(chunks, OPTIM, cfg)
+    optimizer, scheduler = build_optimizer(chunks, optim, cfg)
     update_cfg = dataclasses.replace(CRITIC_UPDATE, **packing_settings(packed))
     critic = MegatronCritic(chunks, optimizer, scheduler, update_cfg)
     values = critic.compute_values(shard)
@@ -152,11 +161,11 @@ def main(root: Path, tp: int, pp: int, tag: str, steps: list[str]) -> None:
             results[step] = run_critic(hf_dir, cfg, shard)
         elif kind == "heavy-actor":
             mode, _, layout = arg.partition(":")
-            heavy_actor = build_actor(hf_dir, cfg, mode, packed=layout == "packed")
+            heavy_actor = build_actor(hf_dir, cfg, mode, packed=layout == "packed", optim=HEAVY_OPTIM)
             metrics = heavy_actor.update_policy(heavy_shard)
             results[step] = {"weights": export(heavy_actor.chunks), "metrics": last_stage_value(metrics)}
         elif kind == "heavy-critic":
-            results[step] = run_critic(hf_dir, cfg, heavy_shard, packed=arg == "packed")
+            results[step] = run_critic(hf_dir, cfg, heavy_shard, packed=arg == "packed", optim=HEAVY_OPTIM)
         elif kind == "packing":
             results[step] = packing_side_by_side(hf_dir, cfg, heavy_shard)
         elif kind == "sft":

@@ -144,9 +144,9 @@ def _assert_weights_close(actual: dict, expected: dict, rtol=1e-5, atol=1e-5):
         )
 
 
-def _assert_metrics_close(actual: dict, expected: dict, keys, rtol=1e-4):
+def _assert_metrics_close(actual: dict, expected: dict, keys, rtol=1e-4, atol=1e-7):
     for key in keys:
-        assert actual[key] == pytest.approx(expected[key], rel=rtol, abs=1e-7), key
+        assert actual[key] == pytest.approx(expected[key], rel=rtol, abs=atol), key
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
@@ -240,7 +240,8 @@ def test_packed_token_budget_update_equals_padded_fixed_micro_batches(runs, tag,
     actual = runs[tag][step]
     _assert_weights_close(actual["weights"], expected["weights"])
     keys = ["grad_norm", "pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "kl_loss", "lr"]
-    _assert_metrics_close(actual["metrics"], expected["metrics"], keys)
+    # pg_loss (~3e-3) is a mean of O(1) per-token terms that cancel: fp32 order changes it by ~3e-7
+    _assert_metrics_close(actual["metrics"], expected["metrics"], keys, atol=1e-6)
 
 
 @pytest.mark.parametrize("tag", ["tp2", "dp2"])
