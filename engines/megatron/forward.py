@@ -14,14 +14,14 @@ Loss-function contract (used by the actor and critic):
   (b, T, Vp / tp) sharded over the tensor-parallel group (padded vocabulary; mask it with
   `vocab_size=` in the functions below), or values (b, T, 1) for a value-head model. Position t
   predicts token t + 1. Only called on the last pipeline stage. Packed micro-batches give a
-  `PackedOutput` instead; `response_tokens` / `last_token_outputs` read either kind.
+  `PackedOutput` instead; `ResponseTokens` / `last_token_outputs` read either kind.
 - `micro_batch`: the TensorDict slice of `data.batch` for these b rows (every key of the batch).
 - returns `loss`, a scalar tensor, and `metrics`, any object (typically a dict of tensors).
   Megatron's schedule (the 2-tuple form of `forward_step_calc_loss`) divides `loss` by the number
   of micro-batches before backward, so a loss that is a mean over its micro-batch gives gradients
   of the mean over the whole batch (with equal-size micro-batches); losses normalised by the
-  whole batch's counts and multiplied back (training.py) are exact for any split. It modifies `loss` in place:
-  return a fresh tensor. With forward_only=True `loss` is ignored (return e.g. a zero).
+  whole batch's counts and multiplied back (training.py) are exact for any split. It modifies
+  `loss` in place: return a fresh tensor. With forward_only=True `loss` is ignored (return e.g. a zero).
 `run_micro_batches` returns the list of `metrics`, one per micro-batch, on the last pipeline
 stage and an empty list on the others. Gradients land in the DDP buffers (`param.main_grad`) and
 are averaged over data-parallel ranks (DDP pre-scales by 1/dp, then sums) by the schedule's
