@@ -11,9 +11,10 @@ by the caller (pipeline parallelism sends fixed-shape activations between stages
 tokens form the tail of the last segment of `cu_seqlens_padded`; no real token attends to them.
 
 Token budgets. `partition_by_tokens` assigns rows to k micro-batches, longest first to the
-least-loaded one (greedy LPT, Graham 1969), and `token_budget_groups` finds the smallest k whose
-partition keeps every micro-batch within the budget, then agrees on k over the data-parallel
-group through a callable (`agree_max`) so that every rank runs the same number of micro-batches.
+least-loaded one (greedy LPT, Graham 1969), and `token_budget_groups` takes the smallest k, from
+ceil(tokens / budget) up, whose partition keeps every micro-batch within the budget, then
+agrees on k over the data-parallel group through a callable (`agree_max`) so that every rank
+runs the same number of micro-batches.
 A rank with fewer rows than k gets empty micro-batches (only padding).
 
 Memory. A packed micro-batch holds at most `max_token_len` real tokens (plus < length_multiple
@@ -58,11 +59,6 @@ class PackedMicroBatch:
     max_seqlen: int  # longest segment of cu_seqlens_padded
     response_index: torch.Tensor  # (n,) long
     last_index: torch.Tensor  # (b,) long
-    real_tokens: int
-
-    @property
-    def length(self) -> int:
-        return self.input_ids.shape[1]
 
 
 def pack_micro_batch(
@@ -97,7 +93,6 @@ def pack_micro_batch(
         max_seqlen=int((cu_padded[1:] - cu_padded[:-1]).max()) if len(lengths) else total,
         response_index=predictors[response_real],
         last_index=starts + lengths - 1,
-        real_tokens=real_tokens,
     )
 
 
