@@ -255,3 +255,18 @@ def test_forward_micro_batches_must_divide_each_ranks_rows(local):
     )
     assert "actor.log_prob_micro_batch_size=3 does not divide the 8 responses" in message
     assert "ref.log_prob_micro_batch_size" not in message
+
+
+def test_token_budgets_in_use_must_fit_the_longest_sequence(local):
+    # gsm8k_ppo: max_prompt_length 512 + response_length 512 = 1024 tokens
+    message = invalid(
+        PPO,
+        local,
+        "actor.update.use_dynamic_bsz=true",
+        "actor.update.max_token_len_per_gpu=1000",
+        "critic.update.use_dynamic_bsz=false",
+        "critic.forward_max_token_len_per_gpu=10",
+    )
+    assert "actor.update.max_token_len_per_gpu=1000 is below the longest sequence" in message
+    assert "1024 tokens" in message and "critic.forward_max_token_len_per_gpu" not in message
+    load_valid(PPO, local, "actor.update.use_dynamic_bsz=false", "actor.update.max_token_len_per_gpu=10")

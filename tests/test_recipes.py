@@ -182,6 +182,7 @@ def test_remax_with_a_reward_model_on_one_process_then_resume(local, tmp_path):
         f"reward_model.path={local['model']}",
         "reward_model.megatron.params_dtype=float32",
         "reward_model.micro_batch_size=2",
+        "reward_model.use_dynamic_bsz=true",  # packed scoring (the actor packs too: the recipe's default)
         "actor.update.use_kl_loss=false",
         "rollout.sampling.n=2",
         "actor.update.ppo_mini_batch_size=8",

@@ -62,6 +62,10 @@ class ActorUpdateConfig:
     kl_loss_type: str = "low_var_kl"  # "kl"/"k1", "abs", "mse"/"k2", "low_var_kl"/"k3"
     shuffle: bool = False  # shuffle rows within this rank's shard before each epoch
     seed: int = 0  # seeds the shuffle
+    # Sequence packing + token-budget micro-batches (docs/packing.md); also switches the actor's
+    # log-prob and the reference's forward to packed micro-batches of their own budgets.
+    use_dynamic_bsz: bool = False
+    max_token_len_per_gpu: int = 8192  # tokens (prompt + response) per packed micro-batch, per rank
 
 
 @dataclass
@@ -73,3 +77,6 @@ class CriticUpdateConfig:
     ppo_epochs: int = 1
     cliprange_value: float = 0.5
     loss_agg_mode: str = "token-mean"
+    # Sequence packing + token-budget micro-batches for the update and the values (docs/packing.md).
+    use_dynamic_bsz: bool = False
+    max_token_len_per_gpu: int = 8192  # tokens (prompt + response) per packed micro-batch, per rank

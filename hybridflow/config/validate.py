@@ -53,6 +53,7 @@ def validate_recipe(cfg: RecipeConfig, cuda_available: bool | None = None) -> La
     if cfg.trainer.mode == "rl":
         errors += _check_algorithm(cfg)
     errors += _check_devices(cfg, cuda_available)
+    errors += _check_token_budgets(cfg)
     layout, layout_errors = _layout(cfg)
     errors += layout_errors
     if layout is not None:
@@ -317,3 +318,24 @@ def _check_forward_micro_batches(cfg: RecipeConfig, rows_per_rank: int) -> list[
                 f"{greedy_rows} greedy baseline responses each data-parallel rank scores; pick a divisor"
             )
     return errors
+
+
+def _check_token_budgets(cfg: RecipeConfig) -> list[str]:
+    """Packed micro-batches hold whole sequences: each token budget in use must fit the longest one."""
+    longest = cfg.data.max_prompt_length + cfg.rollout.response_length
+    budgets = {}
+    if cfg.actor.update.use_dynamic_bsz:
+        budgets["actor.update.max_token_len_per_gpu"] = cfg.actor.update.max_token_len_per_gpu
+        budgets["actor.log_prob_max_token_len_per_gpu"] = cfg.actor.log_prob_max_token_len_per_gpu
+        budgets["ref.log_prob_max_token_len_per_gpu"] = cfg.ref.log_prob_max_token_len_per_gpu
+    if cfg.critic.enable and cfg.critic.update.use_dynamic_bsz:
+        budgets["critic.update.max_token_len_per_gpu"] = cfg.critic.update.max_token_len_per_gpu
+        budgets["critic.forward_max_token_len_per_gpu"] = cfg.critic.forward_max_token_len_per_gpu
+    if cfg.reward_model.enable and cfg.reward_model.use_dynamic_bsz:
+        budgets["reward_model.forward_max_token_len_per_gpu"] = cfg.reward_model.forward_max_token_len_per_gpu
+    return [
+        f"{key}={budget} is below the longest sequence, data.max_prompt_length + rollout.response_length = "
+        f"{longest} tokens; raise it to at least {longest}"
+        for key, budget in budgets.items()
+        if budget < longest
+    ]

@@ -93,23 +93,27 @@ class ActorRolloutRefWorker(Worker):
             output = self.rollout.generate_sequences(piece) if self.rollout is not None else None
             return self.sharding_manager.postprocess_data(output)
 
-    def _log_prob_meta(self, data: DataProto, micro_batch_size: int) -> DataProto:
+    def _log_prob_meta(self, data: DataProto, role) -> DataProto:
+        """Temperature and micro-batching of a log-prob pass; `role` is the actor or ref config."""
         data.meta_info.update(
-            temperature=self.config.rollout.sampling.temperature, micro_batch_size=micro_batch_size
+            temperature=self.config.rollout.sampling.temperature,
+            micro_batch_size=role.log_prob_micro_batch_size,
         )
+        packed = self.config.actor.update.use_dynamic_bsz
+        data.meta_info["max_token_len"] = role.log_prob_max_token_len_per_gpu if packed else None
         return data
 
     @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """`old_log_probs` and `entropys` (B, R) of the responses under the current actor."""
-        data = self._log_prob_meta(data, self.config.actor.log_prob_micro_batch_size)
+        data = self._log_prob_meta(data, self.config.actor)
         return self.actor.compute_log_prob(data)
 
     @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto | None:
         """`ref_log_prob` (B, R) of the responses under the frozen reference policy (on the last
         pipeline stage, the one whose output is collected)."""
-        data = self._log_prob_meta(data, self.config.ref.log_prob_micro_batch_size)
+        data = self._log_prob_meta(data, self.config.ref)
         return self.ref.compute_ref_log_prob(data)
 
     @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE_PROTO)
