@@ -15,6 +15,11 @@ docs/megatron-on-cpu.md beside the repo):
 - `seed_all(seed)`: `model_parallel_cuda_manual_seed` asserts on a CPU build; on CPU the torch
   generator is seeded directly (dropout is 0 in RL fine-tuning, so no per-rank RNG streams are
   needed).
+- MoE router without Transformer Engine: `moe_utils.RouterGatingLinearFunction` tests
+  `te_general_gemm is not None`, but Megatron-Core 0.16.1 only defines that name when TE imports
+  (megatron/core/transformer/moe/moe_utils.py), so the router raises NameError. `install()`
+  defines it as None, the value the function's torch.mm fallback expects. MoE on CPU then runs
+  Megatron's own SequentialMLP experts and its all-gather token dispatcher over gloo.
 - The core attention: Megatron's local `DotProductAttention` allocates on CUDA; the SDPA module
   in `engines/megatron/attention.py` replaces it through the layer spec (Megatron's extension
   point). It is used on GPU too when Transformer Engine is absent (see model.py).
@@ -69,7 +74,15 @@ def install() -> None:
         return
     torch.cuda.current_device = _current_device_cpu
     torch.cuda.synchronize = _synchronize_noop
+    _define_missing_te_gemm()
     _installed = True
+
+
+def _define_missing_te_gemm() -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 @contextmanager

@@ -2,9 +2,11 @@
 
 Run by test_model_parity.py; also a debugging entry point:
     torchrun --nproc_per_node 4 tests/megatron/_model_parity_worker.py --work-dir /tmp/w --layouts 2x2
-(checkpoints are made in --work-dir if absent). For every layout and both tiny models (Qwen2:
-QKV bias, GQA, untied; Llama: tied embeddings, one KV head so TP=2 exercises Megatron's KV-head
-sharing) it checks, on every rank:
+(checkpoints are made in --work-dir if absent). A layout is TPxPP or TPxPPxEP; EP > 1 runs only
+the mixture-of-experts models. For every layout and tiny model (Qwen2: QKV bias, GQA, untied;
+Llama: tied embeddings, one KV head so TP=2 exercises Megatron's KV-head sharing; Qwen3: QK norm;
+Qwen3-MoE: QK norm, 4 experts top-2 without renormalisation; Mixtral: top-2 renormalised, tied)
+it checks, on every rank:
   1. logits equal transformers' on real tokens of a left/right-padded batch (1e-5);
   2. compute_log_prob's log-probs and entropies equal a full-softmax reference (temperature 0.7);
   3. gradients of a token-mean NLL through Megatron's schedule and DDP equal transformers';
@@ -37,7 +39,13 @@ from hybridflow.protocol import DataProto
 MODELS = {
     "qwen2": dict(arch="qwen2", vocab_size=200, num_kv_heads=2, tie_word_embeddings=False),
     "llama": dict(arch="llama", vocab_size=120, num_kv_heads=1, tie_word_embeddings=True),
+    "qwen3": dict(arch="qwen3", vocab_size=150, num_kv_heads=2, tie_word_embeddings=False),
+    "qwen3_moe": dict(arch="qwen3_moe", vocab_size=130, num_kv_heads=2, tie_word_embeddings=False),
+    "mixtral": dict(
+        arch="mixtral", vocab_size=110, num_kv_heads=2, tie_word_embeddings=True, intermediate_size=48
+    ),
 }
+MOE_MODELS = ("qwen3_moe", "mixtral")
 PROMPT_LEN, RESPONSE_LEN = 5, 4
 TEMPERATURE = 0.7
 
@@ -67,8 +75,21 @@ def hf_reference(hf_dir: Path, batch: dict):
     mask = batch["response_mask"].float()
     nll = -(logp.gather(-1, batch["responses"][..., None]).squeeze(-1) * mask).sum() / mask.sum()
     nll.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    return out.logits.detach(), out.hidden_states[-1].detach(), grads
+    return out.logits.detach(), out.hidden_states[-1].detach(), checkpoint_named_grads(model, hf_dir)
+
+
+def checkpoint_named_grads(model, hf_dir: Path) -> dict[str, torch.Tensor]:
+    """The gradients under the checkpoint's tensor names: transformers 5 fuses MoE experts in
+    memory (experts.gate_up_proj) and splits them per expert on save, so let it save them."""
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(param.grad)
+    grad_dir = hf_dir.parent / f"{hf_dir.name}_grads_rank{dist.get_rank()}"
+    model.save_pretrained(grad_dir)
+    grads = {}
+    for shard in sorted(grad_dir.glob("*.safetensors")):
+        grads.update(load_file(shard))
+    return grads
 
 
 def full_softmax_reference(logits: torch.Tensor):
@@ -184,9 +205,13 @@ def check_value_head(hf_dir, cfg, data, batch, hf_config, ref_hidden, export_dir
         values_of(reloaded_chunks)
 
 
-def run_layout(work_dir: Path, tp: int, pp: int) -> None:
-    cfg = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    for arch in MODELS:
+def run_layout(work_dir: Path, tp: int, pp: int, ep: int, models: list[str]) -> None:
+    cfg = MegatronConfig(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep
+    )
+    for arch in models:
+        if ep > 1 and arch not in MOE_MODELS:
+            continue
         hf_dir = work_dir / arch
         hf_config = load_hf_config(hf_dir)
         init_megatron(cfg, hf_config)
@@ -196,18 +221,21 @@ def run_layout(work_dir: Path, tp: int, pp: int) -> None:
         chunks = build_model(hf_dir, cfg, for_training=False)
         check_logits(chunks, data, batch, ref_logits, hf_config.vocab_size)
         check_log_probs(chunks, data, batch, ref_logits)
-        check_weights_roundtrip(chunks, hf_dir, hf_config, work_dir / f"export_{arch}_tp{tp}_pp{pp}")
+        tag = f"tp{tp}_pp{pp}_ep{ep}"
+        check_weights_roundtrip(chunks, hf_dir, hf_config, work_dir / f"export_{arch}_{tag}")
         check_gradients(hf_dir, cfg, data, batch, hf_config, ref_grads)
-        value_dir = work_dir / f"export_value_{arch}_tp{tp}_pp{pp}"
-        check_value_head(hf_dir, cfg, data, batch, hf_config, ref_hidden, value_dir)
-        print(f"PARITY OK {arch} tp={tp} pp={pp} rank={dist.get_rank()}", flush=True)
+        check_value_head(
+            hf_dir, cfg, data, batch, hf_config, ref_hidden, work_dir / f"export_value_{arch}_{tag}"
+        )
+        print(f"PARITY OK {arch} tp={tp} pp={pp} ep={ep} rank={dist.get_rank()}", flush=True)
     parallel_state.destroy_model_parallel()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--work-dir", type=Path, required=True)
-    parser.add_argument("--layouts", default="1x1", help="comma-separated TPxPP, e.g. 1x1,2x1,1x2")
+    parser.add_argument("--layouts", default="1x1", help="comma-separated TPxPP[xEP], e.g. 1x1,2x1,1x1x2")
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {sorted(MODELS)}")
     args = parser.parse_args()
     torch.use_deterministic_algorithms(True)
     dist.init_process_group("gloo")
@@ -215,8 +243,8 @@ def main() -> None:
         make_checkpoints(args.work_dir)
     dist.barrier()
     for layout in args.layouts.split(","):
-        tp, pp = (int(x) for x in layout.split("x"))
-        run_layout(args.work_dir, tp, pp)
+        tp, pp, ep = ([int(x) for x in layout.split("x")] + [1])[:3]
+        run_layout(args.work_dir, tp, pp, ep, args.models.split(","))
     dist.destroy_process_group()
 
 
