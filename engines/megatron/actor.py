@@ -15,7 +15,7 @@ from functools import partial
 
 import torch
 
-from engines.megatron import forward
+from engines.megatron import forward, moe
 from engines.megatron.config import ActorUpdateConfig
 from engines.megatron.model import unwrap_model
 from engines.megatron.training import (
@@ -93,7 +93,8 @@ class MegatronActor:
         temperature = data.meta_info.get("temperature", 1.0)
         if temperature <= 0:
             raise ValueError(f"meta_info temperature must be > 0, got {temperature}")
-        return update_epochs(
+        moe.clear_aux_loss()
+        metrics = update_epochs(
             self.chunks,
             self.optimizer,
             self.scheduler,
@@ -104,6 +105,11 @@ class MegatronActor:
             shuffle=cfg.shuffle,
             seed=cfg.seed,
         )
+        # The router's load-balancing loss (MoE models): Megatron adds it to the gradients itself.
+        aux_loss = moe.mean_aux_loss(cfg.ppo_epochs * len(data) // cfg.ppo_micro_batch_size)
+        if aux_loss is not None:
+            metrics["moe_aux_loss"] = [aux_loss]
+        return metrics
 
     def _policy_loss(self, temperature, counts, scale, logits, micro_batch):
         cfg, mask = self.cfg, micro_batch["response_mask"]

@@ -77,6 +77,17 @@ def _validate_expert_layout(hf_config, ep: int, etp: int) -> None:
         )
 
 
+def validate_moe_training(hf_config, cfg: MegatronConfig) -> None:
+    """Megatron-Core's MoE layer refuses to train at TP > 1 without sequence parallelism (which
+    needs Transformer Engine on CUDA, see model.py): say so before any process starts."""
+    if hf_config.num_experts and cfg.tensor_model_parallel_size > 1 and not cfg.sequence_parallel:
+        raise ValueError(
+            f"training the mixture of experts {hf_config.architecture} at tensor_model_parallel_size="
+            f"{cfg.tensor_model_parallel_size} needs sequence_parallel=true (Megatron-Core's rule); "
+            "or use tensor_model_parallel_size=1 with expert_model_parallel_size for the experts"
+        )
+
+
 @dataclass(frozen=True)
 class ParallelRanks:
     """This process's coordinates in the Megatron layout (argument names of `Worker.set_parallel_ranks`)."""

@@ -1,4 +1,5 @@
-"""Tiny random Hugging Face checkpoints (Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral) built locally for the engine tests.
+"""Tiny random Hugging Face checkpoints (Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral) built locally
+for the engine tests.
 
 `make_tiny_hf_checkpoint(out_dir, arch="qwen2")` writes config.json, sharded safetensors with
 their index (always at least two shards) and a character-level tokenizer, so that tests exercise
