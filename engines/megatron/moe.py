@@ -28,7 +28,7 @@ def mean_aux_loss(num_micro_batches: int) -> float | None:
     from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
     entry = get_moe_layer_wise_logging_tracker().get(AUX_LOSS_NAME)
-    if entry is None:
+    if entry is None or not bool(entry["values"].any()):  # the tracker outlives models: zeros = unused
         return None
     per_layer = entry["values"].detach().clone().double()  # (num_layers,), this stage's layers set
     dist.all_reduce(per_layer, group=parallel_state.get_pipeline_model_parallel_group())

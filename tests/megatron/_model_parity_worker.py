@@ -2,11 +2,11 @@
 
 Run by test_model_parity.py; also a debugging entry point:
     torchrun --nproc_per_node 4 tests/megatron/_model_parity_worker.py --work-dir /tmp/w --layouts 2x2
-(checkpoints are made in --work-dir if absent). A layout is TPxPP or TPxPPxEP; EP > 1 runs only
-the mixture-of-experts models. For every layout and tiny model (Qwen2: QKV bias, GQA, untied;
-Llama: tied embeddings, one KV head so TP=2 exercises Megatron's KV-head sharing; Qwen3: QK norm;
-Qwen3-MoE: QK norm, 4 experts top-2 without renormalisation; Mixtral: top-2 renormalised, tied)
-it checks, on every rank:
+(checkpoints are made in --work-dir if absent). A layout is TPxPP or TPxPPxEP[:dispatcher]
+(MoE token dispatcher, default allgather); EP > 1 runs only the mixture-of-experts models.
+For every layout and tiny model (Qwen2: QKV bias, GQA, untied; Llama: tied embeddings, one KV
+head so TP=2 exercises Megatron's KV-head sharing; Qwen3: QK norm; Qwen3-MoE: QK norm, 4 experts
+top-2 without renormalisation; Mixtral: top-2 renormalised, tied) it checks, on every rank:
   1. logits equal transformers' on real tokens of a left/right-padded batch (1e-5);
   2. compute_log_prob's log-probs and entropies equal a full-softmax reference (temperature 0.7);
   3. gradients of a token-mean NLL through Megatron's schedule and DDP equal transformers' (MoE
@@ -217,9 +217,12 @@ def check_value_head(hf_dir, cfg, data, batch, hf_config, ref_hidden, export_dir
         values_of(reloaded_chunks)
 
 
-def run_layout(work_dir: Path, tp: int, pp: int, ep: int, models: list[str]) -> None:
+def run_layout(work_dir: Path, tp: int, pp: int, ep: int, dispatcher: str, models: list[str]) -> None:
     cfg = MegatronConfig(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        moe_token_dispatcher_type=dispatcher,
     )
     for arch in models:
         if ep > 1 and arch not in MOE_MODELS:
@@ -246,14 +249,19 @@ def run_layout(work_dir: Path, tp: int, pp: int, ep: int, models: list[str]) -> 
         check_value_head(
             hf_dir, cfg, data, batch, hf_config, ref_hidden, work_dir / f"export_value_{arch}_{tag}"
         )
-        print(f"PARITY OK {arch} tp={tp} pp={pp} ep={ep} rank={dist.get_rank()}", flush=True)
+        dispatch = f" {dispatcher}" if ep > 1 else ""
+        print(f"PARITY OK {arch} tp={tp} pp={pp} ep={ep}{dispatch} rank={dist.get_rank()}", flush=True)
     parallel_state.destroy_model_parallel()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--work-dir", type=Path, required=True)
-    parser.add_argument("--layouts", default="1x1", help="comma-separated TPxPP[xEP], e.g. 1x1,2x1,1x1x2")
+    parser.add_argument(
+        "--layouts",
+        default="1x1",
+        help="comma-separated TPxPP[xEP[:dispatcher]], e.g. 1x1,2x1,1x1x2:alltoall",
+    )
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {sorted(MODELS)}")
     args = parser.parse_args()
     torch.use_deterministic_algorithms(True)
@@ -262,8 +270,9 @@ def main() -> None:
         make_checkpoints(args.work_dir)
     dist.barrier()
     for layout in args.layouts.split(","):
-        tp, pp, ep = ([int(x) for x in layout.split("x")] + [1])[:3]
-        run_layout(args.work_dir, tp, pp, ep, args.models.split(","))
+        sizes, _, dispatcher = layout.partition(":")
+        tp, pp, ep = ([int(x) for x in sizes.split("x")] + [1])[:3]
+        run_layout(args.work_dir, tp, pp, ep, dispatcher or "allgather", args.models.split(","))
     dist.destroy_process_group()
 
 
