@@ -13,7 +13,7 @@ data-parallel ranks: see training.py.
 
 from functools import partial
 
-from engines.megatron import forward
+from engines.megatron import forward, moe
 from engines.megatron.config import ActorUpdateConfig
 from engines.megatron.model import unwrap_model
 from engines.megatron.training import (
@@ -88,7 +88,8 @@ class MegatronActor:
         temperature = data.meta_info.get("temperature", 1.0)
         if temperature <= 0:
             raise ValueError(f"meta_info temperature must be > 0, got {temperature}")
-        return update_epochs(
+        moe.clear_aux_loss()
+        metrics, num_micro_batches = update_epochs(
             self.chunks,
             self.optimizer,
             self.scheduler,
@@ -99,6 +100,11 @@ class MegatronActor:
             shuffle=cfg.shuffle,
             seed=cfg.seed,
         )
+        # The router's load-balancing loss (MoE models): Megatron adds it to the gradients itself.
+        aux_loss = moe.mean_aux_loss(num_micro_batches)
+        if aux_loss is not None:
+            metrics["moe_aux_loss"] = [aux_loss]
+        return metrics
 
     def _policy_loss(self, temperature, counts, scale, logits, micro_batch):
         cfg, mask = self.cfg, micro_batch["response_mask"]

@@ -22,6 +22,11 @@ class MegatronConfig:
     grad_offload: bool = False
     optimizer_offload: bool = False
     seed: int = 42
+    # Mixture-of-experts models only (Qwen3-MoE, Mixtral); ignored for dense models.
+    expert_model_parallel_size: int = 1  # EP: experts split over this many ranks
+    expert_tensor_parallel_size: int | None = None  # None: Megatron's default, the dense TP size
+    moe_aux_loss_coeff: float = 0.0  # router load-balancing loss weight (HF's router_aux_loss_coef)
+    moe_token_dispatcher_type: str = "allgather"  # "allgather" | "alltoall" (Megatron's default)
 
 
 @dataclass

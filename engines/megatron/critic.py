@@ -81,7 +81,7 @@ class MegatronCritic:
         require_optimizer(self.optimizer, self.scheduler, "update_critic")
         keys = [*MODEL_KEYS, "values", "returns"]
         require_keys(data, keys, "update_critic")
-        return update_epochs(
+        metrics, _ = update_epochs(
             self.chunks,
             self.optimizer,
             self.scheduler,
@@ -92,6 +92,7 @@ class MegatronCritic:
             shuffle=False,
             seed=0,
         )
+        return metrics
 
     def _value_loss(self, counts, scale, output, micro_batch):
         tokens, seqs = counts

@@ -53,23 +53,27 @@ def require_optimizer(optimizer, scheduler, method: str) -> None:
 
 def update_epochs(chunks, optimizer, scheduler, data: DataProto, cfg, role: str, loss_fn, shuffle, seed):
     """`cfg.ppo_epochs` passes over `data` in mini-batches, one optimizer step each; the metrics
-    hold one value per step. `loss_fn(counts, scale, output, micro_batch)` is called with the
+    hold one value per step; returned with this rank's number of micro-batches run (the same on
+    every pipeline stage). `loss_fn(counts, scale, output, micro_batch)` is called with the
     mini-batch's `global_counts` and the `loss_scale` (see the module docstring). Micro-batches:
     packed under `cfg.max_token_len_per_gpu` tokens with `cfg.use_dynamic_bsz`, else padded
     `cfg.ppo_micro_batch_size` rows."""
     micro = 1 if cfg.use_dynamic_bsz else cfg.ppo_micro_batch_size
     local_size = local_mini_batch_size(cfg.ppo_mini_batch_size, micro, len(data), role)
     metrics: dict[str, list[float]] = {}
+    num_micro_batches = 0
     for mini_batch in mini_batches(data, local_size, cfg.ppo_epochs, shuffle, seed):
         counts = global_counts(mini_batch.batch["response_mask"])
         if cfg.use_dynamic_bsz:
             key = f"{role}.update.max_token_len_per_gpu"
             micro = forward.token_budget_groups(mini_batch, cfg.max_token_len_per_gpu, key)
-        scale = loss_scale(local_size // micro if isinstance(micro, int) else len(micro))
+        num_micro = local_size // micro if isinstance(micro, int) else len(micro)
+        num_micro_batches += num_micro
+        scale = loss_scale(num_micro)
         step = train_step(chunks, optimizer, scheduler, mini_batch, micro, partial(loss_fn, counts, scale))
         for key, value in step.items():
             metrics.setdefault(key, []).append(value)
-    return metrics
+    return metrics, num_micro_batches
 
 
 def local_mini_batch_size(global_mini_batch_size: int, micro_batch_size: int, rows: int, key: str) -> int:

@@ -23,6 +23,7 @@ CHOICES = {
     "critic.update.loss_agg_mode": LOSS_AGG_MODES,
     "trainer.resume_mode": ("auto", "disable"),
     "trainer.mode": ("rl", "sft"),
+    "actor.megatron.moe_token_dispatcher_type": ("allgather", "alltoall"),
 }
 
 
@@ -239,6 +240,21 @@ def _check_divides(key: str, megatron, devices: int) -> list[str]:
             "(trainer.nnodes × trainer.n_gpus_per_node), so no data-parallel size DP gives TP × PP × CP × "
             "DP = "
             f"{devices}; change the parallel sizes or trainer.n_gpus_per_node"
+        ]
+    return _check_expert_divides(key, megatron, devices)
+
+
+def _check_expert_divides(key: str, megatron, devices: int) -> list[str]:
+    """Megatron-Core lays experts out as expert TP x EP x expert DP x PP over the same devices."""
+    ep = megatron.expert_model_parallel_size
+    etp = megatron.expert_tensor_parallel_size or megatron.tensor_model_parallel_size
+    if ep < 1 or etp < 1:
+        return [f"{key}: expert_model_parallel_size={ep} and expert_tensor_parallel_size={etp} must be >= 1"]
+    pp = megatron.pipeline_model_parallel_size
+    if devices % (etp * ep * pp):
+        return [
+            f"{key}: expert TP × EP × PP = {etp}×{ep}×{pp} does not divide the {devices} devices; lower "
+            "expert_model_parallel_size or expert_tensor_parallel_size"
         ]
     return []
 
