@@ -32,8 +32,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def check_model_layouts(cfg: RecipeConfig) -> None:
     """Each model must split over its Megatron TP / PP sizes (read from its config.json only)."""
-    from engines.megatron.model import load_hf_config
-    from engines.megatron.parallel import validate_parallel_layout
+    from engines.megatron.model import expert_tp_size, load_hf_config
+    from engines.megatron.parallel import validate_moe_training, validate_parallel_layout
 
     models = [("actor.megatron", cfg.model.path, cfg.actor.megatron)]
     if cfg.critic.enable:
@@ -42,11 +42,16 @@ def check_model_layouts(cfg: RecipeConfig) -> None:
         models.append(("reward_model.megatron", cfg.reward_model.path, cfg.reward_model.megatron))
     for key, path, megatron in models:
         try:
+            hf_config = load_hf_config(path)
             validate_parallel_layout(
-                load_hf_config(path),
+                hf_config,
                 megatron.tensor_model_parallel_size,
                 megatron.pipeline_model_parallel_size,
+                megatron.expert_model_parallel_size,
+                expert_tp_size(megatron),
             )
+            if key != "reward_model.megatron":
+                validate_moe_training(hf_config, megatron)
         except ValueError as err:
             raise ValueError(f"{key} does not fit the model in {path}: {err}") from None
 
