@@ -17,6 +17,8 @@ from hybridflow.utils.tiny_model import make_tiny_model
 ROOT = Path(__file__).resolve().parents[1]
 PPO = ROOT / "recipes/gsm8k_ppo.yaml"
 GRPO = ROOT / "recipes/gsm8k_grpo.yaml"
+QWEN3 = ROOT / "recipes/qwen3_grpo.yaml"
+QWEN3_MOE = ROOT / "recipes/qwen3_moe_grpo.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +70,35 @@ def test_both_recipes_state_the_gpu_setup(local):
         assert (cfg.trainer.n_gpus_per_node, cfg.trainer.use_gpu) == (8, True)
     assert load_recipe(PPO).algorithm.adv_estimator == "gae" and load_recipe(PPO).critic.enable
     assert load_recipe(GRPO).algorithm.adv_estimator == "grpo" and not load_recipe(GRPO).critic.enable
+
+
+def test_qwen3_recipes_state_the_gpu_setup_and_validate_on_eight_devices(local):
+    dense, moe = load_recipe(QWEN3), load_recipe(QWEN3_MOE)
+    assert dense.actor.megatron.tensor_model_parallel_size == 2
+    megatron = moe.actor.megatron
+    assert (megatron.tensor_model_parallel_size, megatron.expert_model_parallel_size) == (1, 8)
+    assert (megatron.moe_token_dispatcher_type, megatron.moe_aux_loss_coeff) == ("alltoall", 0.001)
+    for recipe in (QWEN3, QWEN3_MOE):
+        cfg = load_recipe(recipe)
+        assert (cfg.trainer.n_gpus_per_node, cfg.rollout.name) == (8, "sglang")
+        local_files = [f"model.path={local['model']}", f"data.train_files=[{local['train']}]"]
+        hf_rollout = [
+            "rollout.name=hf",
+            "rollout.tensor_model_parallel_size=1",
+        ]  # sglang is not installed here
+        cfg = load_recipe(recipe, [*local_files, f"data.val_files=[{local['test']}]", *hf_rollout])
+        assert validate_recipe(cfg, cuda_available=True).actor_devices == 8
+
+
+def test_expert_parallelism_must_fit_the_devices(local):
+    message = invalid(QWEN3_MOE, local)  # EP 8 on the 2 CPU processes of cpu_overrides
+    assert "actor.megatron: expert TP × EP × PP = 1×8×1 does not divide the 2 devices" in message
+    load_valid(QWEN3_MOE, local, "actor.megatron.expert_model_parallel_size=2")
+    message = invalid(QWEN3_MOE, local, "actor.megatron.expert_model_parallel_size=2",
+                      "actor.megatron.moe_token_dispatcher_type=flex")  # fmt: skip
+    assert (
+        "actor.megatron.moe_token_dispatcher_type='flex' is not one of ['allgather', 'alltoall']" in message
+    )
 
 
 def test_overrides_parse_lists_booleans_numbers_and_keep_defaults(local):
@@ -311,3 +342,18 @@ def test_engine_checks_accept_exactly_the_schema_choices():
 
     assert set(DTYPES) == set(typing.get_args(ParamsDtype))
     assert set(LR_DECAY_STYLES) == set(typing.get_args(LrDecayStyle))
+
+
+def test_token_budgets_in_use_must_fit_the_longest_sequence(local):
+    # gsm8k_ppo: max_prompt_length 512 + response_length 512 = 1024 tokens
+    message = invalid(
+        PPO,
+        local,
+        "actor.update.use_dynamic_bsz=true",
+        "actor.update.max_token_len_per_gpu=1000",
+        "critic.update.use_dynamic_bsz=false",
+        "critic.forward_max_token_len_per_gpu=10",
+    )
+    assert "actor.update.max_token_len_per_gpu=1000 is below the longest sequence" in message
+    assert "1024 tokens" in message and "critic.forward_max_token_len_per_gpu" not in message
+    load_valid(PPO, local, "actor.update.use_dynamic_bsz=false", "actor.update.max_token_len_per_gpu=10")

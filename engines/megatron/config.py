@@ -18,6 +18,7 @@ OptimizerName = Literal["adam"]  # AdamW (decoupled weight decay)
 LrDecayStyle = Literal["constant", "linear", "cosine"]
 LossAggMode = Literal[LOSS_AGG_MODES]
 KlPenaltyKind = Literal[KL_PENALTY_KINDS]
+MoeTokenDispatcher = Literal["allgather", "alltoall"]
 
 
 @dataclass
@@ -35,6 +36,11 @@ class MegatronConfig:
     grad_offload: bool = False
     optimizer_offload: bool = False
     seed: int = 42
+    # Mixture-of-experts models only (Qwen3-MoE, Mixtral); ignored for dense models.
+    expert_model_parallel_size: int = 1  # EP: experts split over this many ranks
+    expert_tensor_parallel_size: int | None = None  # None: Megatron's default, the dense TP size
+    moe_aux_loss_coeff: float = 0.0  # router load-balancing loss weight (HF's router_aux_loss_coef)
+    moe_token_dispatcher_type: MoeTokenDispatcher = "allgather"  # Megatron's default
 
 
 @dataclass
@@ -75,6 +81,10 @@ class ActorUpdateConfig:
     kl_loss_type: KlPenaltyKind = "low_var_kl"  # "kl"/"k1", "abs", "mse"/"k2", "low_var_kl"/"k3"
     shuffle: bool = False  # shuffle rows within this rank's shard before each epoch
     seed: int = 0  # seeds the shuffle
+    # Sequence packing + token-budget micro-batches (docs/packing.md); also switches the actor's
+    # log-prob and the reference's forward to packed micro-batches of their own budgets.
+    use_dynamic_bsz: bool = False
+    max_token_len_per_gpu: int = 8192  # tokens (prompt + response) per packed micro-batch, per rank
 
 
 @dataclass
@@ -86,3 +96,6 @@ class CriticUpdateConfig:
     ppo_epochs: int = 1
     cliprange_value: float = 0.5
     loss_agg_mode: LossAggMode = "token-mean"
+    # Sequence packing + token-budget micro-batches for the update and the values (docs/packing.md).
+    use_dynamic_bsz: bool = False
+    max_token_len_per_gpu: int = 8192  # tokens (prompt + response) per packed micro-batch, per rank

@@ -69,6 +69,10 @@ class RolloutConfig:
     verify_weight_sync: bool = False  # checksum every tensor on both sides at every sync (hf engine)
     gpu_memory_utilization: float = 0.5  # SGLang mem_fraction_static
     free_cache_engine: bool = True  # release the engine's memory after generation
+    # SGLang's name. True: per-request seeds are honoured, so sampling is reproducible (and a
+    # resumed run samples as the uninterrupted one) at the cost of batch-invariant kernels.
+    # False: SGLang sampling is not reproducible. The hf engine is always seeded.
+    enable_deterministic_inference: bool = False
 
     def __post_init__(self) -> None:
         if self.name not in ROLLOUT_ENGINES:

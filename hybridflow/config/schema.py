@@ -61,6 +61,9 @@ class ActorConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     update: ActorUpdateConfig = field(default_factory=ActorUpdateConfig)
     log_prob_micro_batch_size: int = 8  # per data-parallel rank, when recomputing old log-probs
+    # With actor.update.use_dynamic_bsz: packed log-prob micro-batches of at most this many tokens
+    # (prompt + response) per rank instead of log_prob_micro_batch_size rows (docs/packing.md).
+    log_prob_max_token_len_per_gpu: int = 16384
 
 
 @dataclass
@@ -69,6 +72,8 @@ class RefConfig:
     when KL is used (algorithm.use_kl_in_reward or actor.update.use_kl_loss)."""
 
     log_prob_micro_batch_size: int = 8
+    # With actor.update.use_dynamic_bsz: packed micro-batches of at most this many tokens per rank.
+    log_prob_max_token_len_per_gpu: int = 16384
 
 
 @dataclass
@@ -82,6 +87,9 @@ class CriticConfig:
     update: CriticUpdateConfig = field(default_factory=CriticUpdateConfig)
     warmup_steps: int = 0  # steps that update only the critic before the actor starts learning
     n_gpus_per_node: int = 0  # 0: colocated with the actor; >0: its own pool of this many per node
+    # With critic.update.use_dynamic_bsz: packed compute_values micro-batches of at most this many
+    # tokens per rank (the update uses critic.update.max_token_len_per_gpu).
+    forward_max_token_len_per_gpu: int = 16384
 
 
 @dataclass
@@ -93,6 +101,10 @@ class RewardModelConfig:
     path: str | None = None
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     micro_batch_size: int = 8
+    # Packed scoring micro-batches of at most forward_max_token_len_per_gpu tokens per rank
+    # instead of micro_batch_size rows (docs/packing.md).
+    use_dynamic_bsz: bool = False
+    forward_max_token_len_per_gpu: int = 16384
 
 
 @dataclass

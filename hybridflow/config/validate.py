@@ -77,6 +77,7 @@ def validate_recipe(cfg: RecipeConfig, cuda_available: bool | None = None) -> La
         errors += layout_errors
         if layout is not None:
             errors += _check_batch_sizes(cfg, layout)
+    errors += _check_token_budgets(cfg)
     if errors:
         raise RecipeError(errors)
     return layout
@@ -285,8 +286,8 @@ def model_dirs(cfg: RecipeConfig) -> list[tuple[str, str, str]]:
 def _check_models(cfg: RecipeConfig, path_errors: list[str]) -> list[str]:
     """Each model's config.json is supported, its layers and heads split over the role's TP / PP
     sizes, and the longest sequence (prompt + response) fits its position embeddings."""
-    from engines.megatron.model import load_hf_config
-    from engines.megatron.parallel import validate_parallel_layout
+    from engines.megatron.model import expert_tp_size, load_hf_config
+    from engines.megatron.parallel import validate_moe_training, validate_parallel_layout
 
     errors = []
     longest = cfg.data.max_prompt_length + cfg.rollout.response_length
@@ -301,8 +302,14 @@ def _check_models(cfg: RecipeConfig, path_errors: list[str]) -> list[str]:
         megatron = getattr(cfg, role).megatron
         try:
             validate_parallel_layout(
-                hf_config, megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size
+                hf_config,
+                megatron.tensor_model_parallel_size,
+                megatron.pipeline_model_parallel_size,
+                megatron.expert_model_parallel_size,
+                expert_tp_size(megatron),
             )
+            if role != "reward_model":  # the reward model only runs forward
+                validate_moe_training(hf_config, megatron)
         except ValueError as err:
             errors.append(f"{role}.megatron does not fit the model in {path}: {err}")
         if longest > hf_config.max_position_embeddings:
@@ -373,6 +380,21 @@ def _check_divides(key: str, megatron, devices: int) -> list[str]:
             "(trainer.nnodes × trainer.n_gpus_per_node), so no data-parallel size DP gives TP × PP × CP × "
             "DP = "
             f"{devices}; change the parallel sizes or trainer.n_gpus_per_node"
+        ]
+    return _check_expert_divides(key, megatron, devices)
+
+
+def _check_expert_divides(key: str, megatron, devices: int) -> list[str]:
+    """Megatron-Core lays experts out as expert TP x EP x expert DP x PP over the same devices."""
+    ep = megatron.expert_model_parallel_size
+    etp = megatron.expert_tensor_parallel_size or megatron.tensor_model_parallel_size
+    if ep < 1 or etp < 1:
+        return [f"{key}: expert_model_parallel_size={ep} and expert_tensor_parallel_size={etp} must be >= 1"]
+    pp = megatron.pipeline_model_parallel_size
+    if devices % (etp * ep * pp):
+        return [
+            f"{key}: expert TP × EP × PP = {etp}×{ep}×{pp} does not divide the {devices} devices; lower "
+            "expert_model_parallel_size or expert_tensor_parallel_size"
         ]
     return []
 
@@ -452,3 +474,24 @@ def _check_forward_micro_batches(cfg: RecipeConfig, rows_per_rank: int) -> list[
                 f"{greedy_rows} greedy baseline responses each data-parallel rank scores; pick a divisor"
             )
     return errors
+
+
+def _check_token_budgets(cfg: RecipeConfig) -> list[str]:
+    """Packed micro-batches hold whole sequences: each token budget in use must fit the longest one."""
+    longest = cfg.data.max_prompt_length + cfg.rollout.response_length
+    budgets = {}
+    if cfg.actor.update.use_dynamic_bsz:
+        budgets["actor.update.max_token_len_per_gpu"] = cfg.actor.update.max_token_len_per_gpu
+        budgets["actor.log_prob_max_token_len_per_gpu"] = cfg.actor.log_prob_max_token_len_per_gpu
+        budgets["ref.log_prob_max_token_len_per_gpu"] = cfg.ref.log_prob_max_token_len_per_gpu
+    if cfg.critic.enable and cfg.critic.update.use_dynamic_bsz:
+        budgets["critic.update.max_token_len_per_gpu"] = cfg.critic.update.max_token_len_per_gpu
+        budgets["critic.forward_max_token_len_per_gpu"] = cfg.critic.forward_max_token_len_per_gpu
+    if cfg.reward_model.enable and cfg.reward_model.use_dynamic_bsz:
+        budgets["reward_model.forward_max_token_len_per_gpu"] = cfg.reward_model.forward_max_token_len_per_gpu
+    return [
+        f"{key}={budget} is below the longest sequence, data.max_prompt_length + rollout.response_length = "
+        f"{longest} tokens; raise it to at least {longest}"
+        for key, budget in budgets.items()
+        if budget < longest
+    ]
