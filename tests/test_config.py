@@ -26,9 +26,11 @@ def local(tmp_path_factory) -> dict:
     """A tiny model directory and (empty but real) parquet files to point recipes at."""
     root = tmp_path_factory.mktemp("local")
     model = make_tiny_model(root / "tiny")
+    moe = make_tiny_model(root / "tiny_moe", num_experts=8)  # the MoE recipe's EP 8 splits 8 experts
     for name in ("train", "test"):
         (root / f"{name}.parquet").write_bytes(b"")
-    return {"model": str(model), "train": str(root / "train.parquet"), "test": str(root / "test.parquet")}
+    files = {"train": str(root / "train.parquet"), "test": str(root / "test.parquet")}
+    return {"model": str(model), "moe": str(moe), **files}
 
 
 def cpu_overrides(local: dict, **extra) -> list[str]:
@@ -78,10 +80,11 @@ def test_qwen3_recipes_state_the_gpu_setup_and_validate_on_eight_devices(local):
     megatron = moe.actor.megatron
     assert (megatron.tensor_model_parallel_size, megatron.expert_model_parallel_size) == (1, 8)
     assert (megatron.moe_token_dispatcher_type, megatron.moe_aux_loss_coeff) == ("alltoall", 0.001)
-    for recipe in (QWEN3, QWEN3_MOE):
+    for recipe, model in ((QWEN3, local["model"]), (QWEN3_MOE, local["moe"])):
         cfg = load_recipe(recipe)
         assert (cfg.trainer.n_gpus_per_node, cfg.rollout.name) == (8, "sglang")
-        local_files = [f"model.path={local['model']}", f"data.train_files=[{local['train']}]"]
+        local_files = [f"model.path={model}", f"data.train_files=[{local['train']}]"]
+        local_files += ["data.max_prompt_length=256", "rollout.response_length=256"]  # 512 positions
         hf_rollout = [
             "rollout.name=hf",
             "rollout.tensor_model_parallel_size=1",
@@ -91,13 +94,14 @@ def test_qwen3_recipes_state_the_gpu_setup_and_validate_on_eight_devices(local):
 
 
 def test_expert_parallelism_must_fit_the_devices(local):
-    message = invalid(QWEN3_MOE, local)  # EP 8 on the 2 CPU processes of cpu_overrides
+    moe = f"model.path={local['moe']}"
+    message = invalid(QWEN3_MOE, local, moe)  # EP 8 on the 2 CPU processes of cpu_overrides
     assert "actor.megatron: expert TP × EP × PP = 1×8×1 does not divide the 2 devices" in message
-    load_valid(QWEN3_MOE, local, "actor.megatron.expert_model_parallel_size=2")
-    message = invalid(QWEN3_MOE, local, "actor.megatron.expert_model_parallel_size=2",
-                      "actor.megatron.moe_token_dispatcher_type=flex")  # fmt: skip
-    assert (
-        "actor.megatron.moe_token_dispatcher_type='flex' is not one of ['allgather', 'alltoall']" in message
+    load_valid(QWEN3_MOE, local, moe, "actor.megatron.expert_model_parallel_size=2")
+    with pytest.raises(ValueError) as err:  # a Literal: the loader rejects it
+        load_recipe(QWEN3_MOE, [*cpu_overrides(local), moe, "actor.megatron.moe_token_dispatcher_type=flex"])
+    assert "actor.megatron.moe_token_dispatcher_type='flex' is not one of ['allgather', 'alltoall']" in str(
+        err.value
     )
 
 
@@ -345,15 +349,15 @@ def test_engine_checks_accept_exactly_the_schema_choices():
 
 
 def test_token_budgets_in_use_must_fit_the_longest_sequence(local):
-    # gsm8k_ppo: max_prompt_length 512 + response_length 512 = 1024 tokens
+    # cpu_overrides: max_prompt_length 256 + response_length 256 = 512 tokens
     message = invalid(
         PPO,
         local,
         "actor.update.use_dynamic_bsz=true",
-        "actor.update.max_token_len_per_gpu=1000",
+        "actor.update.max_token_len_per_gpu=500",
         "critic.update.use_dynamic_bsz=false",
         "critic.forward_max_token_len_per_gpu=10",
     )
-    assert "actor.update.max_token_len_per_gpu=1000 is below the longest sequence" in message
-    assert "1024 tokens" in message and "critic.forward_max_token_len_per_gpu" not in message
+    assert "actor.update.max_token_len_per_gpu=500 is below the longest sequence" in message
+    assert "512 tokens" in message and "critic.forward_max_token_len_per_gpu" not in message
     load_valid(PPO, local, "actor.update.use_dynamic_bsz=false", "actor.update.max_token_len_per_gpu=10")
