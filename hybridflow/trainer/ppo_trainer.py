@@ -27,7 +27,6 @@ from hybridflow.trainer.validation import PROMPT_KEYS, run_validation
 from hybridflow.utils.nonfinite import NonFiniteError, nonfinite_update
 from hybridflow.utils.tracking import Tracking
 
-NONFINITE_POLICIES = ("error", "skip")
 FROM_RECIPE = "from_recipe"
 
 
@@ -52,9 +51,6 @@ class PPOTrainer:
         self.output_dir = Path(cfg.trainer.output_dir)
         self.checkpoints = CheckpointManager(self.output_dir / "checkpoints", cfg.trainer.max_ckpt_to_keep)
         self.global_step = 0
-        if cfg.trainer.nonfinite_policy not in NONFINITE_POLICIES:
-            policy = cfg.trainer.nonfinite_policy
-            raise ValueError(f"trainer.nonfinite_policy must be one of {NONFINITE_POLICIES}, got {policy!r}")
         self.skipped_steps = 0  # steps whose update was dropped for a NaN / inf (policy "skip")
 
     def _loader(self, files: list[str], max_samples: int | None, train: bool = False) -> ResumableDataLoader:
