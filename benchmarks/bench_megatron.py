@@ -1,18 +1,26 @@
-"""Megatron engine throughput: `compute_log_prob` and `update_policy` tokens/s (MFU on CUDA).
+"""Megatron engine throughput, padded vs packed: `compute_log_prob` and `update_policy` tokens/s.
 
-CPU: the tiny quickstart model (`hybridflow.utils.tiny_model`, ~0.8M parameters, fp32) at TP1
-and TP2 (torchrun, gloo, OMP_NUM_THREADS=1 per rank). Batch of 32 rows, 64-token prompts and
-64-token responses; log-probs in micro-batches of 8; one PPO mini-batch of 32 (micro 8, one
-epoch, clip + entropy + low_var_kl loss). tokens/s (and MFU) count the real, unpadded tokens.
-Median of 3 calls after a warm-up.
+Batch (GSM8K-like): 32 rows, prompts of 48..128 tokens (left-padded to 128), response lengths
+drawn from a log-normal with median 150 tokens and log-std 1.0, capped at 1024 (right-padded to
+1024): most responses are short, a few hit the cap. tokens/s (and MFU) count the real, unpadded
+tokens, so the two modes are compared on the same work.
+- padded: (B, 1152) rows, micro-batches of 8 rows (log-probs and update);
+- packed: sequence packing (THD) with token-budget micro-batches, `use_dynamic_bsz` with
+  `max_token_len_per_gpu` = 4096 (update) and 8192 (log-probs).
+One PPO mini-batch of 32 (one epoch, clip + entropy + low_var_kl loss). Median of 3 calls after
+a warm-up. `act MiB` is the memory of the activations that the largest training micro-batch
+saves for its backward (tensors held by autograd, each storage counted once), beside `mb tokens`,
+the token slots of that micro-batch (padding included): packed micro-batches stay under the budget
+whatever the lengths, padded ones grow with the longest row.
 
-CUDA (when present): a Qwen2.5-0.5B-shaped random model (config only, no weights read) in bf16
-on one GPU, batch 16 x 1024 tokens, and MFU = achieved FLOPs / the GPU's dense bf16 peak, with
-FLOPs per token 6 N + 12 L h T for a training step (N matmul parameters incl. the output
-layer, L layers, h hidden, T sequence length; PaLM, Chowdhery et al. 2022, appendix B) and a
-third of that for a forward pass.
+CPU: the tiny quickstart model (`hybridflow.utils.tiny_model`, ~1 M parameters, fp32, 2048
+positions) at TP1, torchrun with OMP_NUM_THREADS=1. CUDA (when present): a Qwen2.5-0.5B-shaped
+random model (config only) in bf16 on one GPU, and MFU = achieved FLOPs / the GPU's dense bf16
+peak, FLOPs per token 6 N + 12 L h T for a training step (N matmul parameters incl. the output
+layer, L layers, h hidden, T the mean sequence length; PaLM, Chowdhery et al. 2022, appendix B)
+and a third of that for a forward pass.
 
-Run: `python -m benchmarks megatron`.
+Run: `python -m benchmarks megatron`. Results and the length distribution: docs/packing.md.
 """
 
 import json
@@ -22,10 +30,10 @@ from pathlib import Path
 
 from benchmarks._timing import median_seconds, run_torchrun
 
-TITLE = "Megatron engine: compute_log_prob / update_policy tokens/s (tiny model on CPU; MFU on CUDA)"
+TITLE = "Megatron engine: padded vs packed tokens/s, log-normal response lengths (tiny model on CPU)"
 REPEATS = 3
-CPU_SHAPE = dict(batch=32, prompt=64, response=64, micro=8)
-GPU_SHAPE = dict(batch=16, prompt=512, response=512, micro=4)
+SHAPE = dict(batch=32, prompt=128, min_prompt=48, response=1024, median=150.0, sigma=1.0, micro=8)
+BUDGETS = dict(update=4096, log_prob=8192)
 QWEN25_05B = dict(
     architectures=["Qwen2ForCausalLM"],
     model_type="qwen2",
@@ -52,8 +60,9 @@ def run() -> list[dict]:
         tmp = Path(tmp)
         from hybridflow.utils.tiny_model import make_tiny_model
 
-        tiny = make_tiny_model(tmp / "tiny")
-        rows = [*_launch(tiny, 1, "cpu", tmp), *_launch(tiny, 2, "cpu", tmp)]
+        print(length_summary(response_lengths(SHAPE)), flush=True)
+        tiny = make_tiny_model(tmp / "tiny", max_position_embeddings=2048)
+        rows = _launch(tiny, 1, "cpu", tmp)
         if torch.cuda.is_available():
             qwen = tmp / "qwen2.5-0.5b-shaped"
             qwen.mkdir()
@@ -69,21 +78,40 @@ def _launch(model_dir: Path, tp: int, device: str, tmp: Path) -> list[dict]:
     return json.loads(result_file.read_text())
 
 
+def response_lengths(shape: dict, seed: int = 0):
+    """Log-normal response lengths (median `median`, log-std `sigma`), at least 1, capped."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    normal = torch.randn(shape["batch"], generator=gen)
+    lengths = torch.exp(torch.log(torch.tensor(shape["median"])) + shape["sigma"] * normal)
+    return lengths.round().clamp(1, shape["response"]).long()  # (B,)
+
+
+def length_summary(lengths) -> str:
+    """One line describing the distribution (what docs/packing.md quotes)."""
+    import torch
+
+    q = torch.quantile(lengths.float(), torch.tensor([0.5, 0.9, 0.99]))
+    return (
+        f"response lengths: median {q[0]:.0f}, p90 {q[1]:.0f}, p99 {q[2]:.0f}, max {int(lengths.max())}, "
+        f"mean {lengths.float().mean():.0f}"
+    )
+
+
 def _batch(shape: dict, vocab_size: int):
-    """Left-padded prompts (lengths spread over the second half of the window) + right-padded responses."""
+    """Left-padded prompts + right-padded log-normal responses, with advantages."""
     import torch
 
     from hybridflow.protocol import DataProto
 
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
     b, p, r = shape["batch"], shape["prompt"], shape["response"]
-    prompt_lens = torch.randint(p // 2, p + 1, (b,), generator=gen)
-    response_lens = torch.randint(r // 2, r + 1, (b,), generator=gen)
+    prompt_lens = torch.randint(shape["min_prompt"], p + 1, (b,), generator=gen)
     positions = torch.arange(p + r)
-    attention_mask = (
-        (positions >= p - prompt_lens[:, None]) & (positions < p + response_lens[:, None])
-    ).long()
-    input_ids = torch.randint(3, vocab_size, (b, p + r), generator=gen) * attention_mask  # (B, P+R)
+    real = (positions >= p - prompt_lens[:, None]) & (positions < p + response_lengths(shape)[:, None])
+    attention_mask = real.long()  # (B, P+R)
+    input_ids = torch.randint(3, vocab_size, (b, p + r), generator=gen) * attention_mask
     tensors = {
         "input_ids": input_ids,
         "attention_mask": attention_mask,
@@ -95,7 +123,7 @@ def _batch(shape: dict, vocab_size: int):
     return DataProto.from_dict(tensors=tensors, meta_info={"micro_batch_size": shape["micro"]})
 
 
-def _flops_per_token(hf, seq_len: int) -> float:
+def _flops_per_token(hf, seq_len: float) -> float:
     """Training FLOPs per token, 6 N + 12 L h T (see the module docstring)."""
     h, f, layers = hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers
     kv = hf.num_key_value_heads * hf.head_dim
@@ -104,20 +132,83 @@ def _flops_per_token(hf, seq_len: int) -> float:
     return 6 * matmul_params + 12 * layers * h * seq_len
 
 
-def _rows(hf, tp: int, device: str, shape: dict, tokens: int, timings: dict) -> list[dict]:
+def _activation_mib(actor, data, micro_batches) -> float:
+    """MiB saved for backward by one training micro-batch (`micro_batches` selects it); weights
+    that autograd keeps are not activations and are left out."""
+    import torch
+
+    from engines.megatron import forward
+
+    weights = {p.untyped_storage().data_ptr() for chunk in actor.chunks for p in chunk.parameters()}
+    storages: dict[int, int] = {}
+
+    def keep(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    def loss(logits, micro_batch):
+        log_probs, _ = forward.response_log_probs(logits, micro_batch, 1.0, actor.vocab_size, "grad")
+        return log_probs.sum(), {}
+
+    for chunk in actor.chunks:
+        chunk.train()
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        forward.run_micro_batches(actor.chunks, data, micro_batches, loss, forward_only=False)
+    return sum(storages.values()) / 2**20
+
+
+def _largest_micro_batch(data, mode: str):
+    """(micro_batches argument running only the largest micro-batch, its token slots)."""
+    from engines.megatron import forward
+
+    lengths = data.batch["attention_mask"].sum(-1)
+    if mode == "padded":
+        rows, width = SHAPE["micro"], data.batch["attention_mask"].shape[1]
+        return rows, rows * width
+    groups = forward.token_budget_groups(data, BUDGETS["update"], "bench budget")
+    largest = max(groups, key=lambda g: int(lengths[g].sum()))
+    return [largest], int(lengths[largest].sum())
+
+
+def _measure(actor, data, mode: str, sync) -> dict:
+    """Timings of one mode and the activation memory of its largest training micro-batch."""
+    packed = mode == "packed"
+    actor.cfg.use_dynamic_bsz = packed
+    actor.cfg.max_token_len_per_gpu = BUDGETS["update"]
+    data.meta_info["max_token_len"] = BUDGETS["log_prob"] if packed else None
+    micro, slots = _largest_micro_batch(data, mode)
+    piece = data if packed else data[list(range(SHAPE["micro"]))]  # padded: one 8-row micro-batch
+    return {
+        "compute_log_prob": median_seconds(lambda: actor.compute_log_prob(data), REPEATS, sync),
+        "update_policy": median_seconds(lambda: actor.update_policy(data), REPEATS, sync),
+        "act MiB": _activation_mib(actor, piece, micro),
+        "mb tokens": slots,
+    }
+
+
+def _rows(hf, device: str, data, results: dict) -> list[dict]:
     import torch
 
     peak = next(
         (v for k, v in PEAK_BF16.items() if device == "cuda" and k in torch.cuda.get_device_name()), None
     )
-    flops = _flops_per_token(hf, shape["prompt"] + shape["response"])
+    tokens = int(data.batch["attention_mask"].sum())
+    flops = _flops_per_token(hf, tokens / len(data))
     rows = []
-    for op, seconds in timings.items():
-        row = {"op": op, "device": device, "layout": f"TP{tp}", "tokens": tokens, "seconds": seconds}
-        row["tokens/s"] = tokens / seconds
-        op_flops = flops if op == "update_policy" else flops / 3
-        row["MFU"] = f"{100 * op_flops * tokens / seconds / peak:.1f}%" if peak else "n/a"
-        rows.append(row)
+    for op in ("compute_log_prob", "update_policy"):
+        for mode in ("padded", "packed"):
+            seconds = results[mode][op]
+            op_flops = flops if op == "update_policy" else flops / 3
+            rows.append({
+                "op": op, "mode": mode, "device": device, "tokens": tokens, "seconds": seconds,
+                "tokens/s": tokens / seconds,
+                "speedup": f"{results['padded'][op] / seconds:.2f}x",
+                "mb tokens": results[mode]["mb tokens"] if op == "update_policy" else "-",
+                "act MiB": results[mode]["act MiB"] if op == "update_policy" else "-",
+                "MFU": f"{100 * op_flops * tokens / seconds / peak:.1f}%" if peak else "n/a",
+            })  # fmt: skip
     return rows
 
 
@@ -133,29 +224,24 @@ def _worker(model_dir: Path, tp: int, device: str, result_file: Path) -> None:
     from engines.megatron.parallel import init_megatron
 
     on_gpu = device == "cuda"
-    shape = GPU_SHAPE if on_gpu else CPU_SHAPE
     cfg = MegatronConfig(tensor_model_parallel_size=tp, params_dtype="bfloat16" if on_gpu else "float32")
     init_megatron(cfg)
     chunks = build_model(model_dir, cfg, load_weights=not on_gpu)
     optimizer, scheduler = build_optimizer(chunks, OptimConfig(lr=1e-6), cfg)
     update_cfg = ActorUpdateConfig(
-        ppo_mini_batch_size=shape["batch"], ppo_micro_batch_size=shape["micro"], entropy_coeff=0.001,
+        ppo_mini_batch_size=SHAPE["batch"], ppo_micro_batch_size=SHAPE["micro"], entropy_coeff=0.001,
         use_kl_loss=True,
     )  # fmt: skip
     actor = MegatronActor(chunks, optimizer, scheduler, update_cfg)
     hf = unwrap_model(chunks[0]).hf_config
-    data = _batch(shape, hf.vocab_size)
+    data = _batch(SHAPE, hf.vocab_size)
     old = actor.compute_log_prob(data).batch["old_log_probs"]  # every rank is the last stage at PP1
     data.batch["old_log_probs"] = old
     data.batch["ref_log_prob"] = old.clone()
     sync = torch.cuda.synchronize if torch.cuda.is_available() else None
-    timings = {
-        "compute_log_prob": median_seconds(lambda: actor.compute_log_prob(data), REPEATS, sync),
-        "update_policy": median_seconds(lambda: actor.update_policy(data), REPEATS, sync),
-    }
+    results = {mode: _measure(actor, data, mode, sync) for mode in ("padded", "packed")}
     if dist.get_rank() == 0:
-        tokens = int(data.batch["attention_mask"].sum())
-        result_file.write_text(json.dumps(_rows(hf, tp, device, shape, tokens, timings)))
+        result_file.write_text(json.dumps(_rows(hf, device, data, results)))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -10,10 +10,17 @@ A `DataProto` holds one batch of samples in three parts (verl-compatible names a
 call to the next without the driver fetching them. `all_gather_data_proto` concatenates a
 DataProto across a torch.distributed group.
 
-Conventions:
+Conventions (docs/dataproto.md has the full list, including where verl's DataProto differs):
+  - verl's calling conventions work: `None` parts are empty, `from_dict` turns per-sample lists
+    into 1-D object arrays and takes `auto_padding=`, and conflicting values in `concat`/`union`
+    raise `DataProtoConflictError`, which is both a `ValueError` and an `AssertionError`.
   - Missing keys raise `KeyError`; malformed input raises `TypeError`/`ValueError` naming the key.
   - Pickling moves tensor bytes as numpy buffers (out-of-band with pickle protocol 5 / Ray), so
     a chunk carries only its own rows, and unpickled tensors always live on CPU.
+  - Tensors received over Ray stay in Ray's read-only object-store memory until `batch` is first
+    read, which copies them (copy on first access): code that only forwards, slices, concatenates
+    or moves the data to a device never pays for a CPU copy, and code that reads `batch` always
+    gets memory it may write.
   - `meta_info["metrics"]` is combined by `concat` (see `DataProto.concat`), never dropped.
 
 Benchmark: `python -m benchmarks protocol`.
@@ -24,7 +31,9 @@ from __future__ import annotations
 import copy
 import os
 import pickle
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import threading
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -33,10 +42,12 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 from tensordict import TensorDict
+from torch.utils.data import DataLoader
 
 __all__ = [
     "DataProto",
     "DataProtoConfig",
+    "DataProtoConflictError",
     "DataProtoFuture",
     "DataProtoItem",
     "all_gather_data_proto",
@@ -47,6 +58,15 @@ __all__ = [
 METRICS_KEY = "metrics"
 # Integer dtypes used to carry tensor bytes whose dtype numpy lacks (bfloat16, float8, ...).
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_COPY_LOCK = threading.Lock()  # guards the copy of borrowed tensors (see DataProto.batch)
+
+
+class DataProtoConflictError(ValueError, AssertionError):
+    """Two DataProtos disagree on a key that `concat` or `union` must merge.
+
+    A `ValueError` (hybridflow's convention for bad values) that is also an `AssertionError`, so
+    code written for verl, whose DataProto raises `AssertionError` here, catches it unchanged.
+    """
 
 
 class DataProtoConfig:
@@ -69,41 +89,87 @@ class DataProtoItem:
     meta_info: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
 class DataProto:
-    """A batch of B samples: tensors in `batch`, numpy arrays in `non_tensor_batch`, `meta_info`."""
+    """A batch of B samples: tensors in `batch`, numpy arrays in `non_tensor_batch`, `meta_info`.
 
-    batch: TensorDict | None = None
-    non_tensor_batch: dict[str, np.ndarray] = field(default_factory=dict)
-    meta_info: dict[str, Any] = field(default_factory=dict)
+    `None` for any part means empty (verl's convention). Tensors unpickled from read-only memory
+    (Ray's object store) are "borrowed": they stay in that memory, and reading `batch` first
+    replaces them with private copies, so writes never reach memory other readers share.
+    Operations that only read or slice (len, chunk, split, select, concat, `to`, pickling
+    again) work on borrowed tensors without copying them.
+    """
 
-    def __post_init__(self):
+    def __init__(
+        self,
+        batch: TensorDict | None = None,
+        non_tensor_batch: dict[str, np.ndarray] | None = None,
+        meta_info: dict[str, Any] | None = None,
+    ):
+        self._batch = batch
+        self._borrowed: frozenset[str] = frozenset()  # batch keys still in read-only memory
+        self.non_tensor_batch = {} if non_tensor_batch is None else non_tensor_batch
+        self.meta_info = {} if meta_info is None else meta_info
         self.check_consistency()
+
+    @property
+    def batch(self) -> TensorDict | None:
+        """The tensors; borrowed (read-only) ones are copied here, on first access."""
+        if self._borrowed:
+            with _COPY_LOCK:  # two threads reading at once must not each make (and write) a copy
+                for key in self._borrowed:
+                    self._batch[key] = self._batch[key].clone()
+                self._borrowed = frozenset()
+        return self._batch
+
+    @batch.setter
+    def batch(self, value: TensorDict | None) -> None:
+        self._batch, self._borrowed = value, frozenset()
+
+    @classmethod
+    def _sharing(cls, batch: TensorDict | None, borrowed: Iterable[str], **parts) -> DataProto:
+        """A DataProto whose `batch` shares memory with a borrowed one: keeps the borrowed keys."""
+        data = cls(batch=batch, **parts)
+        data._borrowed = frozenset(borrowed) & frozenset(() if batch is None else batch.keys())
+        return data
 
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_dict(
         cls,
         tensors: Mapping[str, torch.Tensor] | None = None,
-        non_tensors: Mapping[str, np.ndarray] | None = None,
+        non_tensors: Mapping[str, np.ndarray | Sequence] | None = None,
         meta_info: Mapping[str, Any] | None = None,
+        num_batch_dims: int = 1,
+        auto_padding: bool = False,
     ) -> DataProto:
-        """Build from tensors (each with leading batch dim B) and numpy arrays (first dim B).
+        """Build from tensors (each with leading batch dim B) and per-sample non-tensors.
 
-        Empty or None `tensors` gives `batch=None` (a non-tensor-only DataProto).
+        Empty or None `tensors` gives `batch=None` (a non-tensor-only DataProto). A non-tensor
+        may be a numpy array (first dim B) or a list/tuple of B values, stored as a 1-D object
+        array (one entry per sample, even when the entries are equal-length lists).
+        `auto_padding=True` sets `meta_info[DataProtoConfig.auto_padding_key]` (see `chunk`).
+        `num_batch_dims` exists for verl's signature; only 1 is supported.
         """
+        if num_batch_dims != 1:
+            raise ValueError(
+                f"num_batch_dims must be 1 (DataProto has exactly one batch dimension), "
+                f"got {num_batch_dims!r}"
+            )
         tensors = _check_mapping("tensors", tensors)
         non_tensors = _check_mapping("non_tensors", non_tensors)
-        meta_info = _check_mapping("meta_info", meta_info)
+        meta_info = dict(_check_mapping("meta_info", meta_info))
+        if auto_padding:
+            meta_info[DataProtoConfig.auto_padding_key] = True
         batch = None
         if tensors:
             batch_size = _common_batch_size(tensors)
             batch = TensorDict(dict(tensors), batch_size=[batch_size])
-        return cls(batch=batch, non_tensor_batch=dict(non_tensors), meta_info=dict(meta_info))
+        arrays = {k: _object_array(v) if isinstance(v, list | tuple) else v for k, v in non_tensors.items()}
+        return cls(batch=batch, non_tensor_batch=arrays, meta_info=meta_info)
 
     @classmethod
     def from_single_dict(
-        cls, data: Mapping[str, Any], meta_info: Mapping[str, Any] | None = None
+        cls, data: Mapping[str, Any], meta_info: Mapping[str, Any] | None = None, auto_padding: bool = False
     ) -> DataProto:
         """Split one dict into tensors and non-tensors; lists/tuples become 1-D object arrays."""
         data = _check_mapping("data", data)
@@ -120,29 +186,30 @@ class DataProto:
                     f"data[{key!r}] must be a torch.Tensor, numpy array, list or tuple with one entry "
                     f"per sample, got {type(value).__name__}"
                 )
-        return cls.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=meta_info)
+        return cls.from_dict(
+            tensors=tensors, non_tensors=non_tensors, meta_info=meta_info, auto_padding=auto_padding
+        )
 
     # ------------------------------------------------------------------ validation and info
     def check_consistency(self) -> None:
         """Raise TypeError/ValueError naming the offending key if the parts disagree on B."""
-        if self.batch is not None:
-            if not isinstance(self.batch, TensorDict):
-                raise TypeError(
-                    f"DataProto.batch must be a TensorDict or None, got {type(self.batch).__name__}"
-                )
-            if self.batch.batch_dims != 1:
+        batch = self._batch
+        if batch is not None:
+            if not isinstance(batch, TensorDict):
+                raise TypeError(f"DataProto.batch must be a TensorDict or None, got {type(batch).__name__}")
+            if batch.batch_dims != 1:
                 raise ValueError(
                     f"DataProto.batch must have exactly one batch dimension, got batch_size "
-                    f"{tuple(self.batch.batch_size)}"
+                    f"{tuple(batch.batch_size)}"
                 )
-            for key, value in self.batch.items():
+            for key, value in batch.items():
                 if not isinstance(value, torch.Tensor) or isinstance(value, TensorDict):
                     raise TypeError(f"batch[{key!r}] must be a torch.Tensor, got {type(value).__name__}")
         if not isinstance(self.non_tensor_batch, dict):
             raise TypeError(f"non_tensor_batch must be a dict, got {type(self.non_tensor_batch).__name__}")
         if not isinstance(self.meta_info, dict):
             raise TypeError(f"meta_info must be a dict, got {type(self.meta_info).__name__}")
-        expected = None if self.batch is None else self.batch.batch_size[0]
+        expected = None if batch is None else batch.batch_size[0]
         reference = "batch"
         for key, value in self.non_tensor_batch.items():
             _check_non_tensor(key, value)
@@ -154,8 +221,8 @@ class DataProto:
                 )
 
     def __len__(self) -> int:
-        if self.batch is not None:
-            return int(self.batch.batch_size[0])
+        if self._batch is not None:
+            return int(self._batch.batch_size[0])
         for value in self.non_tensor_batch.values():
             return int(value.shape[0])
         return 0
@@ -167,7 +234,7 @@ class DataProto:
     def __repr__(self) -> str:
         tensors = ", ".join(f"{k!r}: {tuple(v.shape)} {v.dtype} {v.device}" for k, v in self._tensor_items())
         non_tensors = ", ".join(f"{k!r}: {v.shape} {v.dtype}" for k, v in self.non_tensor_batch.items())
-        batch_part = "None" if self.batch is None else "{" + tensors + "}"
+        batch_part = "None" if self._batch is None else "{" + tensors + "}"
         return (
             f"DataProto(len={len(self)},\n  batch={batch_part},\n  non_tensor_batch={{{non_tensors}}},\n"
             f"  meta_info_keys={sorted(map(str, self.meta_info))})"
@@ -177,12 +244,13 @@ class DataProto:
         """Multi-line description: every key with shape, dtype, device and size in bytes."""
         tensor_bytes = sum(v.numel() * v.element_size() for _, v in self._tensor_items())
         lines = [f"DataProto: {len(self)} rows, {tensor_bytes / 2**20:.3f} MiB of tensors"]
-        lines.append("batch:" if self.batch is not None else "batch: None")
+        lines.append("batch:" if self._batch is not None else "batch: None")
         for key, value in self._tensor_items():
             nbytes = value.numel() * value.element_size()
+            borrowed = " (read-only memory, copied on first access)" if key in self._borrowed else ""
             lines.append(
                 f"  {key}: shape={tuple(value.shape)} dtype={value.dtype} device={value.device} "
-                f"bytes={nbytes}"
+                f"bytes={nbytes}{borrowed}"
             )
         lines.append("non_tensor_batch:")
         for key, value in self.non_tensor_batch.items():
@@ -192,8 +260,15 @@ class DataProto:
             lines.append(f"  {key}: {_short_repr(value)}")
         return "\n".join(lines)
 
+    def print_size(self, prefix: str = "") -> None:
+        """Print the tensor and non-tensor sizes in GiB (verl's helper)."""
+        tensor_gib = sum(v.numel() * v.element_size() for _, v in self._tensor_items()) / 2**30
+        array_gib = sum(v.nbytes for v in self.non_tensor_batch.values()) / 2**30
+        message = f"Size of tensordict: {tensor_gib} GB, size of non_tensor_batch: {array_gib} GB"
+        print(f"{prefix}, {message}" if prefix else message)
+
     def _tensor_items(self) -> list[tuple[str, torch.Tensor]]:
-        return [] if self.batch is None else list(self.batch.items())
+        return [] if self._batch is None else list(self._batch.items())
 
     # ------------------------------------------------------------------ indexing
     def __getitem__(self, index) -> DataProto | DataProtoItem:
@@ -209,7 +284,10 @@ class DataProto:
         if not -n <= index < n:
             raise IndexError(f"index {index} is out of range for a DataProto of {n} rows")
         index %= n
-        batch = None if self.batch is None else self.batch[index]
+        batch = None
+        if self._batch is not None:  # borrowed rows are copied: an item's tensors are writable views
+            rows = {k: v[index].clone() if k in self._borrowed else v[index] for k, v in self._batch.items()}
+            batch = TensorDict(rows, batch_size=[])
         non_tensors = {k: v[index] for k, v in self.non_tensor_batch.items()}
         return DataProtoItem(batch=batch, non_tensor_batch=non_tensors, meta_info=self.meta_info)
 
@@ -219,22 +297,60 @@ class DataProto:
             return self._take(np.arange(start, stop, step, dtype=np.int64))
         rows = len(range(start, stop, step))
         batch = None
-        if self.batch is not None:
-            batch = TensorDict({k: v[start:stop:step] for k, v in self.batch.items()}, batch_size=[rows])
+        if self._batch is not None:
+            batch = TensorDict({k: v[start:stop:step] for k, v in self._batch.items()}, batch_size=[rows])
         non_tensors = {k: v[start:stop:step] for k, v in self.non_tensor_batch.items()}
-        return DataProto(batch=batch, non_tensor_batch=non_tensors, meta_info=dict(self.meta_info))
+        return DataProto._sharing(
+            batch, self._borrowed, non_tensor_batch=non_tensors, meta_info=dict(self.meta_info)
+        )
 
     def _take(self, indices: np.ndarray) -> DataProto:
         """Rows `indices` (int64, already in range) as a new DataProto holding copies."""
         batch = None
-        if self.batch is not None:
+        if self._batch is not None:
             index = torch.from_numpy(indices)
             batch = TensorDict(
-                {k: v.index_select(0, index.to(v.device)) for k, v in self.batch.items()},
+                {k: v.index_select(0, index.to(v.device)) for k, v in self._batch.items()},
                 batch_size=[len(indices)],
             )
         non_tensors = {k: v[indices] for k, v in self.non_tensor_batch.items()}
         return DataProto(batch=batch, non_tensor_batch=non_tensors, meta_info=dict(self.meta_info))
+
+    def select_idxs(self, idxs: Sequence[int] | np.ndarray | torch.Tensor) -> DataProto:
+        """Rows `idxs` (ints or a boolean mask) as a new DataProto holding copies (verl's name)."""
+        return self._take(_row_indices(idxs, len(self)))
+
+    def slice(self, start: int | None = None, end: int | None = None, step: int | None = None) -> DataProto:
+        """`self[start:end:step]` (verl's name): views for a positive step."""
+        return self._slice(slice(start, end, step))
+
+    def make_iterator(
+        self,
+        mini_batch_size: int,
+        epochs: int,
+        seed: int | None = None,
+        dataloader_kwargs: Mapping[str, Any] | None = None,
+    ) -> Iterator[DataProto]:
+        """Mini-batches of `mini_batch_size` rows, `epochs` passes over the data (verl's signature).
+
+        `dataloader_kwargs` go to torch's DataLoader over row numbers (e.g. `shuffle=True`, whose
+        order `seed` fixes). Each mini-batch holds copies of its rows and this batch's meta_info.
+        """
+        _check_positive_int("mini_batch_size", mini_batch_size)
+        _check_positive_int("epochs", epochs)
+        if len(self) % mini_batch_size:
+            raise ValueError(
+                f"mini_batch_size {mini_batch_size} does not divide the batch of {len(self)} rows"
+            )
+        generator = None if seed is None else torch.Generator().manual_seed(seed)
+        loader = DataLoader(
+            range(len(self)),
+            batch_size=mini_batch_size,
+            generator=generator,
+            collate_fn=self.select_idxs,
+            **(dataloader_kwargs or {}),
+        )
+        return (mini_batch for _ in range(epochs) for mini_batch in loader)
 
     # ------------------------------------------------------------------ key operations
     def select(
@@ -249,11 +365,11 @@ class DataProto:
         Without `deepcopy` the result shares tensors and arrays with `self`.
         """
         batch = None
-        if self.batch is not None:
-            keys = (
-                list(self.batch.keys()) if batch_keys is None else _existing(batch_keys, self.batch, "batch")
-            )
-            batch = TensorDict({k: self.batch[k] for k in keys}, batch_size=self.batch.batch_size)
+        if self._batch is not None:
+            keys = list(self._batch.keys())
+            if batch_keys is not None:
+                keys = _existing(batch_keys, self._batch, "batch")
+            batch = TensorDict({k: self._batch[k] for k in keys}, batch_size=self._batch.batch_size)
         elif batch_keys:
             raise KeyError(f"batch keys {list(batch_keys)} requested but DataProto.batch is None")
         nt_keys = self.non_tensor_batch.keys() if non_tensor_batch_keys is None else non_tensor_batch_keys
@@ -261,8 +377,9 @@ class DataProto:
         meta_keys = _existing(
             self.meta_info.keys() if meta_info_keys is None else meta_info_keys, self.meta_info, "meta_info"
         )
-        selected = DataProto(
-            batch=batch,
+        selected = DataProto._sharing(
+            batch,
+            self._borrowed,
             non_tensor_batch={k: self.non_tensor_batch[k] for k in nt_keys},
             meta_info={k: self.meta_info[k] for k in meta_keys},
         )
@@ -275,14 +392,16 @@ class DataProto:
         meta_info_keys: Sequence[str] | None = None,
     ) -> DataProto:
         """Remove the given keys (None = none of that part) from `self` and return them."""
-        batch_keys = _existing(batch_keys or [], self.batch if self.batch is not None else {}, "batch")
+        batch_keys = _existing(batch_keys or [], self._batch if self._batch is not None else {}, "batch")
         nt_keys = _existing(non_tensor_batch_keys or [], self.non_tensor_batch, "non_tensor_batch")
         meta_keys = _existing(meta_info_keys or [], self.meta_info, "meta_info")
-        batch = None
+        batch, borrowed = None, self._borrowed
         if batch_keys:
-            batch = TensorDict({k: self.batch.pop(k) for k in batch_keys}, batch_size=self.batch.batch_size)
-        return DataProto(
-            batch=batch,
+            batch = TensorDict({k: self._batch.pop(k) for k in batch_keys}, batch_size=self._batch.batch_size)
+            self._borrowed = self._borrowed - set(batch_keys)
+        return DataProto._sharing(
+            batch,
+            borrowed,
             non_tensor_batch={k: self.non_tensor_batch.pop(k) for k in nt_keys},
             meta_info={k: self.meta_info.pop(k) for k in meta_keys},
         )
@@ -294,8 +413,8 @@ class DataProto:
         if len(old_keys) != len(new_keys):
             raise ValueError(f"rename got {len(old_keys)} old keys {old_keys} but {len(new_keys)} new keys")
         for old, new in zip(old_keys, new_keys, strict=True):
-            if self.batch is not None and old in self.batch:
-                container, name = self.batch, "batch"
+            if self._batch is not None and old in self._batch:
+                container, name = self._batch, "batch"
             elif old in self.non_tensor_batch:
                 container, name = self.non_tensor_batch, "non_tensor_batch"
             else:
@@ -303,37 +422,44 @@ class DataProto:
             if new != old and new in container:
                 raise ValueError(f"rename: {name} already has key {new!r} (renaming {old!r})")
             container[new] = container.pop(old)
+            if old in self._borrowed and container is self._batch:
+                self._borrowed = self._borrowed - {old} | {new}
         return self
 
     def union(self, other: DataProto) -> DataProto:
         """Merge `other` into `self` in place and return `self`.
 
         A key present in both must hold equal values (tensors, arrays, meta values), otherwise
-        ValueError naming it, raised before anything changes; `meta_info["metrics"]` is
-        combined as in `concat`. Both must have the same length unless one holds no data at all.
+        `DataProtoConflictError` (a ValueError and an AssertionError) naming it, raised before
+        anything changes; `meta_info["metrics"]` is combined as in `concat`. Both must have the
+        same length unless one holds no data at all (DataProtoConflictError otherwise).
         """
         if not isinstance(other, DataProto):
             raise TypeError(f"union expects a DataProto, got {type(other).__name__}")
         if not (self._holds_nothing() or other._holds_nothing()) and len(self) != len(other):
-            raise ValueError(f"union: lengths differ ({len(self)} vs {len(other)})")
+            raise DataProtoConflictError(f"union: lengths differ ({len(self)} vs {len(other)})")
         for key, value in other._tensor_items():
-            if self.batch is not None and key in self.batch and not _tensors_equal(self.batch[key], value):
-                raise ValueError(f"union: batch key {key!r} holds different tensors in the two DataProtos")
+            if self._batch is not None and key in self._batch and not _tensors_equal(self._batch[key], value):
+                raise DataProtoConflictError(
+                    f"union: batch key {key!r} holds different tensors in the two DataProtos"
+                )
         for key, value in other.non_tensor_batch.items():
             if key in self.non_tensor_batch and not _values_equal(self.non_tensor_batch[key], value):
-                raise ValueError(f"union: non_tensor_batch key {key!r} holds different arrays")
+                raise DataProtoConflictError(f"union: non_tensor_batch key {key!r} holds different arrays")
         meta_info = _merge_meta_infos([self.meta_info, other.meta_info])
-        if other.batch is not None:
-            if self.batch is None:
-                self.batch = TensorDict({}, batch_size=other.batch.batch_size)
-            self.batch.update(dict(other.batch.items()))
+        if other._batch is not None:
+            if self._batch is None:
+                self._batch = TensorDict({}, batch_size=other._batch.batch_size)
+            self._batch.update(dict(other._batch.items()))
+            # a key from `other` now holds other's tensor, borrowed or not
+            self._borrowed = self._borrowed - set(other._batch.keys()) | other._borrowed
         self.non_tensor_batch.update(other.non_tensor_batch)
         self.meta_info.update(meta_info)
         self.check_consistency()
         return self
 
     def _holds_nothing(self) -> bool:
-        return self.batch is None and not self.non_tensor_batch
+        return self._batch is None and not self.non_tensor_batch
 
     # ------------------------------------------------------------------ batch-dimension operations
     @staticmethod
@@ -341,7 +467,8 @@ class DataProto:
         """Concatenate along the batch dimension in list order.
 
         All parts need the same batch and non-tensor keys. meta_info is merged: a key in several
-        parts must hold equal values (ValueError naming it otherwise), except `metrics`, which
+        parts must hold equal values (`DataProtoConflictError` naming it otherwise, which verl
+        code catches as an AssertionError), except `metrics`, which
         is combined into one dict of lists. Each part's `metrics` may be a dict (list values are
         extended, scalar values appended) or a list of such dicts; key `k` of the result lists
         every part's values for `k` in part order.
@@ -353,7 +480,7 @@ class DataProto:
             if not isinstance(part, DataProto):
                 raise TypeError(f"DataProto.concat: item {i} is a {type(part).__name__}, expected DataProto")
         return DataProto(
-            batch=_concat_batches([part.batch for part in data]),
+            batch=_concat_batches([part._batch for part in data]),
             non_tensor_batch=_concat_non_tensors([part.non_tensor_batch for part in data]),
             meta_info=_merge_meta_infos([part.meta_info for part in data]),
         )
@@ -410,12 +537,20 @@ class DataProto:
                 f"reorder needs a permutation of range({len(self)}), got {np.asarray(indices)!r}"
             )
         reordered = self._take(order)
-        self.batch, self.non_tensor_batch = reordered.batch, reordered.non_tensor_batch
+        self.batch, self.non_tensor_batch = reordered._batch, reordered.non_tensor_batch
 
     def to(self, device: str | torch.device) -> DataProto:
-        """Move tensors to `device` in place; returns `self`."""
-        if self.batch is not None:
-            self.batch = self.batch.to(device)
+        """Move tensors to `device` in place; returns `self`.
+
+        Moving borrowed tensors off the CPU reads them straight from read-only memory: no CPU copy.
+        """
+        if self._batch is not None:
+            before = dict(self._batch.items())
+            self._batch = self._batch.to(device)
+            # tensors already on `device` are kept as they are, and stay borrowed
+            self._borrowed = frozenset(
+                k for k in self._borrowed if self._batch[k].data_ptr() == before[k].data_ptr()
+            )
         return self
 
     # ------------------------------------------------------------------ serialisation
@@ -423,27 +558,30 @@ class DataProto:
         # Tensors travel as numpy arrays: pickle protocol 5 (and Ray) move their buffers without
         # copying element by element, and a slice carries only its own rows, not its base storage.
         tensors = None
-        if self.batch is not None:
-            tensors = {k: _tensor_to_numpy(k, v) for k, v in self.batch.items()}
+        if self._batch is not None:
+            tensors = {k: _tensor_to_numpy(k, v) for k, v in self._batch.items()}
         return {
             "tensors": tensors,
-            "batch_size": None if self.batch is None else tuple(self.batch.batch_size),
+            "batch_size": None if self._batch is None else tuple(self._batch.batch_size),
             "non_tensor_batch": self.non_tensor_batch,
             "meta_info": self.meta_info,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.batch = None
+        self._batch, self._borrowed = None, frozenset()
         if state["tensors"] is not None:
             tensors = {k: _numpy_to_tensor(array, dtype) for k, (array, dtype) in state["tensors"].items()}
-            self.batch = TensorDict(tensors, batch_size=list(state["batch_size"]))
+            self._batch = TensorDict(tensors, batch_size=list(state["batch_size"]))
+            # out-of-band buffers from Ray's object store are read-only and shared with other readers
+            arrays = state["tensors"].items()
+            self._borrowed = frozenset(k for k, (array, _) in arrays if not array.flags.writeable)
         self.non_tensor_batch = state["non_tensor_batch"]
         self.meta_info = state["meta_info"]
 
     def __deepcopy__(self, memo: dict) -> DataProto:
         # Keeps tensors on their device (pickling would bring them to CPU).
         return DataProto(
-            batch=None if self.batch is None else self.batch.clone(),
+            batch=None if self._batch is None else self._batch.clone(),
             non_tensor_batch=copy.deepcopy(self.non_tensor_batch, memo),
             meta_info=copy.deepcopy(self.meta_info, memo),
         )
@@ -608,7 +746,7 @@ def _check_non_tensor(key: str, value: Any) -> None:
     if not isinstance(value, np.ndarray):
         raise TypeError(
             f"non_tensor_batch[{key!r}] must be a numpy array with one entry per sample, got "
-            f"{type(value).__name__} (DataProto.from_single_dict converts lists)"
+            f"{type(value).__name__} (DataProto.from_dict and from_single_dict convert lists)"
         )
     if value.ndim == 0:
         raise ValueError(f"non_tensor_batch[{key!r}] is 0-dim; it needs a leading batch dimension")
@@ -707,8 +845,9 @@ def _merge_meta_infos(parts: list[dict[str, Any]]) -> dict[str, Any]:
                 saw_metrics = True
                 _extend_metrics(metrics, value)
             elif key in merged and not _values_equal(merged[key], value):
-                raise ValueError(
-                    f"meta_info key {key!r} differs between DataProtos ({merged[key]!r} vs {value!r})"
+                raise DataProtoConflictError(
+                    f"Conflicting values for meta_info key {key!r}: {_short_repr(merged[key])} vs "
+                    f"{_short_repr(value)}"
                 )
             else:
                 merged.setdefault(key, value)
@@ -745,9 +884,10 @@ def _tensor_to_numpy(key: str, tensor: torch.Tensor) -> tuple[np.ndarray, str]:
 
 
 def _numpy_to_tensor(array: np.ndarray, dtype: str) -> torch.Tensor:
-    if not array.flags.writeable:  # out-of-band buffers (Ray's object store) are read-only
-        array = array.copy()
-    tensor = torch.from_numpy(array)
+    """A tensor on `array`'s memory; a read-only array gives a borrowed tensor (see DataProto)."""
+    with warnings.catch_warnings():  # torch warns that it cannot mark tensors read-only
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        tensor = torch.from_numpy(array)
     target = getattr(torch, dtype)
     return tensor if tensor.dtype == target else tensor.view(target)
 

@@ -2,8 +2,8 @@
 SGLang's `ServerArgs` for the pinned SGLang version, read from the wheel's source without
 importing SGLang (it does not install on CPU machines).
 
-    pip download --no-deps sglang==0.5.20 -d /tmp/sgl
-    python scripts/gen_sglang_server_args.py /tmp/sgl/sglang-0.5.20-*.whl
+    pip download --no-deps sglang==0.5.23 -d /tmp/sgl
+    python scripts/gen_sglang_server_args.py /tmp/sgl/sglang-0.5.23-*.whl
 
 `ServerArgs` is either a class with annotated fields (older SGLang) or, in 0.5.x, a record
 assembled from the namespace classes listed in `_INPUT_NAMESPACES` of

@@ -1,6 +1,6 @@
 """Writes GSM8K as hybridflow prompt rows: <out>/train.parquet and <out>/test.parquet.
 
-    python scripts/prepare_gsm8k.py --local_dir /work/shared/data/gsm8k --out data/gsm8k
+    python scripts/prepare_gsm8k.py --local_dir ../shared/data/gsm8k --out data/gsm8k   # the shared copy
     python scripts/prepare_gsm8k.py --out data/gsm8k        # the openai/gsm8k dataset from the Hub
 
 `--local_dir` holds GSM8K's original train.jsonl and test.jsonl. Without it the `main` config of the

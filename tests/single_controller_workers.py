@@ -169,3 +169,42 @@ class CriticRole(_NamedRole):
 
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+class PlacementProbe(Worker):
+    """Runs `engines.placement` in a Ray worker, as the Megatron and rollout workers do on GPUs."""
+
+    def __init__(self, role: str):
+        self.role = role
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def placement(self, rollout_tps: list[int]) -> dict:
+        import torch.distributed as dist
+
+        from engines.placement import (
+            gather_engine_devices,
+            this_process_slot,
+            training_device_index,
+            visible_devices,
+        )
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+        visible = visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES"), device_count=0)
+        engines = {}
+        for rollout_tp in rollout_tps:
+            try:
+                plan = gather_engine_devices(rollout_tp, device_count=0)
+                engines[rollout_tp] = None if plan is None else [list(plan.visible_devices), plan.base_gpu_id]
+            except ValueError as err:
+                engines[rollout_tp] = f"error: {err}"
+        return {
+            "role": self.role,
+            "pid": os.getpid(),
+            "ray_gpu_ids": [str(gpu) for gpu in ray.get_gpu_ids()],
+            "visible": visible,
+            "training_index": training_device_index(visible, self.local_rank),
+            "slot": this_process_slot(device_count=0).device,
+            "node": ray.get_runtime_context().get_node_id(),
+            "engines": {str(k): v for k, v in engines.items()},
+        }

@@ -1,6 +1,7 @@
 """CheckpointManager: atomic publish, `latest`, pruning, verification against the manifest,
 fallback past incomplete checkpoints; trainer state and RNG round trips."""
 
+import json
 import logging
 import random
 import shutil
@@ -101,7 +102,42 @@ def test_corrupted_latest_is_named_and_skipped_for_the_previous_complete(tmp_pat
     with caplog.at_level(logging.WARNING):
         point = manager.find_resume_point()
     assert point.step == 2
-    assert "skipping incomplete checkpoint" in caplog.text and "actor/shard_1.bin is missing" in caplog.text
+    assert "skipping invalid checkpoint" in caplog.text and "actor/shard_1.bin is missing" in caplog.text
+    assert f"falling back to the previous valid checkpoint {tmp_path / 'global_step_2'}" in caplog.text
+
+
+def test_file_zeroed_in_place_is_caught_by_its_checksum(tmp_path, caplog):
+    """Same size, different bytes: a size-only manifest would pass it."""
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, writer(1), PARTS)
+    manager.save(2, writer(2), PARTS)
+    shard = tmp_path / "global_step_2" / "actor" / "shard_0.bin"
+    shard.write_bytes(bytes(shard.stat().st_size))
+    assert verify_checkpoint(tmp_path / "global_step_2") == [
+        "file actor/shard_0.bin does not match its SHA-256 checksum (corrupted)"
+    ]
+    with caplog.at_level(logging.WARNING):
+        assert manager.find_resume_point().step == 1
+    assert "skipping invalid checkpoint" in caplog.text and "shard_0.bin does not match" in caplog.text
+    with pytest.raises(CheckpointError, match=r"cannot resume from .*global_step_2: .*shard_0.bin does not"):
+        manager.load_resume_point(tmp_path / "global_step_2")
+
+
+def test_no_valid_checkpoint_left_is_a_fresh_start_and_says_so(tmp_path, caplog):
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, writer(1), PARTS)
+    (tmp_path / "global_step_1" / "trainer_state.pt").write_bytes(b"xxxxx")  # same size, corrupted
+    with caplog.at_level(logging.WARNING):
+        assert manager.find_resume_point() is None
+    assert f"no valid checkpoint in {tmp_path}: starting from scratch" in caplog.text
+
+
+def test_manifest_without_checksums_is_refused(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, writer(1), PARTS)
+    manifest = tmp_path / "global_step_1" / "manifest.json"
+    manifest.write_text(json.dumps({"step": 1, "parts": PARTS, "files": {"trainer_state.pt": 5}}))
+    assert "has manifest version None" in verify_checkpoint(tmp_path / "global_step_1")[0]
 
 
 def test_missing_manifest_or_part_and_explicit_resume_path(tmp_path):

@@ -1,5 +1,9 @@
 """Recipe loading and validation: typed overrides, and one test per validation error (no Ray)."""
 
+import ast
+import importlib
+import sys
+import typing
 from pathlib import Path
 
 import pytest
@@ -13,6 +17,8 @@ from hybridflow.utils.tiny_model import make_tiny_model
 ROOT = Path(__file__).resolve().parents[1]
 PPO = ROOT / "recipes/gsm8k_ppo.yaml"
 GRPO = ROOT / "recipes/gsm8k_grpo.yaml"
+QWEN3 = ROOT / "recipes/qwen3_grpo.yaml"
+QWEN3_MOE = ROOT / "recipes/qwen3_moe_grpo.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -20,9 +26,11 @@ def local(tmp_path_factory) -> dict:
     """A tiny model directory and (empty but real) parquet files to point recipes at."""
     root = tmp_path_factory.mktemp("local")
     model = make_tiny_model(root / "tiny")
+    moe = make_tiny_model(root / "tiny_moe", num_experts=8)  # the MoE recipe's EP 8 splits 8 experts
     for name in ("train", "test"):
         (root / f"{name}.parquet").write_bytes(b"")
-    return {"model": str(model), "train": str(root / "train.parquet"), "test": str(root / "test.parquet")}
+    files = {"train": str(root / "train.parquet"), "test": str(root / "test.parquet")}
+    return {"model": str(model), "moe": str(moe), **files}
 
 
 def cpu_overrides(local: dict, **extra) -> list[str]:
@@ -35,6 +43,8 @@ def cpu_overrides(local: dict, **extra) -> list[str]:
         "trainer.n_gpus_per_node": "2",
         "rollout.name": "hf",
         "rollout.tensor_model_parallel_size": "1",
+        "data.max_prompt_length": "256",  # prompt + response fit the tiny model's 512 positions
+        "rollout.response_length": "256",
     }
     base.update({k.replace("__", "."): v for k, v in extra.items()})
     return [f"{k}={v}" for k, v in base.items()]
@@ -62,6 +72,37 @@ def test_both_recipes_state_the_gpu_setup(local):
         assert (cfg.trainer.n_gpus_per_node, cfg.trainer.use_gpu) == (8, True)
     assert load_recipe(PPO).algorithm.adv_estimator == "gae" and load_recipe(PPO).critic.enable
     assert load_recipe(GRPO).algorithm.adv_estimator == "grpo" and not load_recipe(GRPO).critic.enable
+
+
+def test_qwen3_recipes_state_the_gpu_setup_and_validate_on_eight_devices(local):
+    dense, moe = load_recipe(QWEN3), load_recipe(QWEN3_MOE)
+    assert dense.actor.megatron.tensor_model_parallel_size == 2
+    megatron = moe.actor.megatron
+    assert (megatron.tensor_model_parallel_size, megatron.expert_model_parallel_size) == (1, 8)
+    assert (megatron.moe_token_dispatcher_type, megatron.moe_aux_loss_coeff) == ("alltoall", 0.001)
+    for recipe, model in ((QWEN3, local["model"]), (QWEN3_MOE, local["moe"])):
+        cfg = load_recipe(recipe)
+        assert (cfg.trainer.n_gpus_per_node, cfg.rollout.name) == (8, "sglang")
+        local_files = [f"model.path={model}", f"data.train_files=[{local['train']}]"]
+        local_files += ["data.max_prompt_length=256", "rollout.response_length=256"]  # 512 positions
+        hf_rollout = [
+            "rollout.name=hf",
+            "rollout.tensor_model_parallel_size=1",
+        ]  # sglang is not installed here
+        cfg = load_recipe(recipe, [*local_files, f"data.val_files=[{local['test']}]", *hf_rollout])
+        assert validate_recipe(cfg, cuda_available=True).actor_devices == 8
+
+
+def test_expert_parallelism_must_fit_the_devices(local):
+    moe = f"model.path={local['moe']}"
+    message = invalid(QWEN3_MOE, local, moe)  # EP 8 on the 2 CPU processes of cpu_overrides
+    assert "actor.megatron: expert TP × EP × PP = 1×8×1 does not divide the 2 devices" in message
+    load_valid(QWEN3_MOE, local, moe, "actor.megatron.expert_model_parallel_size=2")
+    with pytest.raises(ValueError) as err:  # a Literal: the loader rejects it
+        load_recipe(QWEN3_MOE, [*cpu_overrides(local), moe, "actor.megatron.moe_token_dispatcher_type=flex"])
+    assert "actor.megatron.moe_token_dispatcher_type='flex' is not one of ['allgather', 'alltoall']" in str(
+        err.value
+    )
 
 
 def test_overrides_parse_lists_booleans_numbers_and_keep_defaults(local):
@@ -121,9 +162,11 @@ def test_malformed_override_and_missing_required_key(tmp_path):
         load_recipe(tmp_path / "nope.yaml")
 
 
-def test_choice_values_suggest_the_nearest(local):
-    message = invalid(GRPO, local, "algorithm.adv_estimator=rlooo")
-    assert "algorithm.adv_estimator='rlooo'" in message and "did you mean 'rloo'" in message
+def test_choice_values_are_literal_types_that_suggest_the_nearest():
+    with pytest.raises(ValueError, match=r"adv_estimator='rlooo' is not one of .*did you mean 'rloo'"):
+        load_recipe(GRPO, ["algorithm.adv_estimator=rlooo"])
+    with pytest.raises(ValueError, match=r"trainer.logger\[1\]='tensorbord' is not one of .*'tensorboard'"):
+        load_recipe(GRPO, ["trainer.logger=[console,tensorbord]"])
 
 
 def test_gae_without_a_critic(local):
@@ -255,3 +298,66 @@ def test_forward_micro_batches_must_divide_each_ranks_rows(local):
     )
     assert "actor.log_prob_micro_batch_size=3 does not divide the 8 responses" in message
     assert "ref.log_prob_micro_batch_size" not in message
+
+
+def engine_validators() -> list:
+    """Every `validate_*` function in engines/ and every `__post_init__` of an engine config class,
+    found by reading the source (so a validator added later is walked too)."""
+    found = []
+    for path in sorted((ROOT / "engines").rglob("*.py")):
+        module = importlib.import_module(".".join(path.relative_to(ROOT).with_suffix("").parts))
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("validate_"):
+                found.append(getattr(module, node.name))
+            elif isinstance(node, ast.ClassDef):
+                found += [
+                    getattr(module, node.name).__post_init__
+                    for item in node.body
+                    if isinstance(item, ast.FunctionDef) and item.name == "__post_init__"
+                ]
+    return found
+
+
+def test_every_engine_validator_runs_in_validate_recipe(local):
+    validators = {f"{fn.__module__}.{fn.__qualname__}": fn for fn in engine_validators()}
+    assert {
+        "engines.megatron.actor.validate_actor_update_config",
+        "engines.rollout.config.RolloutConfig.__post_init__",
+    } <= set(validators)
+    cfg = load_valid(
+        PPO, local, "reward_model.enable=true", f"reward_model.path={local['model']}",
+        "reward_model.megatron.tensor_model_parallel_size=2",
+    )  # fmt: skip
+    called = set()
+    sys.setprofile(lambda frame, event, arg: called.add(frame.f_code) if event == "call" else None)
+    try:
+        validate_recipe(cfg, cuda_available=False)
+    finally:
+        sys.setprofile(None)
+    assert [name for name, fn in validators.items() if fn.__code__ not in called] == []
+
+
+def test_engine_checks_accept_exactly_the_schema_choices():
+    """The engines still check values given to them directly (not through a recipe); their lists
+    must be the schema's Literal values."""
+    from engines.megatron.config import LrDecayStyle, ParamsDtype
+    from engines.megatron.model import DTYPES
+    from engines.megatron.optimizer import LR_DECAY_STYLES
+
+    assert set(DTYPES) == set(typing.get_args(ParamsDtype))
+    assert set(LR_DECAY_STYLES) == set(typing.get_args(LrDecayStyle))
+
+
+def test_token_budgets_in_use_must_fit_the_longest_sequence(local):
+    # cpu_overrides: max_prompt_length 256 + response_length 256 = 512 tokens
+    message = invalid(
+        PPO,
+        local,
+        "actor.update.use_dynamic_bsz=true",
+        "actor.update.max_token_len_per_gpu=500",
+        "critic.update.use_dynamic_bsz=false",
+        "critic.forward_max_token_len_per_gpu=10",
+    )
+    assert "actor.update.max_token_len_per_gpu=500 is below the longest sequence" in message
+    assert "512 tokens" in message and "critic.forward_max_token_len_per_gpu" not in message
+    load_valid(PPO, local, "actor.update.use_dynamic_bsz=false", "actor.update.max_token_len_per_gpu=10")

@@ -10,6 +10,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+from shared_data import gsm8k_dir
 
 from hybridflow.data.dataloader import ResumableDataLoader
 from hybridflow.data.gsm8k import INSTRUCTION, ground_truth_from_answer
@@ -17,14 +18,13 @@ from hybridflow.data.prompt_dataset import PromptDataset, collate_prompts, token
 from hybridflow.utils.tiny_model import build_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
-GSM8K_DIR = Path("/work/shared/data/gsm8k")
 
 
 @pytest.fixture(scope="module")
 def gsm8k_parquet(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("gsm8k")
     subprocess.run(
-        [sys.executable, ROOT / "scripts/prepare_gsm8k.py", "--local_dir", GSM8K_DIR, "--out", out],
+        [sys.executable, ROOT / "scripts/prepare_gsm8k.py", "--local_dir", gsm8k_dir(), "--out", out],
         check=True,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )

@@ -67,7 +67,7 @@ def test_from_dict_non_tensor_only_and_empty():
         ({"tensors": {"a": torch.zeros(3, 2), "b": torch.zeros(4)}}, ValueError, ["'b'", "4", "'a'", "3"]),
         ({"tensors": {"scalar": torch.tensor(1.0)}}, ValueError, ["'scalar'", "0-dim"]),
         ({"tensors": {"a": [1, 2]}}, TypeError, ["'a'", "torch.Tensor", "list"]),
-        ({"non_tensors": {"uid": ["a", "b"]}}, TypeError, ["'uid'", "numpy array", "list"]),
+        ({"non_tensors": {"uid": {"a": 1}}}, TypeError, ["'uid'", "numpy array", "dict"]),
         ({"non_tensors": {"uid": np.array("a")}}, ValueError, ["'uid'", "0-dim"]),
         (
             {"tensors": {"a": torch.zeros(3)}, "non_tensors": {"uid": np.array(["x"])}},

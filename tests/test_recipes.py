@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from shared_data import gsm8k_dir
 from transformers import AutoModelForCausalLM
 
 from hybridflow.utils.tiny_model import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
-GSM8K_DIR = Path("/work/shared/data/gsm8k")
 STEP_KEYS = (
     "reward/mean",
     "response_length/mean",
@@ -57,7 +57,7 @@ def local(tmp_path_factory) -> dict:
             sys.executable,
             ROOT / "scripts/prepare_gsm8k.py",
             "--local_dir",
-            GSM8K_DIR,
+            gsm8k_dir(),
             "--out",
             root / "gsm8k",
         ],
@@ -182,6 +182,7 @@ def test_remax_with_a_reward_model_on_one_process_then_resume(local, tmp_path):
         f"reward_model.path={local['model']}",
         "reward_model.megatron.params_dtype=float32",
         "reward_model.micro_batch_size=2",
+        "reward_model.use_dynamic_bsz=true",  # packed scoring (the actor packs too: the recipe's default)
         "actor.update.use_kl_loss=false",
         "rollout.sampling.n=2",
         "actor.update.ppo_mini_batch_size=8",
@@ -288,3 +289,31 @@ def test_invalid_recipe_exits_non_zero_with_the_error(tmp_path):
         check=True,
     ).stdout
     assert "key.path=value" in help_text
+
+
+@pytest.mark.slow
+def test_qwen3_moe_grpo_recipe_runs_two_steps_with_expert_parallel_2(local, tmp_path):
+    """A tiny Qwen3-MoE (4 experts, top-2) on 2 CPU processes, experts split EP 2 (TP 1, DP 2):
+    the router's load-balancing loss is in the actor's loss and logged, and the trained actor
+    exports per expert in a form transformers loads."""
+    moe_model = make_tiny_model(tmp_path / "tiny_moe", num_experts=4, num_layers=2)
+    overrides = [
+        *cpu_overrides({**local, "model": str(moe_model)}, tmp_path / "moe", tp=1),
+        "actor.megatron.expert_model_parallel_size=2",
+        "actor.megatron.param_offload=false",
+        "actor.megatron.grad_offload=false",
+        "actor.megatron.optimizer_offload=false",
+        "rollout.sampling.n=2",
+        "actor.update.ppo_mini_batch_size=4",
+        "trainer.export_hf=true",
+    ]
+    result = run_recipe("recipes/qwen3_moe_grpo.yaml", overrides, pythonpath=local["root"])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    steps = check_run(tmp_path / "moe", extra_keys=("actor/moe_aux_loss", "kl/mean", "actor/kl_loss"))
+    # Switch-Transformer loss: E * sum_i f_i P_i, 1 when perfectly balanced, at most E = 4
+    assert all(0.5 < r["actor/moe_aux_loss"] < 4.0 for r in steps)
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "moe" / "hf")
+    initial = AutoModelForCausalLM.from_pretrained(moe_model)
+    assert not torch.equal(
+        exported.model.layers[0].mlp.experts.down_proj, initial.model.layers[0].mlp.experts.down_proj
+    )

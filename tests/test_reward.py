@@ -12,6 +12,7 @@ from hybridflow.protocol import DataProto
 from hybridflow.reward import gsm8k
 from hybridflow.reward.manager import compute_rewards, place_on_last_token, sequence_scores
 from hybridflow.reward.registry import REWARD_FN_PARAMETERS, load_reward_fn, rule_reward_fn
+from hybridflow.utils.nonfinite import NonFiniteError
 from hybridflow.utils.tiny_model import build_tokenizer
 
 
@@ -117,3 +118,43 @@ def test_reward_model_scores_replace_the_rule():
     rm[0, 1] = -0.5
     batch.batch["rm_scores"] = rm
     assert torch.equal(compute_rewards(batch, tokenizer, rule_reward_fn()).batch["token_level_scores"], rm)
+
+
+def nan_reward(data_source, solution_str, ground_truth, extra_info):
+    return float("nan") if "5" in solution_str else 1.0
+
+
+def inf_reward(data_source, solution_str, ground_truth, extra_info):
+    return float("-inf")
+
+
+def text_reward(data_source, solution_str, ground_truth, extra_info):
+    return "1.0"
+
+
+def failing_reward(data_source, solution_str, ground_truth, extra_info):
+    raise KeyError("answer")
+
+
+@pytest.mark.parametrize(
+    ("reward_fn", "error", "message"),
+    [
+        (
+            nan_reward,
+            NonFiniteError,
+            r"test_reward\.nan_reward on response 1 \(data_source 'openai/gsm8k'\) returned nan",
+        ),
+        (
+            inf_reward,
+            NonFiniteError,
+            r"test_reward\.inf_reward on response 0 \(data_source 'openai/gsm8k'\) returned -inf",
+        ),
+        (text_reward, TypeError, r"test_reward\.text_reward on response 0 .* returned '1\.0' \(str\)"),
+        (failing_reward, RuntimeError, r"test_reward\.failing_reward on response 0 .* raised KeyError"),
+    ],
+)
+def test_bad_reward_values_name_the_function_response_and_data_source(reward_fn, error, message):
+    tokenizer = build_tokenizer()
+    batch = _response_batch(tokenizer, ["#### 4", "#### 5"], ["4", "4"])
+    with pytest.raises(error, match=message):
+        sequence_scores(batch, tokenizer, reward_fn)

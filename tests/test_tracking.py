@@ -176,23 +176,39 @@ def test_plot_metrics_file_from_a_finished_run(tmp_path):
         plot_metrics_file(tmp_path / "empty")
 
 
-def test_resume_drops_records_after_the_resume_step_and_a_fresh_run_starts_over(tmp_path):
+def test_resume_keeps_earlier_bytes_appends_and_cuts_only_rows_after_the_resume_step(tmp_path):
     tracker = Tracking(tmp_path, backends=[], plot_every=0)
     for step in range(1, 6):
         tracker.log({"x": float(step)}, step=step)
     tracker.close()
+    before = (tmp_path / "metrics.jsonl").read_bytes()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "x": ')  # the interrupted run was killed mid-line
+    inode = (tmp_path / "metrics.jsonl").stat().st_ino
     resumed = Tracking(tmp_path, backends=[], plot_every=0, resume_step=3)
     assert [r["step"] for r in resumed.history] == [1, 2, 3]
     resumed.log({"x": 40.0}, step=4)
     resumed.close()
+    after = (tmp_path / "metrics.jsonl").read_bytes()
+    rows_1_to_3 = b"".join(before.splitlines(keepends=True)[:3])
+    assert after.startswith(rows_1_to_3)  # untouched: appended to, not rewritten
+    assert (tmp_path / "metrics.jsonl").stat().st_ino == inode
     assert [(r["step"], r["x"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == [
         (1, 1.0),
         (2, 2.0),
         (3, 3.0),
         (4, 40.0),
     ]
-    Tracking(tmp_path, backends=[], plot_every=0).close()
-    assert read_metrics(tmp_path / "metrics.jsonl") == []
+
+
+def test_fresh_start_moves_an_earlier_metrics_file_aside(tmp_path, capsys):
+    for value in (1.0, 2.0):
+        tracker = Tracking(tmp_path, backends=[], plot_every=0)
+        tracker.log({"x": value}, step=1)
+        tracker.close()
+    assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 1, "x": 2.0}]
+    assert read_metrics(tmp_path / "metrics.jsonl.1") == [{"step": 1, "x": 1.0}]
+    assert "fresh start: moved the earlier metrics.jsonl to metrics.jsonl.1" in capsys.readouterr().out
 
 
 def test_tensorboard_scalars_and_purge_on_resume(tmp_path):

@@ -13,9 +13,7 @@ data-parallel ranks: see training.py.
 
 from functools import partial
 
-import torch
-
-from engines.megatron import forward
+from engines.megatron import forward, moe
 from engines.megatron.config import ActorUpdateConfig
 from engines.megatron.model import unwrap_model
 from engines.megatron.training import (
@@ -57,11 +55,6 @@ def validate_actor_update_config(cfg: ActorUpdateConfig) -> None:
         raise ValueError(f"actor update policy_loss must be one of {POLICY_LOSSES}, got {cfg.policy_loss!r}")
 
 
-def response_logits(logits: torch.Tensor, response_len: int, temperature: float) -> torch.Tensor:
-    """(b, T, V/tp) -> (b, R, V/tp): the positions that predict the response tokens, scaled by 1/T."""
-    return logits[:, -response_len - 1 : -1] / temperature
-
-
 class MegatronActor:
     def __init__(self, chunks, optimizer=None, scheduler=None, update_cfg: ActorUpdateConfig | None = None):
         self.chunks = chunks
@@ -74,7 +67,8 @@ class MegatronActor:
     # ------------------------------------------------------------------ inference
     def compute_log_prob(self, data: DataProto, calculate_entropy: bool = True) -> DataProto | None:
         """`old_log_probs` (and `entropys`) (B, R) under the current weights; meta_info may set
-        `micro_batch_size` and `temperature`."""
+        `micro_batch_size`, `temperature` and `max_token_len` (packed micro-batches of at most
+        that many tokens; None or absent: padded micro-batches)."""
         require_keys(data, MODEL_KEYS[:4], "compute_log_prob")
         for chunk in self.chunks:
             chunk.eval()
@@ -84,6 +78,7 @@ class MegatronActor:
             data.meta_info.get("micro_batch_size", self.cfg.ppo_micro_batch_size),
             temperature=data.meta_info.get("temperature", 1.0),
             calculate_entropy=calculate_entropy,
+            max_token_len=data.meta_info.get("max_token_len"),
         )
 
     def compute_ref_log_prob(self, data: DataProto) -> DataProto | None:
@@ -101,7 +96,8 @@ class MegatronActor:
         temperature = data.meta_info.get("temperature", 1.0)
         if temperature <= 0:
             raise ValueError(f"meta_info temperature must be > 0, got {temperature}")
-        return update_epochs(
+        moe.clear_aux_loss()
+        metrics, num_micro_batches = update_epochs(
             self.chunks,
             self.optimizer,
             self.scheduler,
@@ -112,14 +108,19 @@ class MegatronActor:
             shuffle=cfg.shuffle,
             seed=cfg.seed,
         )
+        # The router's load-balancing loss (MoE models): Megatron adds it to the gradients itself.
+        aux_loss = moe.mean_aux_loss(num_micro_batches)
+        if aux_loss is not None:
+            metrics["moe_aux_loss"] = [aux_loss]
+        return metrics
 
     def _policy_loss(self, temperature, counts, scale, logits, micro_batch):
         cfg, mask = self.cfg, micro_batch["response_mask"]
         tokens, seqs = counts
-        logits = response_logits(logits, mask.shape[1], temperature)  # (b, R, V/tp)
-        log_prob = forward.vocab_parallel_log_probs(
-            logits, micro_batch["responses"], self.vocab_size
-        )  # (b, R)
+        entropy_grad = "grad" if cfg.entropy_coeff != 0 else "detached"
+        log_prob, entropy_tokens = forward.response_log_probs(
+            logits, micro_batch, temperature, self.vocab_size, entropy_grad
+        )  # (b, R) each
         ratio_inputs = (micro_batch["old_log_probs"], log_prob, micro_batch["advantages"], mask)
         if cfg.policy_loss == "gspo":
             pg_loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss_gspo(
@@ -130,8 +131,6 @@ class MegatronActor:
                 *ratio_inputs, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c, cfg.loss_agg_mode,
                 tokens, seqs,
             )  # fmt: skip
-        with torch.set_grad_enabled(cfg.entropy_coeff != 0 and torch.is_grad_enabled()):
-            entropy_tokens = forward.vocab_parallel_entropy(logits, self.vocab_size)  # (b, R)
         entropy = agg_loss(entropy_tokens, mask, cfg.loss_agg_mode, tokens, seqs)
         loss = pg_loss - cfg.entropy_coeff * entropy
         share = mask.sum() / tokens  # this micro-batch's share of the mini-batch's tokens
@@ -166,9 +165,6 @@ class MegatronActor:
 
     def _sft_loss(self, tokens, scale, logits, micro_batch):
         mask = micro_batch["response_mask"]
-        logits = response_logits(logits, mask.shape[1], 1.0)  # (b, R, V/tp)
-        log_prob = forward.vocab_parallel_log_probs(
-            logits, micro_batch["responses"], self.vocab_size
-        )  # (b, R)
+        log_prob, _ = forward.response_log_probs(logits, micro_batch, 1.0, self.vocab_size, "none")  # (b, R)
         sft_loss = agg_loss(-log_prob, mask, "token-mean", global_token_count=tokens)
         return sft_loss * scale, {"sft_loss": sft_loss.detach()}

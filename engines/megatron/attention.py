@@ -10,11 +10,33 @@ A query may always attend to itself, so rows whose keys are all masked (padding 
 finite values instead of NaN; their outputs are never read for real tokens.
 
 Shapes: inputs are [s, b, heads, head_dim] (Megatron layout); output is [sq, b, heads * head_dim].
+
+Packed sequences (`packed_seq_params` with qkv_format="thd", see packing.py): inputs are
+[t, heads, head_dim] holding several sequences back to back; the output is [t, heads * head_dim].
+Where `packed_attention_backend` says "te" (CUDA with Transformer Engine) the call goes to
+Megatron-Core's `TEDotProductAttention` (flash / cuDNN varlen kernels, `cu_seqlens` as given). Else
+each sequence is its own causal block through SDPA: the cost grows with sum_i L_i^2, not with
+(sum_i L_i)^2 as one block-diagonal mask would (measured in docs/packing.md). Positions past
+`cu_seqlens[-1]` (padding for TP / PP shapes) get zeros; no real query reads them.
 """
 
 import torch
 import torch.nn.functional as F
+from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+
+
+def packed_attention_backend(cuda: bool, transformer_engine: bool) -> str:
+    """ "te": Transformer Engine's varlen attention (CUDA + TE); "sdpa": per-sequence SDPA blocks."""
+    return "te" if cuda and transformer_engine else "sdpa"
+
+
+def _transformer_engine_importable() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 class SDPACoreAttention(MegatronModule):
@@ -40,6 +62,9 @@ class SDPACoreAttention(MegatronModule):
         self.layer_number = max(1, layer_number)
         self.softmax_scale = softmax_scale
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self._te_args = (config, layer_number, attention_type, attention_dropout, softmax_scale)
+        self._pg_collection = pg_collection
+        self._varlen = []  # TEDotProductAttention, built at the first packed call on CUDA
 
     def forward(
         self,
@@ -51,8 +76,10 @@ class SDPACoreAttention(MegatronModule):
         attention_bias=None,
         packed_seq_params=None,
     ) -> torch.Tensor:
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("SDPACoreAttention supports neither packed sequences nor attention bias")
+        if attention_bias is not None:
+            raise ValueError("SDPACoreAttention does not support attention bias")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params)
         seq_q, batch, heads, head_dim = query.shape
         groups = key.shape[2]
         # [s, b, n, d] -> [b, n, s, d]; grouped-query attention: each K/V head serves heads/groups queries.
@@ -72,3 +99,50 @@ class SDPACoreAttention(MegatronModule):
                 q, k, v, attn_mask=allowed, dropout_p=dropout_p, scale=self.softmax_scale
             )  # (b, n, sq, d)
         return out.permute(2, 0, 1, 3).reshape(seq_q, batch, heads * head_dim)
+
+    def _packed(self, query, key, value, params) -> torch.Tensor:
+        if params.qkv_format != "thd":
+            raise ValueError(f"packed_seq_params.qkv_format must be 'thd', got {params.qkv_format!r}")
+        backend = packed_attention_backend(query.is_cuda, _transformer_engine_importable())
+        if backend == "te":
+            return self._transformer_engine_varlen()(
+                query, key, value, None, attn_mask_type=AttnMaskType.padding_causal, packed_seq_params=params
+            )
+        tokens, heads, head_dim = query.shape
+        repeat = heads // key.shape[1]
+        dropout_p = self.dropout_p if self.training else 0.0
+        starts = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+        lengths = (params.cu_seqlens_q[1:] - params.cu_seqlens_q[:-1]).tolist()
+        pieces, end = [], 0  # (L, n, d) blocks in packed order, zeros between and after them
+        for start, length in zip(starts[:-1].tolist(), lengths, strict=True):
+            if length == 0:
+                continue
+            if start > end:
+                pieces.append(query.new_zeros(start - end, heads, head_dim))
+            span = slice(start, start + length)
+            q = query[span].transpose(0, 1)  # (n, L, d)
+            k = key[span].transpose(0, 1).repeat_interleave(repeat, dim=0)
+            v = value[span].transpose(0, 1).repeat_interleave(repeat, dim=0)
+            block = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, dropout_p=dropout_p, scale=self.softmax_scale
+            )  # (n, L, d)
+            pieces.append(block.transpose(0, 1))
+            end = start + length
+        if tokens > end:
+            pieces.append(query.new_zeros(tokens - end, heads, head_dim))
+        out = torch.cat(pieces)  # (t, n, d)
+        return out.reshape(tokens, heads * head_dim)
+
+    def _transformer_engine_varlen(self):
+        """Megatron-Core's TE attention for the THD layout, kept outside the module tree so that
+        checkpoints hold the same keys with and without it."""
+        if not self._varlen:
+            from megatron.core.extensions.transformer_engine import TEDotProductAttention
+
+            config, layer_number, attention_type, dropout, scale = self._te_args
+            attention = TEDotProductAttention(
+                config, layer_number, AttnMaskType.padding_causal, attention_type,
+                attention_dropout=dropout, softmax_scale=scale, pg_collection=self._pg_collection,
+            )  # fmt: skip
+            self._varlen.append(attention)
+        return self._varlen[0]

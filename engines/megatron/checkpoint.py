@@ -12,9 +12,22 @@ Limits: the padded vocabulary must be the same in both layouts (it is rounded up
 `make_vocab_size_divisible_by` x TP); RNG states are restored only at the layout they were saved
 at, as Megatron-LM does, because a rank's random stream has no meaning in another layout.
 `path` is written as given; the caller makes it atomic (temporary directory, then rename).
+
+Helper processes: megatron-core 0.16.1's `FileSystemWriterAsync` (the torch_dist save strategy,
+used for synchronous saves too; megatron/core/dist_checkpointing/strategies/filesystem_async.py,
+`_get_write_results_queue`) starts a multiprocessing Manager server with the "spawn" context
+(plus its resource_tracker) on the first save and keeps it for the process's life. Spawned, it
+would outlive a SIGKILL of this process forever. `save_checkpoint` therefore provides that queue
+first, from a Manager whose server exits as soon as this process is gone (the tracker then sees
+its pipe close and exits too).
 """
 
+import multiprocessing
+import os
 import random
+import threading
+import time
+from multiprocessing.managers import SyncManager
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +35,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 from engines.megatron import cpu_compat
 from engines.megatron.model import unwrap_model
@@ -79,8 +93,31 @@ def _sharded_state_dict(chunks, optimizer, scheduler, *, is_loading: bool, with_
     return state
 
 
+def _exit_when_orphaned(parent_pid: int) -> None:
+    """Runs in the Manager server: exit once `parent_pid` is gone (the server is re-parented).
+    A watch thread rather than PR_SET_PDEATHSIG, which fires when the *thread* that started the
+    server ends, and a worker may save from a short-lived thread."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True, name="exit-when-orphaned").start()
+
+
+def _provide_write_results_queue() -> None:
+    """Gives megatron-core's writer its results queue from a Manager that dies with this process
+    (see the module docstring); upstream would create an immortal one on the first save."""
+    if filesystem_async._results_queue is None:
+        manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+        manager.start(initializer=_exit_when_orphaned, initargs=(os.getpid(),))
+        filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
+
+
 def save_checkpoint(chunks, optimizer, scheduler, path) -> None:
     """Write model (+ optimizer and scheduler when given) and RNG state into directory `path`."""
+    _provide_write_results_queue()
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     dist.barrier()

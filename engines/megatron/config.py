@@ -1,11 +1,25 @@
 """Settings of the Megatron-Core engine, named as Megatron-Core names them.
 
 This module imports nothing from Megatron-Core so that the recipe schema can compose it
-without pulling Megatron into `import hybridflow`.
+without pulling Megatron into `import hybridflow`. Choice fields are `Literal` types, so the
+recipe loader (OmegaConf) rejects any other value with the key path and the valid ones.
 """
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
+
+from hybridflow.algorithms.kl import KL_PENALTY_KINDS
+from hybridflow.algorithms.losses import LOSS_AGG_MODES, POLICY_LOSSES
+
+# The valid values of each choice. model.DTYPES and optimizer.LR_DECAY_STYLES, which check values
+# given to the engine directly, must equal these (tests/test_config.py checks).
+ParamsDtype = Literal["float32", "bfloat16"]  # bf16 keeps fp32 master weights
+OptimizerName = Literal["adam"]  # AdamW (decoupled weight decay)
+LrDecayStyle = Literal["constant", "linear", "cosine"]
+LossAggMode = Literal[LOSS_AGG_MODES]
+KlPenaltyKind = Literal[KL_PENALTY_KINDS]
+PolicyLoss = Literal[POLICY_LOSSES]
+MoeTokenDispatcher = Literal["allgather", "alltoall"]
 
 
 @dataclass
@@ -17,12 +31,17 @@ class MegatronConfig:
     context_parallel_size: int = 1
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = True  # GPU only; CPU runs use the numerically equal local update
-    params_dtype: str = "float32"  # "float32" | "bfloat16" (bf16 keeps fp32 master weights)
+    params_dtype: ParamsDtype = "float32"
     make_vocab_size_divisible_by: int = 128
     param_offload: bool = False  # offload to CPU between phases; a no-op on CPU machines
     grad_offload: bool = False
     optimizer_offload: bool = False
     seed: int = 42
+    # Mixture-of-experts models only (Qwen3-MoE, Mixtral); ignored for dense models.
+    expert_model_parallel_size: int = 1  # EP: experts split over this many ranks
+    expert_tensor_parallel_size: int | None = None  # None: Megatron's default, the dense TP size
+    moe_aux_loss_coeff: float = 0.0  # router load-balancing loss weight (HF's router_aux_loss_coef)
+    moe_token_dispatcher_type: MoeTokenDispatcher = "allgather"  # Megatron's default
     # Any other Megatron-Core 0.16.1 setting by its own name, applied over what hybridflow builds
     # (engines/megatron/passthrough.py), e.g. transformer: {recompute_granularity: full}
     transformer: dict[str, Any] = field(default_factory=dict)  # TransformerConfig fields
@@ -41,7 +60,7 @@ class MegatronConfig:
 class OptimConfig:
     """Optimizer and LR schedule (Megatron-Core `OptimizerConfig` / `OptimizerParamScheduler` names)."""
 
-    optimizer: str = "adam"
+    optimizer: OptimizerName = "adam"
     lr: float = 1e-6
     min_lr: float = 0.0
     weight_decay: float = 0.01
@@ -51,7 +70,7 @@ class OptimConfig:
     clip_grad: float = 1.0
     lr_warmup_iters: int = 0
     lr_decay_iters: int | None = None  # None: no decay
-    lr_decay_style: str = "constant"  # "constant" | "linear" | "cosine"
+    lr_decay_style: LrDecayStyle = "constant"
 
 
 @dataclass
@@ -68,17 +87,20 @@ class ActorUpdateConfig:
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2  # > clip_ratio_low is DAPO's clip-higher
     clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages
-    loss_agg_mode: str = "token-mean"  # "token-mean" | "seq-mean-token-sum" | "seq-mean-token-mean"
-    # | "seq-mean-token-sum-norm" (Dr. GRPO)
+    loss_agg_mode: LossAggMode = "token-mean"  # "seq-mean-token-sum-norm": Dr. GRPO
     entropy_coeff: float = 0.0  # entropy bonus weight (loss -= coeff * entropy)
     use_kl_loss: bool = False  # KL to the reference policy as a loss term (needs ref_log_prob)
     kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"  # "kl"/"k1", "abs", "mse"/"k2", "low_var_kl"/"k3"
+    kl_loss_type: KlPenaltyKind = "low_var_kl"  # "kl"/"k1", "abs", "mse"/"k2", "low_var_kl"/"k3"
     shuffle: bool = False  # shuffle rows within this rank's shard before each epoch
     seed: int = 0  # seeds the shuffle
     # "vanilla": token-level PPO ratio | "gspo": sequence-level ratio and clip (GSPO, Zheng et al.
     # 2025; use clip ratios near 3e-4 / 4e-4 and loss_agg_mode "seq-mean-token-mean")
-    policy_loss: str = "vanilla"
+    policy_loss: PolicyLoss = "vanilla"
+    # Sequence packing + token-budget micro-batches (docs/packing.md); also switches the actor's
+    # log-prob and the reference's forward to packed micro-batches of their own budgets.
+    use_dynamic_bsz: bool = False
+    max_token_len_per_gpu: int = 8192  # tokens (prompt + response) per packed micro-batch, per rank
 
 
 @dataclass
@@ -89,4 +111,7 @@ class CriticUpdateConfig:
     ppo_micro_batch_size: int = 2
     ppo_epochs: int = 1
     cliprange_value: float = 0.5
-    loss_agg_mode: str = "token-mean"
+    loss_agg_mode: LossAggMode = "token-mean"
+    # Sequence packing + token-budget micro-batches for the update and the values (docs/packing.md).
+    use_dynamic_bsz: bool = False
+    max_token_len_per_gpu: int = 8192  # tokens (prompt + response) per packed micro-batch, per rank

@@ -15,12 +15,25 @@ docs/megatron-on-cpu.md beside the repo):
 - `seed_all(seed)`: `model_parallel_cuda_manual_seed` asserts on a CPU build; on CPU the torch
   generator is seeded directly (dropout is 0 in RL fine-tuning, so no per-rank RNG streams are
   needed).
+- MoE router without Transformer Engine: `moe_utils.RouterGatingLinearFunction` tests
+  `te_general_gemm is not None`, but Megatron-Core 0.16.1 only defines that name when TE imports
+  (megatron/core/transformer/moe/moe_utils.py), so the router raises NameError. `install()`
+  defines it as None, the value the function's torch.mm fallback expects. MoE on CPU then runs
+  Megatron's own SequentialMLP experts and its all-gather token dispatcher over gloo.
+- MoE all-to-all token dispatcher: it creates a `torch.cuda.Stream` in its constructor and
+  copies the token counts to the host on that stream (`_maybe_dtoh_and_synchronize` in
+  megatron/core/transformer/moe/token_dispatcher.py). On CPU everything is already on the host
+  and ordered: `install()` points `torch.cuda.Stream` / `current_stream` / `stream` at
+  `HostStream`, a stream that is always synchronised. The same copy turns the split sizes into
+  numpy arrays (what `all_to_all_single` accepts) only for CUDA tensors, so on CPU the
+  dispatcher's `maybe_move_tensor_to_cpu` is replaced by `host_tensor`, which converts host
+  tensors the same way.
 - The core attention: Megatron's local `DotProductAttention` allocates on CUDA; the SDPA module
   in `engines/megatron/attention.py` replaces it through the layer spec (Megatron's extension
   point). It is used on GPU too when Transformer Engine is absent (see model.py).
 """
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -54,6 +67,41 @@ class CudaArgumentsToCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class HostStream:
+    """The part of `torch.cuda.Stream` Megatron's all-to-all dispatcher uses, for host execution:
+    work is already complete when queued, so waiting and events do nothing."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other) -> None:
+        return None
+
+    def record_event(self, event=None) -> "HostStream":
+        return self
+
+    def synchronize(self) -> None:
+        return None
+
+
+_HOST_STREAM = HostStream()
+
+
+def _current_stream(device=None) -> HostStream:
+    return _HOST_STREAM
+
+
+def _stream(stream=None):
+    return nullcontext()
+
+
+def host_tensor(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """`moe_utils.maybe_move_tensor_to_cpu` for tensors already on the host: numpy when asked."""
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.numpy()
+    return tensor
+
+
 def _current_device_cpu() -> str:
     return "cpu"
 
@@ -69,7 +117,21 @@ def install() -> None:
         return
     torch.cuda.current_device = _current_device_cpu
     torch.cuda.synchronize = _synchronize_noop
+    torch.cuda.Stream = HostStream
+    torch.cuda.current_stream = _current_stream
+    torch.cuda.stream = _stream
+    _define_missing_te_gemm()
+    from megatron.core.transformer.moe import token_dispatcher
+
+    token_dispatcher.maybe_move_tensor_to_cpu = host_tensor
     _installed = True
+
+
+def _define_missing_te_gemm() -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 @contextmanager

@@ -9,7 +9,7 @@ are collective; results are complete on the last pipeline stage. Batch keys: the
 
 import torch
 
-from engines.megatron import forward
+from engines.megatron import forward, packing
 from engines.megatron.actor import MODEL_KEYS
 from engines.megatron.config import CriticUpdateConfig
 from engines.megatron.training import require_keys, require_optimizer, update_epochs, validate_update_sizes
@@ -24,17 +24,19 @@ def validate_critic_update_config(cfg: CriticUpdateConfig) -> None:
         raise ValueError(f"critic update cliprange_value must be > 0, got {cfg.cliprange_value}")
 
 
-def response_values(output: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """(b, T, 1) value-head output -> (b, R) values of the states the response tokens follow."""
-    values = output[:, -response_mask.shape[1] - 1 : -1, 0].float()  # (b, R)
-    return values * response_mask
+def response_values(output, micro_batch) -> torch.Tensor:
+    """(b, T, 1) value-head output (or a packed one) -> (b, R) values of the states the response
+    tokens follow, zero on padding."""
+    view = forward.ResponseTokens(output, micro_batch)
+    values = view.to_rows(view.outputs[..., 0].float())  # (b, R)
+    return values * micro_batch["response_mask"]
 
 
-def last_token_values(output: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """(b, T, 1) value-head output -> (b,) output at each row's last real token, the one position
-    that has read the whole response (responses are right-padded, so it is the last 1 in the mask)."""
-    last = attention_mask.shape[1] - 1 - attention_mask.flip(-1).argmax(dim=-1)  # (b,)
-    return output[torch.arange(output.shape[0], device=output.device), last, 0].float()  # (b,)
+def last_token_values(output, attention_mask: torch.Tensor) -> torch.Tensor:
+    """(b, T, 1) value-head output (or a packed one) -> (b,) output at each row's last real token,
+    the one position that has read the whole response (responses are right-padded, so it is the
+    last 1 in the mask)."""
+    return forward.last_token_outputs(output, attention_mask)[:, 0].float()  # (b,)
 
 
 class MegatronCritic:
@@ -46,7 +48,8 @@ class MegatronCritic:
         validate_critic_update_config(self.cfg)
 
     def compute_values(self, data: DataProto) -> DataProto | None:
-        """`values` (B, R), zero on padding; meta_info may set `micro_batch_size`."""
+        """`values` (B, R), zero on padding; meta_info may set `micro_batch_size` and
+        `max_token_len` (packed micro-batches of at most that many tokens)."""
         values = self._forward_only(data, _values_only, "compute_values")
         return None if values is None else DataProto.from_dict(tensors={"values": values})
 
@@ -57,23 +60,28 @@ class MegatronCritic:
         return None if scores is None else DataProto.from_dict(tensors={"scores": scores})
 
     def _forward_only(self, data: DataProto, post_process, method: str) -> torch.Tensor | None:
-        """Micro-batched forward; the per-row results concatenated on the last pipeline stage,
-        None on the others. meta_info may set `micro_batch_size`."""
+        """Micro-batched forward; the per-row results in row order on the last pipeline stage,
+        None on the others. meta_info may set `micro_batch_size` and `max_token_len` (packed)."""
         require_keys(data, MODEL_KEYS, method)
         for chunk in self.chunks:
             chunk.eval()
-        micro = data.meta_info.get("micro_batch_size", self.cfg.ppo_micro_batch_size)
-        results = forward.run_micro_batches(
-            self.chunks, data.select(batch_keys=list(MODEL_KEYS)), micro, post_process, forward_only=True
-        )
-        return torch.cat(results).cpu() if results else None
+        data = data.select(batch_keys=list(MODEL_KEYS))
+        max_token_len = data.meta_info.get("max_token_len")
+        if max_token_len is None:
+            micro = data.meta_info.get("micro_batch_size", self.cfg.ppo_micro_batch_size)
+        else:
+            micro = forward.token_budget_groups(data, max_token_len, f"{method} max_token_len")
+        results = forward.run_micro_batches(self.chunks, data, micro, post_process, forward_only=True)
+        if not results:
+            return None
+        return (torch.cat(results) if isinstance(micro, int) else packing.restore_order(results, micro)).cpu()
 
     def update_critic(self, data: DataProto) -> dict[str, list[float]]:
         """Epochs over mini-batches of the clipped value loss; one value per optimizer step."""
         require_optimizer(self.optimizer, self.scheduler, "update_critic")
         keys = [*MODEL_KEYS, "values", "returns"]
         require_keys(data, keys, "update_critic")
-        return update_epochs(
+        metrics, _ = update_epochs(
             self.chunks,
             self.optimizer,
             self.scheduler,
@@ -84,11 +92,12 @@ class MegatronCritic:
             shuffle=False,
             seed=0,
         )
+        return metrics
 
     def _value_loss(self, counts, scale, output, micro_batch):
         tokens, seqs = counts
         mask = micro_batch["response_mask"]
-        vpreds = response_values(output, mask)  # (b, R)
+        vpreds = response_values(output, micro_batch)  # (b, R)
         vf_loss, vf_clipfrac = compute_value_loss(
             vpreds, micro_batch["values"], micro_batch["returns"], mask,
             self.cfg.cliprange_value, self.cfg.loss_agg_mode, tokens, seqs,
@@ -102,8 +111,10 @@ class MegatronCritic:
 
 
 def _values_only(output, micro_batch):
-    return output.new_zeros(()), response_values(output, micro_batch["response_mask"])
+    values = response_values(output, micro_batch)
+    return values.new_zeros(()), values
 
 
 def _last_token_only(output, micro_batch):
-    return output.new_zeros(()), last_token_values(output, micro_batch["attention_mask"])
+    scores = last_token_values(output, micro_batch["attention_mask"])
+    return scores.new_zeros(()), scores

@@ -2,20 +2,26 @@
 
 `run_micro_batches` drives `get_forward_backward_func()`: the no-pipelining schedule at PP=1 and
 the 1F1B pipeline schedule at PP>1 (p2p tensors of shape (T, micro_batch_size, hidden), T being
-the padded sequence length of the batch).
+the padded sequence length of the batch). Two kinds of micro-batches:
+- padded: `micro_batches` is an int, that many consecutive (B, T) rows per micro-batch;
+- packed: `micro_batches` is a list of row-index groups (e.g. from `token_budget_groups`), each
+  run as one THD row of its real tokens with `PackedSeqParams` (see packing.py); under PP every
+  micro-batch is padded to the longest one (micro_batch_size 1, seq_length T_pack).
 
 Loss-function contract (used by the actor and critic):
     loss_fn(output, micro_batch) -> (loss, metrics)
 - `output`: what the last pipeline stage's GPTModel returns for the micro-batch: logits
   (b, T, Vp / tp) sharded over the tensor-parallel group (padded vocabulary; mask it with
   `vocab_size=` in the functions below), or values (b, T, 1) for a value-head model. Position t
-  predicts token t + 1. Only called on the last pipeline stage.
+  predicts token t + 1. Only called on the last pipeline stage. Packed micro-batches give a
+  `PackedOutput` instead; `ResponseTokens` / `last_token_outputs` read either kind.
 - `micro_batch`: the TensorDict slice of `data.batch` for these b rows (every key of the batch).
 - returns `loss`, a scalar tensor, and `metrics`, any object (typically a dict of tensors).
   Megatron's schedule (the 2-tuple form of `forward_step_calc_loss`) divides `loss` by the number
   of micro-batches before backward, so a loss that is a mean over its micro-batch gives gradients
-  of the mean over the whole batch (with equal-size micro-batches). It modifies `loss` in place:
-  return a fresh tensor. With forward_only=True `loss` is ignored (return e.g. a zero).
+  of the mean over the whole batch (with equal-size micro-batches); losses normalised by the
+  whole batch's counts and multiplied back (training.py) are exact for any split. It modifies
+  `loss` in place: return a fresh tensor. With forward_only=True `loss` is ignored (return e.g. a zero).
 `run_micro_batches` returns the list of `metrics`, one per micro-batch, on the last pipeline
 stage and an empty list on the others. Gradients land in the DDP buffers (`param.main_grad`) and
 are averaged over data-parallel ranks (DDP pre-scales by 1/dp, then sums) by the schedule's
@@ -27,12 +33,13 @@ real tokens are contiguous, and RoPE attention scores depend only on relative of
 equals using `position_ids` (checked against transformers in the parity test).
 """
 
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 import torch.distributed as dist
 
-from engines.megatron import cpu_compat
+from engines.megatron import cpu_compat, packing
 from engines.megatron.model import unwrap_model
 
 
@@ -67,22 +74,29 @@ def _batch_of(data):
     return batch
 
 
-def run_micro_batches(chunks, data, micro_batch_size: int, loss_fn, forward_only: bool) -> list:
-    """Run `data` through the model in micro-batches with Megatron's schedule (contract above)."""
+def run_micro_batches(chunks, data, micro_batches, loss_fn, forward_only: bool) -> list:
+    """Run `data` through the model with Megatron's schedule (contract above); `micro_batches` is
+    a row count (padded micro-batches) or a list of row-index groups (packed micro-batches)."""
+    batch = _batch_of(data)
+    if not isinstance(micro_batches, int):
+        return _run_packed(chunks, batch, micro_batches, loss_fn, forward_only)
+    rows, seq_len = batch["input_ids"].shape
+    if micro_batches < 1 or rows % micro_batches:
+        raise ValueError(
+            f"micro_batch_size={micro_batches} must be positive and divide the batch size {rows}"
+        )
+    split = batch.split(micro_batches)
+    return _schedule(chunks, _forward_step, loss_fn, split, seq_len, micro_batches, forward_only)
+
+
+def _schedule(chunks, forward_step, loss_fn, micro_batches, seq_len, micro_batch_size, forward_only):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    batch = _batch_of(data)
-    rows, seq_len = batch["input_ids"].shape
-    if micro_batch_size < 1 or rows % micro_batch_size:
-        raise ValueError(
-            f"micro_batch_size={micro_batch_size} must be positive and divide the batch size {rows}"
-        )
-    micro_batches = batch.split(micro_batch_size)
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     schedule = get_forward_backward_func()
     with torch.no_grad() if forward_only else torch.enable_grad(), cpu_compat.cuda_calls_on_cpu():
         return schedule(
-            forward_step_func=partial(_forward_step, loss_fn, device),
+            forward_step_func=partial(forward_step, loss_fn, device),
             data_iterator=iter(micro_batches),
             model=list(chunks),
             num_microbatches=len(micro_batches),
@@ -90,6 +104,112 @@ def run_micro_batches(chunks, data, micro_batch_size: int, loss_fn, forward_only
             micro_batch_size=micro_batch_size,
             forward_only=forward_only,
         )
+
+
+@dataclass
+class PackedOutput:
+    """A packed micro-batch's model output: `tokens` (1, T_pack, X) and the packing maps."""
+
+    tokens: torch.Tensor
+    packed: packing.PackedMicroBatch
+
+
+def _run_packed(chunks, batch, groups: list[list[int]], loss_fn, forward_only: bool) -> list:
+    from megatron.core import parallel_state
+
+    config = unwrap_model(chunks[0]).config
+    multiple = packing.length_multiple(
+        config.tensor_model_parallel_size, config.sequence_parallel, config.context_parallel_size
+    )
+    lengths = batch["attention_mask"].sum(-1).tolist()
+    response_len = batch["responses"].shape[1] if "responses" in batch else 0
+    pipelined = parallel_state.get_pipeline_model_parallel_world_size() > 1
+    totals = packing.packed_lengths(groups, lengths, multiple, pipelined)
+    micro_batches = []
+    for group, total in zip(groups, totals, strict=True):
+        rows = batch[torch.tensor(group, dtype=torch.long)]
+        packed = packing.pack_micro_batch(rows["input_ids"], rows["attention_mask"], response_len, total)
+        micro_batches.append((rows, packed))
+    return _schedule(chunks, _packed_forward_step, loss_fn, micro_batches, max(totals), 1, forward_only)
+
+
+def _packed_forward_step(loss_fn, device, data_iterator, model):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    micro_batch, packed = next(data_iterator)
+    micro_batch = micro_batch.to(device)
+    params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=packed.cu_seqlens.to(device),
+        cu_seqlens_kv=packed.cu_seqlens.to(device),
+        cu_seqlens_q_padded=packed.cu_seqlens_padded.to(device),
+        cu_seqlens_kv_padded=packed.cu_seqlens_padded.to(device),
+        max_seqlen_q=packed.max_seqlen,
+        max_seqlen_kv=packed.max_seqlen,
+    )
+    output = model(
+        input_ids=packed.input_ids.to(device),
+        position_ids=packed.position_ids.to(device),
+        attention_mask=None,
+        packed_seq_params=params,
+    )
+    return output, partial(_packed_loss, loss_fn, micro_batch, packed)
+
+
+def _packed_loss(loss_fn, micro_batch, packed, output):
+    return loss_fn(PackedOutput(output, packed), micro_batch=micro_batch)
+
+
+class ResponseTokens:
+    """The outputs that predict the response tokens, in either layout, and the way back to (b, R).
+
+    Padded: `outputs` (b, R, X), `select` and `to_rows` are the identity. Packed: `outputs` (n, X)
+    for the n real response tokens only (no work on padding), `select` (b, R) -> (n,) picks them
+    from a per-row tensor, `to_rows` (n,) -> (b, R) puts results back with zeros on padding.
+    """
+
+    def __init__(self, output, micro_batch):
+        response_len = micro_batch["responses"].shape[1]
+        self.packed = isinstance(output, PackedOutput)
+        if self.packed:
+            self.mask = micro_batch["attention_mask"][:, -response_len:].bool()  # (b, R), as packed
+            index = output.packed.response_index.to(output.tokens.device)
+            self.outputs = output.tokens[0, index]  # (n, X)
+        else:
+            self.outputs = output[:, -response_len - 1 : -1]  # (b, R, X)
+
+    def select(self, per_row: torch.Tensor) -> torch.Tensor:
+        return per_row[self.mask] if self.packed else per_row
+
+    def to_rows(self, per_token: torch.Tensor) -> torch.Tensor:
+        if not self.packed:
+            return per_token
+        rows = per_token.new_zeros(self.mask.shape)  # (b, R)
+        return rows.index_put((self.mask,), per_token)
+
+
+def last_token_outputs(output, attention_mask: torch.Tensor) -> torch.Tensor:
+    """(b, X): the output at each row's last real token (the last 1 in its attention mask)."""
+    if isinstance(output, PackedOutput):
+        return output.tokens[0, output.packed.last_index.to(output.tokens.device)]
+    last = attention_mask.shape[1] - 1 - attention_mask.flip(-1).argmax(dim=-1)  # (b,)
+    return output[torch.arange(output.shape[0], device=output.device), last]
+
+
+def token_budget_groups(data, max_token_len: int, key: str) -> list[list[int]]:
+    """Packed micro-batches of at most `max_token_len` tokens (prompt + response) each, as many on
+    every data-parallel rank (see packing.token_budget_groups)."""
+    from megatron.core import parallel_state
+
+    def agree_max(count: int) -> int:
+        value = torch.tensor([count], dtype=torch.long)
+        if torch.cuda.is_available():  # NCCL reduces device tensors only
+            value = value.cuda()
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
+        return int(value.item())
+
+    lengths = _batch_of(data)["attention_mask"].sum(-1).tolist()
+    return packing.token_budget_groups(lengths, max_token_len, key, agree_max)
 
 
 def _tp_rank_and_size() -> tuple[int, int]:
@@ -174,22 +294,45 @@ def vocab_parallel_entropy(logits: torch.Tensor, vocab_size: int | None = None) 
     return _VocabParallelEntropy.apply(z, padded_vocab_columns(z.shape[-1], vocab_size, z.device))
 
 
-def _log_prob_loss(response_len, temperature, vocab_size, calculate_entropy, logits, micro_batch):
-    logits = logits[:, -response_len - 1 : -1] / temperature  # (b, R, Vp / tp): predicts responses
-    metrics = {"log_probs": vocab_parallel_log_probs(logits, micro_batch["responses"], vocab_size)}
+def response_log_probs(logits, micro_batch, temperature: float, vocab_size: int | None, entropy: str):
+    """Log-probs of `responses` (b, R) and, unless `entropy` is "none", entropies (b, R) (with
+    gradients for "grad", without for "detached"), from padded or packed logits."""
+    view = ResponseTokens(logits, micro_batch)
+    scaled = view.outputs / temperature  # (b, R, Vp / tp) or (n, Vp / tp)
+    labels = view.select(micro_batch["responses"])  # (b, R) or (n,)
+    log_probs = view.to_rows(vocab_parallel_log_probs(scaled, labels, vocab_size))
+    if entropy == "none":
+        return log_probs, None
+    with torch.set_grad_enabled(entropy == "grad" and torch.is_grad_enabled()):
+        entropies = view.to_rows(vocab_parallel_entropy(scaled, vocab_size))
+    return log_probs, entropies
+
+
+def _log_prob_loss(temperature, vocab_size, calculate_entropy, logits, micro_batch):
+    log_probs, entropies = response_log_probs(
+        logits, micro_batch, temperature, vocab_size, "detached" if calculate_entropy else "none"
+    )  # (b, R) each; logits predict the responses
+    metrics = {"log_probs": log_probs}
     if calculate_entropy:
-        metrics["entropys"] = vocab_parallel_entropy(logits, vocab_size)
-    return logits.new_zeros(()), metrics
+        metrics["entropys"] = entropies
+    return log_probs.new_zeros(()), metrics
 
 
 def compute_log_prob(
-    chunks, data, micro_batch_size: int, temperature: float = 1.0, calculate_entropy: bool = True
+    chunks,
+    data,
+    micro_batch_size: int,
+    temperature: float = 1.0,
+    calculate_entropy: bool = True,
+    max_token_len: int | None = None,
 ):
     """Log-probs (and entropies) of `responses` under the model: DataProto with `old_log_probs`
     (B, R) and `entropys` (B, R), fp32, on the last pipeline stage; None on the other stages.
 
-    Logits at positions P-1 .. P+R-2 predict the R response tokens. Padded response positions get
-    values too (mask them with `response_mask`).
+    Logits at positions P-1 .. P+R-2 predict the R response tokens. With `max_token_len`, rows
+    run packed in micro-batches of at most that many tokens (padded response positions get 0);
+    else in padded micro-batches of `micro_batch_size` rows (padded positions get values too).
+    Mask them with `response_mask`.
     """
     from megatron.core import parallel_state
 
@@ -201,11 +344,22 @@ def compute_log_prob(
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     vocab_size = unwrap_model(chunks[0]).hf_config.vocab_size
-    loss_fn = partial(_log_prob_loss, batch["responses"].shape[1], temperature, vocab_size, calculate_entropy)
-    results = run_micro_batches(chunks, data, micro_batch_size, loss_fn, forward_only=True)
+    loss_fn = partial(_log_prob_loss, temperature, vocab_size, calculate_entropy)
+    groups = None
+    if max_token_len is not None:
+        groups = token_budget_groups(data, max_token_len, "log-prob max_token_len")
+    results = run_micro_batches(
+        chunks, data, micro_batch_size if groups is None else groups, loss_fn, forward_only=True
+    )
     if not parallel_state.is_pipeline_last_stage():
         return None
-    tensors = {"old_log_probs": torch.cat([r["log_probs"] for r in results]).cpu()}
+    keys = ["log_probs", "entropys"] if calculate_entropy else ["log_probs"]
+    columns = {k: [r[k] for r in results] for k in keys}
+    if groups is None:
+        merged = {k: torch.cat(v) for k, v in columns.items()}
+    else:
+        merged = {k: packing.restore_order(v, groups) for k, v in columns.items()}
+    tensors = {"old_log_probs": merged["log_probs"].cpu()}
     if calculate_entropy:
-        tensors["entropys"] = torch.cat([r["entropys"] for r in results]).cpu()
+        tensors["entropys"] = merged["entropys"].cpu()
     return DataProto.from_dict(tensors=tensors)

@@ -1,7 +1,11 @@
 """Hugging Face config -> Megatron-Core `TransformerConfig` -> `GPTModel` chunks for this pipeline stage.
 
-Supported architectures: Llama and Qwen2 (which covers Qwen2.5): RMSNorm, SwiGLU MLP, RoPE,
-grouped-query attention, optional QKV bias, tied or untied embeddings.
+Supported architectures: Llama, Qwen2 (which covers Qwen2.5) and Qwen3: RMSNorm, SwiGLU MLP, RoPE,
+grouped-query attention, optional QKV bias, QK layernorm (Qwen3), tied or untied embeddings; and
+the mixture-of-experts Qwen3-MoE and Mixtral: every layer's MLP is Megatron-Core's MoE layer
+(top-k softmax router with the HF model's top-k normalisation, dropless, no shared experts).
+Experts are Megatron's SequentialMLP (and the all-gather / all-to-all token dispatchers) on CPU,
+TE's grouped GEMM when Transformer Engine runs on CUDA.
 
 Layer spec: Transformer Engine's when `transformer_engine` imports and CUDA is present, else
 Megatron-Core's local spec; in both, the core attention is `SDPACoreAttention` so that the
@@ -26,8 +30,22 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "LlamaForSequenceClassification": "llama",
     "Qwen2ForSequenceClassification": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3ForSequenceClassification": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen3MoeForSequenceClassification": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+    "MixtralForSequenceClassification": "mixtral",
 }
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+REQUIRED_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
 
 
 @dataclass(frozen=True)
@@ -50,6 +68,11 @@ class HFModelConfig:
     qkv_bias: bool
     initializer_range: float = 0.02
     source_dir: str = ""
+    qk_layernorm: bool = False  # Qwen3: RMSNorm over each head's queries and keys
+    num_experts: int = 0  # 0: dense MLP; else every layer is a mixture of experts
+    moe_router_topk: int = 0
+    moe_ffn_hidden_size: int = 0  # one expert's intermediate size
+    norm_topk_prob: bool = True  # renormalise the top-k router probabilities to sum to 1
     raw: dict = field(default_factory=dict, repr=False, compare=False)
 
 
@@ -69,8 +92,36 @@ def _check_unsupported_features(raw: dict, family: str, where: str) -> None:
         raise ValueError(f"{where}: hidden_act {raw['hidden_act']!r} is not supported (expected 'silu')")
     if family == "llama" and (raw.get("attention_bias") or raw.get("mlp_bias")):
         raise ValueError(f"{where}: Llama with attention_bias or mlp_bias is not supported")
-    if family == "qwen2" and raw.get("use_sliding_window"):
-        raise ValueError(f"{where}: Qwen2 sliding-window attention is not supported")
+    if family in ("qwen2", "qwen3", "qwen3_moe") and raw.get("use_sliding_window"):
+        raise ValueError(f"{where}: {family} sliding-window attention is not supported")
+    if family == "mixtral" and raw.get("sliding_window"):
+        raise ValueError(f"{where}: Mixtral sliding-window attention is not supported (sliding_window=null)")
+    if family in ("qwen3", "qwen3_moe") and raw.get("attention_bias"):
+        raise ValueError(f"{where}: {family} with attention_bias is not supported")
+    if family == "qwen3_moe" and (raw.get("mlp_only_layers") or raw.get("decoder_sparse_step", 1) != 1):
+        raise ValueError(
+            f"{where}: Qwen3-MoE with dense layers (mlp_only_layers / decoder_sparse_step != 1) is not "
+            "supported: every layer must be a mixture of experts"
+        )
+
+
+def _moe_fields(raw: dict, family: str, where: str) -> dict:
+    """HFModelConfig's expert fields: Qwen3-MoE and Mixtral name them differently."""
+    if family not in MOE_FAMILIES:
+        return {}
+    experts = raw.get("num_experts") or raw.get("num_local_experts")
+    topk = raw.get("num_experts_per_tok")
+    if not experts or not topk or topk > experts:
+        raise ValueError(f"{where}: need 1 <= num_experts_per_tok <= num_experts, got {topk} and {experts}")
+    return dict(
+        num_experts=experts,
+        moe_router_topk=topk,
+        # Mixtral's experts are intermediate_size wide and always renormalise the top-k.
+        moe_ffn_hidden_size=raw["moe_intermediate_size"]
+        if family == "qwen3_moe"
+        else raw["intermediate_size"],
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False)) if family == "qwen3_moe" else True,
+    )
 
 
 def load_hf_config(path) -> HFModelConfig:
@@ -78,7 +129,15 @@ def load_hf_config(path) -> HFModelConfig:
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
         raise ValueError(f"no config.json in Hugging Face model directory {path}")
-    raw = json.loads(config_file.read_text())
+    try:
+        raw = json.loads(config_file.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{config_file} is not valid JSON ({err})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{config_file} must hold a JSON object, got {type(raw).__name__}")
+    missing = [key for key in REQUIRED_FIELDS if key not in raw]
+    if missing:
+        raise ValueError(f"{config_file} lacks {missing}, which the Megatron model needs")
     architectures = raw.get("architectures") or []
     if len(architectures) != 1 or architectures[0] not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
@@ -107,6 +166,8 @@ def load_hf_config(path) -> HFModelConfig:
         initializer_range=raw.get("initializer_range", 0.02),
         source_dir=str(Path(path).resolve()),
         raw=raw,
+        qk_layernorm=family in ("qwen3", "qwen3_moe"),
+        **_moe_fields(raw, family, str(config_file)),
     )
 
 
@@ -173,13 +234,47 @@ def to_transformer_config(hf_config: HFModelConfig, cfg: MegatronConfig):
         masked_softmax_fusion=False,
         persist_layer_norm=False,
         variable_seq_lengths=False,
+        qk_layernorm=hf_config.qk_layernorm,
+        **moe_config(hf_config, cfg),
         **cpu_compat.transformer_config_overrides(),
     )
     return TransformerConfig(**{**settings, **cfg.transformer})  # the recipe's pass-through wins
 
 
-def layer_spec():
-    """GPT layer spec (TE or local) with the SDPA core attention in Megatron's extension slot."""
+def moe_config(hf_config: HFModelConfig, cfg: MegatronConfig) -> dict:
+    """TransformerConfig's MoE settings: HF's router, dropless, Megatron's aux loss (empty if dense)."""
+    if not hf_config.num_experts:
+        return {}
+    return dict(
+        num_moe_experts=hf_config.num_experts,
+        moe_router_topk=hf_config.moe_router_topk,
+        moe_ffn_hidden_size=hf_config.moe_ffn_hidden_size,
+        # top-k of the logits then softmax over the k == HF's softmax, top-k, renormalise;
+        # pre-softmax keeps the full-softmax probabilities (HF's norm_topk_prob=False).
+        moe_router_pre_softmax=not hf_config.norm_topk_prob,
+        moe_router_score_function="softmax",
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
+        moe_expert_capacity_factor=None,  # dropless: every token reaches its k experts
+        moe_token_dispatcher_type=cfg.moe_token_dispatcher_type,
+        moe_grouped_gemm=use_transformer_engine(),
+        moe_permute_fusion=False,
+        expert_model_parallel_size=cfg.expert_model_parallel_size,
+        expert_tensor_parallel_size=expert_tp_size(cfg),
+    )
+
+
+def expert_tp_size(cfg: MegatronConfig) -> int:
+    """Expert tensor-parallel size; None in the config means Megatron's default, the dense TP size."""
+    if cfg.expert_tensor_parallel_size is None:
+        return cfg.tensor_model_parallel_size
+    return cfg.expert_tensor_parallel_size
+
+
+def layer_spec(hf_config: HFModelConfig):
+    """GPT layer spec (TE or local) with the SDPA core attention in Megatron's extension slot;
+    QK layernorm and MoE layers (grouped GEMM experts with TE, sequential ones without) per model."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
@@ -187,10 +282,16 @@ def layer_spec():
 
     from engines.megatron.attention import SDPACoreAttention
 
+    num_experts = hf_config.num_experts or None
+    qk_layernorm = hf_config.qk_layernorm
     if use_transformer_engine():
-        spec = get_gpt_layer_with_transformer_engine_spec()
+        spec = get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=num_experts is not None, qk_layernorm=qk_layernorm
+        )
     else:
-        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        spec = get_gpt_layer_local_spec(
+            num_experts=num_experts, qk_layernorm=qk_layernorm, normalization="RMSNorm"
+        )
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     return spec
 
@@ -224,7 +325,7 @@ def build_gpt_model(hf_config: HFModelConfig, cfg: MegatronConfig, *, value_head
     tf_config = to_transformer_config(hf_config, cfg)
     model = GPTModel(
         config=tf_config,
-        transformer_layer_spec=layer_spec(),
+        transformer_layer_spec=layer_spec(hf_config),
         vocab_size=padded_vocab_size(hf_config.vocab_size, cfg),
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -279,7 +380,13 @@ def build_model(
     from engines.megatron.weights import load_hf_weights
 
     hf_config = load_hf_config(hf_dir)
-    validate_parallel_layout(hf_config, cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size)
+    validate_parallel_layout(
+        hf_config,
+        cfg.tensor_model_parallel_size,
+        cfg.pipeline_model_parallel_size,
+        cfg.expert_model_parallel_size,
+        expert_tp_size(cfg),
+    )
     if hf_config.architecture.endswith("ForSequenceClassification") and not value_head:
         raise ValueError(
             f"{hf_dir} holds a {hf_config.architecture} (a scalar head): build it with value_head=True"

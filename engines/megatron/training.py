@@ -7,9 +7,12 @@ add up to the loss of the mini-batch taken at once. Megatron-Core's schedule div
 returned loss by M, and its DDP pre-scales gradients by 1/D before summing them over the
 data-parallel group; returning l_i * M * D (`loss_scale`) undoes both, so the gradient equals
 that of a single-process full-batch step. Tensor / pipeline ranks hold the same loss (or none)
-and need no correction.
+and need no correction. With token budgets (`use_dynamic_bsz`) M is the number of packed
+micro-batches of this mini-batch, the same on every data-parallel rank (forward.token_budget_groups),
+and the same identity holds whatever rows each micro-batch holds.
 """
 
+import math
 from functools import partial
 
 import numpy as np
@@ -26,7 +29,7 @@ from hybridflow.protocol import DataProto
 def validate_update_sizes(cfg, role: str) -> None:
     """ValueError naming `<role> update <key>` unless the batch sizes, epochs and loss_agg_mode of
     an `ActorUpdateConfig` / `CriticUpdateConfig` are valid (checked before any model work)."""
-    for key in ("ppo_mini_batch_size", "ppo_micro_batch_size", "ppo_epochs"):
+    for key in ("ppo_mini_batch_size", "ppo_micro_batch_size", "ppo_epochs", "max_token_len_per_gpu"):
         if getattr(cfg, key) < 1:
             raise ValueError(f"{role} update {key} must be >= 1, got {getattr(cfg, key)}")
     if cfg.loss_agg_mode not in LOSS_AGG_MODES:
@@ -51,18 +54,27 @@ def require_optimizer(optimizer, scheduler, method: str) -> None:
 
 def update_epochs(chunks, optimizer, scheduler, data: DataProto, cfg, role: str, loss_fn, shuffle, seed):
     """`cfg.ppo_epochs` passes over `data` in mini-batches, one optimizer step each; the metrics
-    hold one value per step. `loss_fn(counts, scale, output, micro_batch)` is called with the
-    mini-batch's `global_counts` and the `loss_scale` (see the module docstring)."""
-    micro = cfg.ppo_micro_batch_size
+    hold one value per step; returned with this rank's number of micro-batches run (the same on
+    every pipeline stage). `loss_fn(counts, scale, output, micro_batch)` is called with the
+    mini-batch's `global_counts` and the `loss_scale` (see the module docstring). Micro-batches:
+    packed under `cfg.max_token_len_per_gpu` tokens with `cfg.use_dynamic_bsz`, else padded
+    `cfg.ppo_micro_batch_size` rows."""
+    micro = 1 if cfg.use_dynamic_bsz else cfg.ppo_micro_batch_size
     local_size = local_mini_batch_size(cfg.ppo_mini_batch_size, micro, len(data), role)
-    scale = loss_scale(local_size // micro)
     metrics: dict[str, list[float]] = {}
+    num_micro_batches = 0
     for mini_batch in mini_batches(data, local_size, cfg.ppo_epochs, shuffle, seed):
         counts = global_counts(mini_batch.batch["response_mask"])
+        if cfg.use_dynamic_bsz:
+            key = f"{role}.update.max_token_len_per_gpu"
+            micro = forward.token_budget_groups(mini_batch, cfg.max_token_len_per_gpu, key)
+        num_micro = local_size // micro if isinstance(micro, int) else len(micro)
+        num_micro_batches += num_micro
+        scale = loss_scale(num_micro)
         step = train_step(chunks, optimizer, scheduler, mini_batch, micro, partial(loss_fn, counts, scale))
         for key, value in step.items():
             metrics.setdefault(key, []).append(value)
-    return metrics
+    return metrics, num_micro_batches
 
 
 def local_mini_batch_size(global_mini_batch_size: int, micro_batch_size: int, rows: int, key: str) -> int:
@@ -110,27 +122,35 @@ def loss_scale(num_micro_batches: int) -> float:
     return float(num_micro_batches * parallel_state.get_data_parallel_world_size())
 
 
-def train_step(
-    chunks, optimizer, scheduler, batch: DataProto, micro_batch_size: int, loss_fn
-) -> dict[str, float]:
-    """Zero grads, forward/backward every micro-batch, one optimizer step; the step's metrics."""
+def train_step(chunks, optimizer, scheduler, batch: DataProto, micro_batches, loss_fn) -> dict[str, float]:
+    """Zero grads, forward/backward every micro-batch, one optimizer step; the step's metrics.
+    `micro_batches`: rows per padded micro-batch, or packed row groups (forward.run_micro_batches)."""
     for chunk in chunks:
         chunk.train()
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    per_micro = forward.run_micro_batches(chunks, batch, micro_batch_size, loss_fn, forward_only=False)
+    per_micro = forward.run_micro_batches(chunks, batch, micro_batches, loss_fn, forward_only=False)
     step = optimizer_step(optimizer, scheduler)
     return {**(sum_over_data_parallel(per_micro) if per_micro else {}), **step}
 
 
 def optimizer_step(optimizer, scheduler) -> dict[str, float]:
-    """Clip, step, advance the LR schedule; the grad norm (before clipping) and the LR used."""
+    """Clip, step, advance the LR schedule; the grad norm (before clipping) and the LR used.
+
+    The norm is checked before the step: when it is NaN / inf the update is not applied (weights,
+    optimizer moments and LR schedule stay as they were) and `nonfinite_skipped` is 1, for the
+    driver to stop the run or count the skip. The norm is all-reduced over the model-parallel
+    group and the gradients over the data-parallel group, so every rank decides the same."""
     lr = current_lr(optimizer)
-    _, grad_norm, _ = optimizer.step()  # (success, norm, zeros): success is False only for fp16
-    if grad_norm is None:  # Megatron-Core computes the norm only when it clips
-        grad_norm = optimizer.get_grad_norm()
+    # prepare_grads (the main-grad copy) runs again inside step(): harmless, as it is a plain copy
+    # when there is no grad scaler, and megatron_optimizer_config sets neither fp16 nor loss_scale.
+    optimizer.prepare_grads()
+    grad_norm = float(optimizer.get_grad_norm())
+    if not math.isfinite(grad_norm):
+        return {"grad_norm": grad_norm, "lr": lr, "nonfinite_skipped": 1.0}
+    optimizer.step()
     scheduler.step(1)
-    return {"grad_norm": float(grad_norm), "lr": lr}
+    return {"grad_norm": grad_norm, "lr": lr, "nonfinite_skipped": 0.0}
 
 
 def sum_over_data_parallel(per_micro_batch: list[dict[str, torch.Tensor]]) -> dict[str, float]:

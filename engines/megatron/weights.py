@@ -1,4 +1,5 @@
-"""The one mapping between Hugging Face (Llama / Qwen2) tensors and Megatron-Core's sharded parameters.
+"""The one mapping between Hugging Face tensors and Megatron-Core's sharded parameters
+(Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral).
 
 `weight_plan` lists every parameter of the whole model once, in HF order, with the pipeline stage
 that owns it and how it is split over tensor-parallel ranks. Loading (`load_hf_weights`) and
@@ -12,7 +13,11 @@ Layouts (Megatron-Core 0.16, checked against its source):
   and TP rank r holds the r-th contiguous chunk of that layout. When TP exceeds the KV head
   count, a chunk is a part of one group (Megatron all-gathers and re-slices in attention).
 - "gate_up": TP rank r holds [gate rows of r; up rows of r] (split with chunk(2) in the MLP).
-- "replicated": norms (and the value head) are whole on every TP rank.
+- "replicated": norms, QK norms, the MoE router (and the value head) are whole on every TP rank.
+- Experts (`expert=True`): expert e lives on expert-parallel rank e // (E / EP) as its local
+  expert e % (E / EP), with "gate_up" / "row" splits over the expert-tensor-parallel group.
+  HF names are the per-expert ones transformers saves and SGLang loads
+  (`mlp.experts.{e}.gate_proj` for Qwen3-MoE, `block_sparse_moe.experts.{e}.w1` for Mixtral).
 
 Shapes: h hidden, V real vocab, Vp padded vocab, f intermediate, d head dim.
 """
@@ -51,6 +56,8 @@ class TensorPlan:
     hf_names: tuple[str, ...]
     full_shape: tuple[int, ...]  # Megatron layout, all TP shards concatenated, vocab padded
     owner_pp: int
+    expert: bool = False  # split over expert-TP (not TP), held by one expert-parallel rank
+    owner_ep: int = 0
 
 
 @dataclass(frozen=True)
@@ -62,6 +69,38 @@ class ModelLayout:
     padded_vocab: int
     value_head: bool
     fused_norms: bool  # Transformer Engine layers hold the norms inside linear_qkv / linear_fc1
+    ep: int = 1
+    etp: int = 1
+    grouped_experts: bool = False  # TE grouped GEMM: experts.linear_fc1.weight{j}
+
+
+# HF checkpoint names of one MoE layer: router, then expert e's (gate, up, down) projections.
+MOE_HF_NAMES = {
+    "qwen3_moe": ("mlp.gate.weight", "mlp.experts.{e}.{w}.weight", ("gate_proj", "up_proj", "down_proj")),
+    "mixtral": (
+        "block_sparse_moe.gate.weight",
+        "block_sparse_moe.experts.{e}.{w}.weight",
+        ("w1", "w3", "w2"),
+    ),
+}
+
+
+def _expert_plans(hf: HFModelConfig, layout: ModelLayout, m: str, p: str, stage: int) -> list[TensorPlan]:
+    router, expert_name, (gate, up, down) = MOE_HF_NAMES[hf.model_type]
+    h, f, per_rank = hf.hidden_size, hf.moe_ffn_hidden_size, hf.num_experts // layout.ep
+    plans = [TensorPlan(m + "mlp.router.weight", "replicated", (p + router,), (hf.num_experts, h), stage)]
+    for e in range(hf.num_experts):
+        owner, j = divmod(e, per_rank)
+        if layout.grouped_experts:
+            fc1, fc2 = f"mlp.experts.linear_fc1.weight{j}", f"mlp.experts.linear_fc2.weight{j}"
+        else:
+            fc1, fc2 = (f"mlp.experts.local_experts.{j}.linear_fc{i}.weight" for i in (1, 2))
+        names = [p + expert_name.format(e=e, w=w) for w in (gate, up, down)]
+        plans += [
+            TensorPlan(m + fc1, "gate_up", tuple(names[:2]), (2 * f, h), stage, True, owner),
+            TensorPlan(m + fc2, "row", (names[2],), (h, f), stage, True, owner),
+        ]
+    return plans
 
 
 def _layer_plan(hf: HFModelConfig, layout: ModelLayout, g: int) -> list[TensorPlan]:
@@ -71,11 +110,13 @@ def _layer_plan(hf: HFModelConfig, layout: ModelLayout, g: int) -> list[TensorPl
     h, d, f = hf.hidden_size, hf.head_dim, hf.intermediate_size
     qkv_rows = (hf.num_attention_heads + 2 * hf.num_key_value_heads) * d
     qkv_names = tuple(f"{p}self_attn.{x}_proj.weight" for x in "qkv")
-    if layout.fused_norms:
+    if layout.fused_norms and not hf.num_experts:
         input_norm, post_norm = (
             "self_attention.linear_qkv.layer_norm_weight",
             "mlp.linear_fc1.layer_norm_weight",
         )
+    elif layout.fused_norms:  # TE's MoE layers keep a separate pre-MLP norm
+        input_norm, post_norm = "self_attention.linear_qkv.layer_norm_weight", "pre_mlp_layernorm.weight"
     else:
         input_norm, post_norm = "input_layernorm.weight", "pre_mlp_layernorm.weight"
     plans = [
@@ -93,7 +134,24 @@ def _layer_plan(hf: HFModelConfig, layout: ModelLayout, g: int) -> list[TensorPl
             (h, hf.num_attention_heads * d),
             stage,
         ),
-        TensorPlan(m + post_norm, "replicated", (p + "post_attention_layernorm.weight",), (h,), stage),
+    ]
+    if hf.qk_layernorm:
+        plans += [
+            TensorPlan(
+                m + f"self_attention.{x}_layernorm.weight",
+                "replicated",
+                (p + f"self_attn.{x}_norm.weight",),
+                (d,),
+                stage,
+            )
+            for x in "qk"
+        ]
+    plans.append(
+        TensorPlan(m + post_norm, "replicated", (p + "post_attention_layernorm.weight",), (h,), stage)
+    )
+    if hf.num_experts:
+        return plans + _expert_plans(hf, layout, m, p, stage)
+    plans += [
         TensorPlan(
             m + "mlp.linear_fc1.weight",
             "gate_up",
@@ -142,7 +200,15 @@ def model_layout(model) -> ModelLayout:
         padded_vocab=padded_vocab_size(model.hf_config.vocab_size, model.megatron_config),
         value_head=model.value_head,
         fused_norms=use_transformer_engine(),
+        ep=parallel_state.get_expert_model_parallel_world_size(),
+        etp=parallel_state.get_expert_tensor_parallel_world_size(),
+        grouped_experts=use_transformer_engine() and bool(model.hf_config.num_experts),
     )
+
+
+def _split_ranks(plan: TensorPlan, layout: ModelLayout, tp_rank: int, etp_rank: int) -> tuple[int, int]:
+    """(rank, size) of the group `plan`'s parameter is split over: expert-TP for experts, else TP."""
+    return (etp_rank, layout.etp) if plan.expert else (tp_rank, layout.tp)
 
 
 # ---------------------------------------------------------------- fused QKV layout
@@ -288,8 +354,12 @@ def _check_layer_numbers(model, hf: HFModelConfig, layout: ModelLayout, pp_rank:
             )
 
 
-def _load_plans(hf: HFModelConfig, layout: ModelLayout, pp_rank: int) -> list[TensorPlan]:
-    plans = [p for p in weight_plan(hf, layout) if p.owner_pp == pp_rank]
+def _load_plans(hf: HFModelConfig, layout: ModelLayout, pp_rank: int, ep_rank: int) -> list[TensorPlan]:
+    plans = [
+        p
+        for p in weight_plan(hf, layout)
+        if p.owner_pp == pp_rank and (not p.expert or p.owner_ep == ep_rank)
+    ]
     if hf.tie_word_embeddings and not layout.value_head and layout.pp > 1 and pp_rank == layout.pp - 1:
         # The last stage keeps its own copy of the tied embedding as the output layer.
         plans.append(
@@ -311,17 +381,19 @@ def load_hf_weights(chunks, hf_dir, hf_config: HFModelConfig) -> None:
 
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    etp_rank = parallel_state.get_expert_tensor_parallel_rank()
     with ExitStack() as stack:
         reader = SafetensorsReader(hf_dir, stack)
         for chunk in chunks:
             model = unwrap_model(chunk)
             layout = model_layout(model)
             _check_layer_numbers(model, hf_config, layout, pp_rank)
-            for plan in _load_plans(hf_config, layout, pp_rank):
+            for plan in _load_plans(hf_config, layout, pp_rank, ep_rank):
                 if layout.value_head and plan.hf_names == ("score.weight",) and "score.weight" not in reader:
                     continue  # a fresh value head on a causal-LM checkpoint keeps its initialisation
                 param = model.get_parameter(plan.megatron_name)
-                shard = read_shard(reader, hf_config, plan, tp_rank, layout.tp)
+                shard = read_shard(reader, hf_config, plan, *_split_ranks(plan, layout, tp_rank, etp_rank))
                 if shard.shape != param.shape:
                     raise RuntimeError(
                         f"{plan.megatron_name}: shard shape {tuple(shard.shape)} != parameter shape "
@@ -342,6 +414,21 @@ def _gather_full(local: torch.Tensor, plan: TensorPlan, tp_group, tp: int) -> to
     return torch.cat(shards, dim=1 if plan.kind == "row" else 0)
 
 
+def _gather_expert(model, plan: TensorPlan, layout: ModelLayout, ep_rank: int, dtype, device) -> torch.Tensor:
+    """The whole expert tensor on every rank of its stage: expert-TP gather on the owner, EP broadcast."""
+    from megatron.core import parallel_state
+
+    if ep_rank == plan.owner_ep:
+        etp_group = parallel_state.get_expert_tensor_parallel_group()
+        full = _gather_full(model.get_parameter(plan.megatron_name), plan, etp_group, layout.etp).contiguous()
+    else:
+        full = torch.empty(plan.full_shape, dtype=dtype, device=device)
+    if layout.ep > 1:
+        ep_group = parallel_state.get_expert_model_parallel_group()
+        dist.broadcast(full, group=ep_group, group_src=plan.owner_ep)
+    return full
+
+
 def _to_hf(full: torch.Tensor, plan: TensorPlan, hf: HFModelConfig, tp: int) -> list[torch.Tensor]:
     if plan.kind == "vocab":
         return [full[: hf.vocab_size]]
@@ -359,8 +446,10 @@ def iter_hf_tensors(chunks, hf_config: HFModelConfig) -> Iterator[tuple[str, tor
 
     Collective: every rank of the model-parallel group must iterate to the end together. The
     owning pipeline stage all-gathers each parameter over its TP group, then broadcasts it over
-    the pipeline group. Tensors are contiguous copies in the parameter dtype, vocab padding
-    removed, fused QKV and gate/up split; `lm_head.weight` only when embeddings are untied.
+    the pipeline group; an expert's owning expert-parallel rank all-gathers it over its expert-TP
+    group and broadcasts it over the expert-parallel group first. Tensors are contiguous copies in
+    the parameter dtype, vocab padding removed, fused QKV and gate/up split; `lm_head.weight` only
+    when embeddings are untied.
     """
     from megatron.core import parallel_state
 
@@ -369,17 +458,21 @@ def iter_hf_tensors(chunks, hf_config: HFModelConfig) -> Iterator[tuple[str, tor
     tp_group = parallel_state.get_tensor_model_parallel_group()
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
     dtype = model.config.params_dtype
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     for plan in weight_plan(hf_config, layout):
-        if plan.owner_pp == pp_rank:
+        if plan.owner_pp == pp_rank and plan.expert:
+            full = _gather_expert(model, plan, layout, ep_rank, dtype, device)
+        elif plan.owner_pp == pp_rank:
             full = _gather_full(model.get_parameter(plan.megatron_name), plan, tp_group, layout.tp)
         else:
             full = torch.empty(plan.full_shape, dtype=dtype, device=device)
         if layout.pp > 1:
             full = full.contiguous()
             dist.broadcast(full, group=pp_group, group_src=plan.owner_pp)
-        for name, tensor in zip(plan.hf_names, _to_hf(full, plan, hf_config, layout.tp), strict=True):
+        split = layout.etp if plan.expert else layout.tp
+        for name, tensor in zip(plan.hf_names, _to_hf(full, plan, hf_config, split), strict=True):
             yield name, tensor.contiguous().clone()
 
 

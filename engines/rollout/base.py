@@ -36,6 +36,8 @@ from engines.rollout.config import RolloutConfig, SamplingConfig
 from hybridflow.protocol import DataProto
 
 PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
+# Memory an engine can release and resume separately (SGLang's tags, sglang/srt/constants.py).
+WEIGHTS_TAG, KV_CACHE_TAG, CUDA_GRAPH_TAG = "weights", "kv_cache", "cuda_graph"
 SEED_STREAM_KEY = "rollout_seed_stream"
 _SEED_MODULUS = 2**62
 
@@ -44,6 +46,11 @@ class RolloutEngine(Protocol):
     """What the sharding manager and the rollout worker call on an engine."""
 
     def generate_sequences(self, prompts: DataProto) -> DataProto: ...
+
+    def begin_weight_update(self) -> None:
+        """Open a weight-update session (SGLang refuses updates outside one)."""
+
+    def end_weight_update(self) -> None: ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load full Hugging Face-named tensors in place; an unknown name or shape is an error."""
@@ -54,9 +61,10 @@ class RolloutEngine(Protocol):
     def weight_checksums(self, names: list[str] | None = None) -> dict[str, str]:
         """`tensor_checksum` of the named parameters (all of them when `names` is None)."""
 
-    def release_memory(self) -> None: ...
+    def release_memory(self, tags: list[str] | None = None) -> None:
+        """Free the tagged memory (None: all of it) for the actor; see the sharding manager."""
 
-    def resume_memory(self) -> None: ...
+    def resume_memory(self, tags: list[str] | None = None) -> None: ...
 
     def get_rng_state(self) -> dict[str, Any]: ...
 

@@ -2,15 +2,23 @@
 
 Imports nothing heavy so that the recipe schema can compose these dataclasses. Each class checks
 its own values in `__post_init__` and raises `ValueError` naming the key and what was expected.
+Choice fields are `Literal` types (the recipe loader rejects other values); the tuples below are
+read from them so each list of valid values is written once.
 """
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 from engines.passthrough import check_setting_names
 from engines.rollout.sglang_server_args import SERVER_ARGS_FIELDS, SGLANG_VERSION
 
-ROLLOUT_ENGINES = ("hf", "sglang")
+RolloutName = Literal["hf", "sglang"]  # hf: transformers generate (CPU or CUDA) | sglang: CUDA only
+RolloutDtype = Literal["float32", "bfloat16", "float16"]
+LoadFormat = Literal["dummy", "auto"]  # dummy: random init, weights arrive with the first sync
+ROLLOUT_ENGINES = get_args(RolloutName)
+ROLLOUT_DTYPES = get_args(RolloutDtype)
+LOAD_FORMATS = get_args(LoadFormat)
+
 # ServerArgs fields the sglang engine sets from the rollout settings (or needs as they are)
 SGLANG_SET_ELSEWHERE = {
     "model_path": "model.path",
@@ -19,12 +27,11 @@ SGLANG_SET_ELSEWHERE = {
     "mem_fraction_static": "rollout.gpu_memory_utilization",
     "load_format": "rollout.load_format",
     "random_seed": "rollout.seed",
-    "base_gpu_id": "the worker's device",
+    "base_gpu_id": "the rollout group's GPUs (engines/placement.py)",
+    "enable_deterministic_inference": "rollout.enable_deterministic_inference",
     "enable_memory_saver": "the hybrid engine (it must be true to release memory between phases)",
     "skip_tokenizer_init": "whether stop strings are used",
 }
-ROLLOUT_DTYPES = ("float32", "bfloat16", "float16")
-LOAD_FORMATS = ("dummy", "auto")
 
 
 @dataclass
@@ -64,23 +71,25 @@ class SamplingConfig:
 class RolloutConfig:
     """Which engine generates, and how weights reach it."""
 
-    name: str = "hf"  # "hf" (transformers generate, CPU or CUDA) | "sglang" (CUDA only)
+    name: RolloutName = "hf"
     tensor_model_parallel_size: int = 1  # GPUs per SGLang engine; the hf engine has no TP (must be 1)
-    dtype: str = "float32"  # "float32" | "bfloat16" | "float16"
+    dtype: RolloutDtype = "float32"
     response_length: int = 256  # width of `responses`; max_new_tokens may not exceed it
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     val_sampling: SamplingConfig = field(
         default_factory=lambda: SamplingConfig(n=1, temperature=0.0, do_sample=False)
     )
-    load_format: str = (
-        "dummy"  # "dummy": random init, weights arrive with the first sync | "auto": read the dir
-    )
+    load_format: LoadFormat = "dummy"  # "auto": read the weights from the model directory
     seed: int = 42  # base of the per-call sampling seed when meta_info carries no "seed"
     calculate_log_probs: bool = False  # return the engine's own per-token log-probs as rollout_log_probs
     weight_sync_bucket_mb: int = 512
     verify_weight_sync: bool = False  # checksum every tensor on both sides at every sync (hf engine)
     gpu_memory_utilization: float = 0.5  # SGLang mem_fraction_static
     free_cache_engine: bool = True  # release the engine's memory after generation
+    # SGLang's name. True: per-request seeds are honoured, so sampling is reproducible (and a
+    # resumed run samples as the uninterrupted one) at the cost of batch-invariant kernels.
+    # False: SGLang sampling is not reproducible. The hf engine is always seeded.
+    enable_deterministic_inference: bool = False
     # any other SGLang ServerArgs field by its own name (checked against the pinned version's fields),
     # e.g. {enable_torch_compile: true, attention_backend: fa3}
     sglang: dict[str, Any] = field(default_factory=dict)

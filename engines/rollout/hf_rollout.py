@@ -4,6 +4,11 @@ left-padded batches) on CPU or one CUDA device. The default where CUDA is absent
 Weights are either read from the model directory (`load_format: auto`) or randomly initialised
 (`dummy`) and then overwritten in place by `update_weights`, which the sharding manager feeds with
 the actor's tensors. Each call seeds sampling deterministically (see `engines.rollout.base`).
+
+Weight names are the checkpoint's (what `save_pretrained` writes and SGLang loads). They equal
+the module's parameter names except for mixture-of-experts models, whose experts transformers 5
+fuses in memory (`mlp.experts.gate_up_proj` (E, 2f, h), `mlp.experts.down_proj` (E, h, f)) but
+saves one tensor per expert: `checkpoint_tensors` maps those names to views of the fused ones.
 """
 
 from collections.abc import Iterable
@@ -12,10 +17,49 @@ from typing import Any
 
 import torch
 
-from engines.rollout.base import SeededGenerationMixin, load_tokenizer, read_special_token_ids
+from engines.rollout.base import WEIGHTS_TAG, SeededGenerationMixin, load_tokenizer, read_special_token_ids
 from engines.rollout.config import RolloutConfig, SamplingConfig
 from engines.rollout.weight_sync import tensor_checksum, torch_dtype
 from hybridflow.protocol import DataProto
+
+# model_type -> (router name, one expert's tensor name, its (gate, up, down) names) in checkpoints.
+CHECKPOINT_MOE_NAMES = {
+    "qwen3_moe": ("mlp.gate.weight", "mlp.experts.{e}.{w}.weight", ("gate_proj", "up_proj", "down_proj")),
+    "mixtral": (
+        "block_sparse_moe.gate.weight",
+        "block_sparse_moe.experts.{e}.{w}.weight",
+        ("w1", "w3", "w2"),
+    ),
+}
+
+
+def _checkpoint_names(name: str, param: torch.Tensor, model_type: str) -> dict[str, torch.Tensor]:
+    """`param` under its checkpoint name(s): fused expert tensors split into per-expert views."""
+    if model_type not in CHECKPOINT_MOE_NAMES:
+        return {name: param}
+    router, expert, (gate, up, down) = CHECKPOINT_MOE_NAMES[model_type]
+    data = param.detach()  # views share the parameter's storage: copying into them loads it
+    if name.endswith("mlp.experts.gate_up_proj"):
+        prefix, width = name.removesuffix("mlp.experts.gate_up_proj"), data.shape[1] // 2
+        views = {}
+        for e in range(data.shape[0]):
+            views[prefix + expert.format(e=e, w=gate)] = data[e, :width]  # (f, h)
+            views[prefix + expert.format(e=e, w=up)] = data[e, width:]  # (f, h)
+        return views
+    if name.endswith("mlp.experts.down_proj"):
+        prefix = name.removesuffix("mlp.experts.down_proj")
+        return {prefix + expert.format(e=e, w=down): data[e] for e in range(data.shape[0])}  # (h, f)
+    if name.endswith("mlp.gate.weight"):
+        return {name.removesuffix("mlp.gate.weight") + router: param}
+    return {name: param}
+
+
+def checkpoint_tensors(model, remove_duplicate: bool = True) -> dict[str, torch.Tensor]:
+    """The model's parameters (or views of them) under the names its checkpoint uses."""
+    tensors = {}
+    for name, param in model.named_parameters(remove_duplicate=remove_duplicate):
+        tensors.update(_checkpoint_names(name, param, model.config.model_type))
+    return tensors
 
 
 class HFRolloutEngine(SeededGenerationMixin):
@@ -35,8 +79,6 @@ class HFRolloutEngine(SeededGenerationMixin):
         self.eos_token_ids, self.pad_token_id = read_special_token_ids(model_path, hf_config)
         self.model = _load_model(model_path, hf_config, cfg).to(self.device).eval()
         self.model.generation_config = _plain_generation_config(self.eos_token_ids, self.pad_token_id)
-        # Tied weights appear under each of their names, so either name can be synced.
-        self._params = dict(self.model.named_parameters(remove_duplicate=False))
         uses_stop = bool(cfg.sampling.stop or cfg.val_sampling.stop)
         self.tokenizer = load_tokenizer(model_path) if uses_stop else None
         self._calls = 0
@@ -90,10 +132,11 @@ class HFRolloutEngine(SeededGenerationMixin):
     # ------------------------------------------------------------------ weights
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = self._params()
         for name, tensor in named_tensors:
-            param = self._params.get(name)
+            param = params.get(name)
             if param is None:
-                example = next(iter(self._params))
+                example = next(iter(params))
                 raise ValueError(
                     f"update_weights: {name!r} is not a parameter of the rollout model "
                     f"({type(self.model).__name__}); expected Hugging Face names like {example!r}"
@@ -109,22 +152,35 @@ class HFRolloutEngine(SeededGenerationMixin):
         """Nothing to drop: `generate` builds a fresh KV cache on every call."""
 
     def weight_checksums(self, names: list[str] | None = None) -> dict[str, str]:
+        params = self._params()
         if names is None:
-            names = [name for name, _ in self.model.named_parameters()]
-        unknown = [name for name in names if name not in self._params]
+            names = list(checkpoint_tensors(self.model))
+        unknown = [name for name in names if name not in params]
         if unknown:
             raise ValueError(f"weight_checksums: {unknown[:5]} are not parameters of the rollout model")
-        return {name: tensor_checksum(self._params[name]) for name in names}
+        return {name: tensor_checksum(params[name]) for name in names}
+
+    def _params(self) -> dict[str, torch.Tensor]:
+        # Tied weights appear under each of their names, so either name can be synced. Built per
+        # call: expert views must follow the parameters when release_memory moves them.
+        return checkpoint_tensors(self.model, remove_duplicate=False)
 
     # ------------------------------------------------------------------ memory and RNG
-    def release_memory(self) -> None:
-        """On CUDA, move the weights to host memory so the actor can use the device; on CPU a no-op."""
-        if self.device.type == "cuda":
+    def begin_weight_update(self) -> None:
+        """Nothing to open: `update_weights` writes the parameters in place."""
+
+    def end_weight_update(self) -> None:
+        """Nothing to close."""
+
+    def release_memory(self, tags: list[str] | None = None) -> None:
+        """On CUDA, move the weights to host memory so the actor can use the device; on CPU a no-op.
+        Only the "weights" tag means anything here (the KV cache lives only during `generate`)."""
+        if self.device.type == "cuda" and (tags is None or WEIGHTS_TAG in tags):
             self.model.to("cpu")
             torch.cuda.empty_cache()
 
-    def resume_memory(self) -> None:
-        if self.device.type == "cuda":
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        if self.device.type == "cuda" and (tags is None or WEIGHTS_TAG in tags):
             self.model.to(self.device)
 
 

@@ -1,30 +1,49 @@
 """The `sglang` rollout engine: SGLang's offline engine (`sglang.Engine`) held in a worker process.
 
-CUDA only. One engine serves a rollout group of `rollout.tensor_model_parallel_size` ranks: the
-group's first rank builds it, and SGLang starts one scheduler process per GPU, on GPUs
-`base_gpu_id .. base_gpu_id + tp - 1`, which that process must be able to see. The other ranks
-of the group hold no engine (the sharding manager moves their prompts and outputs).
+CUDA only; written against sglang 0.5.23 (the version `requirements-gpu.txt` pins). One engine
+serves a rollout group of `rollout.tensor_model_parallel_size` ranks: the group's first rank builds
+it, with CUDA_VISIBLE_DEVICES set to the group's GPUs (`engines.placement.engine_devices`), so
+that SGLang's scheduler i runs on the GPU of group member i.
 
-SGLang calls used, as its `Engine` documents them: `generate(input_ids=, sampling_params=,
-return_logprob=)`, `update_weights_from_tensor(named_tensors, flush_cache=)`, `flush_cache()`,
-`release_memory_occupation()` / `resume_memory_occupation()` (needs `enable_memory_saver=True`),
-`shutdown()`. Sampling is seeded per request with `sampling_seed` (call seed, row index).
+SGLang calls used, as 0.5.23 defines them (`entrypoints/engine.py`,
+`managers/scheduler_components/weight_updater.py`):
+  - `generate(input_ids=, sampling_params=, return_logprob=)`;
+  - `release_memory_occupation(tags)` / `resume_memory_occupation(tags)` with tags "weights",
+    "kv_cache", "cuda_graph" (needs `enable_memory_saver=True`). The scheduler keeps a set of
+    released tags and resuming a tag that is not released raises in the scheduler (which then
+    dies), so the sharding manager tracks the state and never does it;
+  - `begin_weight_update()` / `end_weight_update()` around the updates, each returning
+    `(success, message)`; `update_weights_from_tensor(named_tensors, flush_cache=False)` returns
+    `(success, message)` and refuses (success False, no exception) outside a session;
+  - `flush_cache()` returns an object with `success`;
+  - weights arrive as CUDA-IPC handles, one per TP rank (`LocalSerializedTensor(values=[...])`),
+    each made by SGLang's `MultiprocessingSerializer` in the process that holds the tensor on
+    the GPU of the scheduler that loads it, after `monkey_patch_torch_reductions()` (handles then
+    name the GPU by UUID, not by an index that means another GPU in the receiving process).
+
+Sampling: SGLang reads per-request `sampling_seed` only with `enable_deterministic_inference`
+(sglang `sampling/sampling_batch_info.py`). With `rollout.enable_deterministic_inference: true`
+the seed is sent and a resumed run samples as the uninterrupted one would (at the cost of
+SGLang's batch-invariant kernels, slower generation); otherwise sampling is not reproducible
+and the engine says so once in the log.
 """
 
-from collections.abc import Iterable
+import logging
+import os
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from engines.rollout.base import (
-    SeededGenerationMixin,
-    check_rollout_available,
-    load_tokenizer,
-    read_special_token_ids,
-)
+from engines.placement import EngineDevices
+from engines.rollout.base import SeededGenerationMixin, load_tokenizer, read_special_token_ids
 from engines.rollout.config import RolloutConfig, SamplingConfig
+from engines.rollout.weight_sync import WeightSyncError
 from hybridflow.protocol import DataProto
+
+logger = logging.getLogger(__name__)
 
 # Distinct per-row seeds from one call seed: seed * stride + row never collides for rows < stride.
 _ROW_SEED_STRIDE = 1 << 20
@@ -33,8 +52,7 @@ _ROW_SEED_STRIDE = 1 << 20
 class SGLangRolloutEngine(SeededGenerationMixin):
     """Generation and in-place weight updates through SGLang's offline engine."""
 
-    def __init__(self, model_path: str | Path, cfg: RolloutConfig, base_gpu_id: int | None = None):
-        check_rollout_available("sglang")
+    def __init__(self, model_path: str | Path, cfg: RolloutConfig, devices: EngineDevices):
         import sglang
         from transformers import AutoConfig
 
@@ -45,18 +63,30 @@ class SGLangRolloutEngine(SeededGenerationMixin):
         )
         uses_stop = bool(cfg.sampling.stop or cfg.val_sampling.stop)
         self.tokenizer = load_tokenizer(model_path) if uses_stop else None
-        self.engine = sglang.Engine(
-            model_path=str(model_path),
-            dtype=cfg.dtype,
-            tp_size=cfg.tensor_model_parallel_size,
-            mem_fraction_static=cfg.gpu_memory_utilization,
-            load_format=cfg.load_format,
-            base_gpu_id=torch.cuda.current_device() if base_gpu_id is None else base_gpu_id,
-            random_seed=cfg.seed,
-            enable_memory_saver=True,  # release/resume_memory_occupation need it
-            skip_tokenizer_init=not uses_stop,  # stop strings are matched on text, so they need it
-            **cfg.sglang,  # the recipe's other ServerArgs fields
-        )
+        if len(devices.visible_devices) != cfg.tensor_model_parallel_size:
+            raise ValueError(
+                f"an engine with rollout.tensor_model_parallel_size={cfg.tensor_model_parallel_size} "
+                f"needs that many GPUs, got {list(devices.visible_devices)}"
+            )
+        with _cuda_visible_devices(devices.cuda_visible_devices):  # inherited by SGLang's schedulers
+            self.engine = sglang.Engine(
+                model_path=str(model_path),
+                dtype=cfg.dtype,
+                tp_size=cfg.tensor_model_parallel_size,
+                mem_fraction_static=cfg.gpu_memory_utilization,
+                load_format=cfg.load_format,
+                base_gpu_id=devices.base_gpu_id,
+                random_seed=cfg.seed,
+                enable_memory_saver=True,  # release/resume_memory_occupation need it
+                enable_deterministic_inference=cfg.enable_deterministic_inference,
+                skip_tokenizer_init=not uses_stop,  # stop strings are matched on text, so they need it
+                **cfg.sglang,  # the recipe's other ServerArgs fields
+            )
+        if not cfg.enable_deterministic_inference:
+            logger.warning(
+                "SGLang sampling is not reproducible (per-request seeds need "
+                "rollout.enable_deterministic_inference: true); a resumed run samples differently"
+            )
         self._calls = 0
 
     # ------------------------------------------------------------------ generation
@@ -91,20 +121,49 @@ class SGLangRolloutEngine(SeededGenerationMixin):
             "temperature": sampling.temperature if sampling.do_sample else 0.0,  # 0: SGLang's greedy
             "top_p": sampling.top_p if sampling.do_sample else 1.0,
             "top_k": sampling.top_k if sampling.do_sample else -1,
-            "sampling_seed": seed,
             "skip_special_tokens": False,
         }
+        if self.cfg.enable_deterministic_inference:
+            params["sampling_seed"] = seed
         if sampling.stop:
             params["stop"] = list(sampling.stop)
         return params
 
     # ------------------------------------------------------------------ weights
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def begin_weight_update(self) -> None:
+        _check_result("begin_weight_update", self.engine.begin_weight_update())
+
+    def end_weight_update(self) -> None:
+        _check_result("end_weight_update", self.engine.end_weight_update())
+
+    def update_weights_from_rank_payloads(self, payloads: list[list[tuple[str, bytes]]]) -> None:
+        """Load one bucket: `payloads[i]` is TP rank i's (name, serialized tensor) list, made by
+        `serialize_bucket` in the process on that rank's GPU."""
+        from sglang.srt.model_executor.model_runner_components.weight_updater import (
+            LocalSerializedTensor,
+        )
+
+        names = [name for name, _ in payloads[0]]
+        for rank, payload in enumerate(payloads):
+            if [name for name, _ in payload] != names:
+                raise WeightSyncError(f"TP rank {rank} sent other tensors than rank 0 in the same bucket")
+        named = [
+            (name, LocalSerializedTensor(values=[payload[i][1] for payload in payloads]))
+            for i, name in enumerate(names)
+        ]
         # One cache flush after the whole sync (flush_cache) rather than one per bucket.
-        self.engine.update_weights_from_tensor(list(named_tensors), flush_cache=False)
+        _check_result(
+            "update_weights_from_tensor", self.engine.update_weights_from_tensor(named, flush_cache=False)
+        )
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Full tensors from this process alone (an engine of one GPU)."""
+        self.update_weights_from_rank_payloads([serialize_bucket(named_tensors)])
 
     def flush_cache(self) -> None:
-        self.engine.flush_cache()
+        result = self.engine.flush_cache()
+        if not getattr(result, "success", True):
+            raise WeightSyncError(f"SGLang flush_cache failed: {getattr(result, 'message', result)}")
 
     def weight_checksums(self, names: list[str] | None = None) -> dict[str, str]:
         raise NotImplementedError(
@@ -113,14 +172,43 @@ class SGLangRolloutEngine(SeededGenerationMixin):
         )
 
     # ------------------------------------------------------------------ memory and RNG
-    def release_memory(self) -> None:
-        self.engine.release_memory_occupation()
+    def release_memory(self, tags: list[str] | None = None) -> None:
+        self.engine.release_memory_occupation(tags=tags)
 
-    def resume_memory(self) -> None:
-        self.engine.resume_memory_occupation()
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        self.engine.resume_memory_occupation(tags=tags)
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+def serialize_bucket(bucket: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, bytes]]:
+    """This process's tensors as SGLang IPC payloads; the tensors must stay alive until loaded."""
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+    monkey_patch_torch_reductions()  # handles name the GPU by UUID (see the module docstring)
+    return [(name, MultiprocessingSerializer.serialize(tensor.detach())) for name, tensor in bucket]
+
+
+def _check_result(call: str, result) -> None:
+    """Raise WeightSyncError with SGLang's message when a `(success, message)` call failed."""
+    success, message = result
+    if not success:
+        raise WeightSyncError(f"SGLang {call} failed: {message}")
+
+
+@contextmanager
+def _cuda_visible_devices(value: str) -> Iterator[None]:
+    previous = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES")
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = previous
 
 
 def _output_ids_with_eos(output: dict) -> list[int]:

@@ -1,18 +1,32 @@
 """The hybrid engine's switch from training to generation: actor weights into the rollout engine,
 and the batch reshaped between the actor's data-parallel layout and the rollout engines.
 
-    with sharding_manager:                          # sync weights, resume the engine's memory
+    with sharding_manager:                          # resume, sync weights, resume the KV cache
         piece = sharding_manager.preprocess_data(prompts)
         out = engine.generate_sequences(piece) if engine is not None else None
         out = sharding_manager.postprocess_data(out)
                                                     # on exit: release the engine's memory
 
+Engine memory (with `rollout.free_cache_engine`, the default). The engine's memory is released
+as soon as the manager is built (the actor trains next), and each entry resumes it in two steps
+so that the peak is the weights plus the actor, never the KV cache plus the actor plus buckets:
+resume "weights" -> stream the weights -> resume "kv_cache" and "cuda_graph" -> flush the cache;
+exit releases everything. The manager tracks what is released and never resumes memory that
+is not (SGLang's scheduler dies on that). With `free_cache_engine: false` nothing is ever released
+or resumed; entries only sync and flush.
+
 Weights. On entry every rank of the actor's model-parallel group iterates
 `engines.megatron.weights.iter_hf_tensors` in lockstep (it is a collective); the stream is cut into
-buckets of `rollout.weight_sync_bucket_mb` and loaded by `engine.update_weights` on the ranks that
-hold an engine. With `rollout.verify_weight_sync`, each tensor's checksum (cast to the rollout
-dtype) is compared with the engine's copy after the sync; the first differing name stops the run
-on every rank.
+buckets of `rollout.weight_sync_bucket_mb`, loaded inside one weight-update session per sync
+(`begin_weight_update` / `end_weight_update`). The hf engine (one rank per engine) loads full
+tensors with `engine.update_weights`. For SGLang every rank of a rollout group serialises its own
+copy of the bucket as CUDA-IPC handles on its own GPU (`sglang_rollout.serialize_bucket`), the
+group's first rank gathers them and hands scheduler i the handles of member i (on that GPU); the
+bucket stays alive until the group's first rank says it was loaded. A refused or failed load
+becomes a `WeightSyncError` naming the bucket and the engine's message, raised on every rank
+after the stream is consumed (so that no rank is left waiting in the collective). With
+`rollout.verify_weight_sync`, each tensor's checksum (cast to the rollout dtype) is compared with
+the engine's copy after the sync; the first differing name stops the run on every rank.
 
 Data. MEGATRON_COMPUTE_PROTO gives the same chunk to every rank of one actor data-parallel rank
 (its "replica group": all its TP/PP/CP ranks) and collects from one of them. So that each prompt
@@ -35,7 +49,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engines.rollout.base import SEED_STREAM_KEY, RolloutEngine
+from engines.rollout.base import (
+    CUDA_GRAPH_TAG,
+    KV_CACHE_TAG,
+    SEED_STREAM_KEY,
+    WEIGHTS_TAG,
+    RolloutEngine,
+)
 from engines.rollout.config import RolloutConfig
 from engines.rollout.weight_sync import (
     WeightSyncError,
@@ -46,6 +66,8 @@ from engines.rollout.weight_sync import (
     torch_dtype,
 )
 from hybridflow.protocol import DataProto, all_gather_data_proto
+
+ALL_TAGS = [WEIGHTS_TAG, KV_CACHE_TAG, CUDA_GRAPH_TAG]
 
 
 @dataclass
@@ -103,22 +125,39 @@ class MegatronRolloutShardingManager:
                 f"none; this rank {'lacks' if holds_engine else 'has'} one"
             )
         self._slice_sizes: list[int] = []
+        self._released: set[str] = set()
+        if self.engine is not None and rollout_cfg.free_cache_engine:
+            self._release(ALL_TAGS)  # a new engine holds its memory; the actor trains first
 
     # ------------------------------------------------------------------ context
     def __enter__(self):
         if self.hooks.before_resume is not None:
             self.hooks.before_resume()
-        if self.engine is not None:
-            self.engine.resume_memory()
+        self._resume([WEIGHTS_TAG])
         self.sync_weights()
+        self._resume([KV_CACHE_TAG, CUDA_GRAPH_TAG])
+        if self.engine is not None:
+            self.engine.flush_cache()
         return self
 
     def __exit__(self, exc_type, exc_value, traceback):
-        if self.engine is not None and self.cfg.free_cache_engine:
-            self.engine.release_memory()
+        if self.cfg.free_cache_engine:
+            self._release(ALL_TAGS)
         if self.hooks.after_release is not None:
             self.hooks.after_release()
         return False
+
+    def _release(self, tags: list[str]) -> None:
+        pending = [tag for tag in tags if tag not in self._released]
+        if self.engine is not None and pending:
+            self.engine.release_memory(pending)
+            self._released.update(pending)
+
+    def _resume(self, tags: list[str]) -> None:
+        pending = [tag for tag in tags if tag in self._released]
+        if self.engine is not None and pending:
+            self.engine.resume_memory(pending)
+            self._released.difference_update(pending)
 
     # ------------------------------------------------------------------ weights
     def sync_weights(self) -> SyncStats:
@@ -131,17 +170,55 @@ class MegatronRolloutShardingManager:
         stream = iter_hf_tensors(self.actor_chunks, self.hf_config)
         if self.cfg.verify_weight_sync and self.engine is not None:
             stream = _recording_checksums(stream, sent, torch_dtype(self.cfg.dtype))
-        for bucket in bucket_named_tensors(stream, self.cfg.weight_sync_bucket_mb):
+        failure = self._session_call("begin_weight_update")
+        for index, bucket in enumerate(bucket_named_tensors(stream, self.cfg.weight_sync_bucket_mb)):
             count += len(bucket)
             nbytes += sum(tensor_nbytes(tensor) for _, tensor in bucket)
-            if self.engine is not None:
-                self.engine.update_weights(bucket)
-        if self.engine is not None:
-            self.engine.flush_cache()
+            # After a failure the stream is still consumed (it is a collective), not loaded.
+            failure = failure or self._load_bucket(index, bucket)
+        closing_failure = self._session_call("end_weight_update")  # closed even after a failure
+        failure = failure or closing_failure
+        _raise_on_every_rank(failure, "weight sync")
         if self.cfg.verify_weight_sync:
             self._verify(sent)
         self.last_sync = SyncStats(tensors=count, bytes=nbytes, seconds=time.perf_counter() - start)
         return self.last_sync
+
+    def _session_call(self, method: str) -> str | None:
+        """Open or close the engine's weight-update session; the failure, if any."""
+        if self.engine is None:
+            return None
+        try:
+            getattr(self.engine, method)()
+        except WeightSyncError as err:
+            return str(err)
+        return None
+
+    def _load_bucket(self, index: int, bucket: list[tuple[str, torch.Tensor]]) -> str | None:
+        """Load one bucket into this rank's engine (or its rollout group's); the failure, if any."""
+        where = f"bucket {index} ({bucket[0][0]} .. {bucket[-1][0]})"
+        if self.cfg.name != "sglang":
+            if self.engine is None:
+                return None
+            try:
+                self.engine.update_weights(bucket)
+            except (ValueError, WeightSyncError) as err:
+                return f"{where}: {err}"
+            return None
+        from engines.rollout.sglang_rollout import serialize_bucket
+
+        payloads: list | None = [None] * self._rollout.size if self.engine is not None else None
+        leader = dist.get_global_rank(self._rollout.group, 0)
+        dist.gather_object(serialize_bucket(bucket), payloads, dst=leader, group=self._rollout.group)
+        outcome: list[str | None] = [None]
+        if self.engine is not None:
+            try:
+                self.engine.update_weights_from_rank_payloads(payloads)
+            except WeightSyncError as err:
+                outcome[0] = f"{where}: {err}"
+        # The handles point into this rank's bucket: keep it alive until the engine has loaded it.
+        dist.broadcast_object_list(outcome, src=leader, group=self._rollout.group)
+        return outcome[0]
 
     def _verify(self, sent: dict[str, str]) -> None:
         """Compare the engine's checksums with the sent ones; raise on every rank if any rank differs."""
@@ -159,11 +236,7 @@ class MegatronRolloutShardingManager:
                 )
             elif unsynced:
                 problem = f"rollout weights {unsynced[:5]} were not in the actor's weight stream"
-        problems: list[str | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(problems, problem)
-        for rank, text in enumerate(problems):
-            if text is not None:
-                raise WeightSyncError(f"verify_weight_sync on rank {rank}: {text}")
+        _raise_on_every_rank(problem, "verify_weight_sync")
 
     # ------------------------------------------------------------------ data
     def preprocess_data(self, data: DataProto) -> DataProto:
@@ -204,6 +277,15 @@ class MegatronRolloutShardingManager:
         leader = dist.get_global_rank(self._rollout.group, 0)
         dist.scatter_object_list(received, parts, src=leader, group=self._rollout.group)
         return received[0]
+
+
+def _raise_on_every_rank(problem: str | None, what: str) -> None:
+    """Collective: raise WeightSyncError on every rank if any rank had a problem (the first one)."""
+    problems: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    for rank, text in enumerate(problems):
+        if text is not None:
+            raise WeightSyncError(f"{what} on rank {rank}: {text}")
 
 
 def _recording_checksums(

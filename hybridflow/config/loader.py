@@ -11,7 +11,8 @@ import difflib
 import typing
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+import yaml
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException, ValidationError
 
 from hybridflow.config.schema import RecipeConfig
@@ -23,7 +24,7 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> RecipeConfig:
     if not path.is_file():
         raise FileNotFoundError(f"recipe {path} does not exist")
     merged = OmegaConf.structured(RecipeConfig)
-    merged = _merge(merged, OmegaConf.load(path), source=str(path))
+    merged = _merge(merged, _read_yaml(path), source=str(path))
     merged = _merge(merged, _parse_overrides(overrides), source="command-line override")
     try:
         return OmegaConf.to_object(merged)
@@ -32,14 +33,41 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> RecipeConfig:
             f"{path}: {err.full_key} is required; set it in the recipe or pass {err.full_key}=<value>"
         ) from None
     except ValueError as err:  # an engine config's own __post_init__ check
-        raise ValueError(f"{path}: {err}") from None
+        raise ValueError(f"{path}{' with the command-line overrides' if overrides else ''}: {err}") from None
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """`<problem> at line L, column C` from a YAML error (its own text spans several lines)."""
+    mark = getattr(err, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{getattr(err, 'problem', None) or type(err).__name__}{where}"
+
+
+def _read_yaml(path: Path) -> DictConfig:
+    try:
+        recipe = OmegaConf.load(path)
+    except yaml.YAMLError as err:
+        raise ValueError(f"{path} is not valid YAML: {_yaml_problem(err)}") from None
+    if isinstance(recipe, ListConfig):
+        raise ValueError(
+            f"{path} holds a YAML list; a recipe is a mapping of sections (model:, data:, actor:, ...)"
+        )
+    return recipe
 
 
 def _parse_overrides(overrides: list[str]) -> DictConfig:
     malformed = [o for o in overrides if "=" not in o or o.startswith("=")]
     if malformed:
         raise ValueError(f"overrides must look like key.path=value, got {malformed}")
-    return OmegaConf.from_dotlist(list(overrides))
+    parsed = OmegaConf.create()
+    for override in overrides:
+        try:
+            parsed = OmegaConf.merge(parsed, OmegaConf.from_dotlist([override]))
+        except yaml.YAMLError as err:
+            raise ValueError(
+                f"command-line override {override!r}: the value is not valid YAML ({_yaml_problem(err)})"
+            ) from None
+    return parsed
 
 
 def _merge(base: DictConfig, update: DictConfig, source: str) -> DictConfig:
@@ -48,6 +76,13 @@ def _merge(base: DictConfig, update: DictConfig, source: str) -> DictConfig:
     except ConfigKeyError as err:
         raise ValueError(f"{source}: unknown key '{err.full_key}'{_suggestion(err.full_key)}") from None
     except ValidationError as err:
+        choices = _literal_choices(err.full_key)
+        if choices is not None:
+            nearest = difflib.get_close_matches(str(err.value), [str(c) for c in choices], n=1)
+            hint = f"; did you mean {nearest[0]!r}?" if nearest else ""
+            raise ValueError(
+                f"{source}: {err.full_key}={err.value!r} is not one of {list(choices)}{hint}"
+            ) from None
         expected = _field_type(err.full_key)
         reason = str(err.msg).splitlines()[0]  # the rest repeats the key and the dataclass
         raise TypeError(f"{source}: {err.full_key}: {reason}; expected {expected}") from None
@@ -79,12 +114,26 @@ def _suggestion(full_key: str) -> str:
     return f"; valid keys under '{prefix.rstrip('.') or 'the top level'}': {valid}"
 
 
-def _field_type(full_key: str) -> str:
+def _field_hint(full_key: str):
+    """The schema's type annotation of `full_key` ("a.b" or "a.b[0]", a list's element), or None."""
     *parents, leaf = full_key.split(".")
+    leaf, is_element = leaf.split("[")[0], "[" in leaf
     node = _schema_at(parents)
     if node is None or leaf not in {f.name for f in dataclasses.fields(node)}:
-        return "a value of the schema's type"
+        return None
     hint = typing.get_type_hints(node)[leaf]
+    return typing.get_args(hint)[0] if is_element and typing.get_args(hint) else hint
+
+
+def _literal_choices(full_key: str) -> tuple | None:
+    hint = _field_hint(full_key)
+    return typing.get_args(hint) if typing.get_origin(hint) is typing.Literal else None
+
+
+def _field_type(full_key: str) -> str:
+    hint = _field_hint(full_key)
+    if hint is None:
+        return "a value of the schema's type"
     return getattr(hint, "__name__", str(hint)) if not typing.get_args(hint) else str(hint)
 
 

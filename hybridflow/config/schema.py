@@ -3,14 +3,30 @@ differs. Engine settings are the engines' own config classes (Megatron-Core and 
 
 Top level: model, data, actor, ref, rollout, critic, reward_model, reward, algorithm, trainer.
 `load_recipe` (loader.py) fills these from YAML plus `key.path=value` overrides.
+
+Choice fields are `Literal` types built from the tuple the code dispatches on (the estimator
+table, the KL estimators, the tracking backends), so each list of valid values is written once
+and OmegaConf rejects any other value when the recipe loads, naming the key.
 """
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from omegaconf import MISSING
 
-from engines.megatron.config import ActorUpdateConfig, CriticUpdateConfig, MegatronConfig, OptimConfig
+from engines.megatron.config import (
+    ActorUpdateConfig,
+    CriticUpdateConfig,
+    KlPenaltyKind,
+    MegatronConfig,
+    OptimConfig,
+)
 from engines.rollout.config import RolloutConfig
+from hybridflow.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from hybridflow.utils.tracking import BACKENDS
+
+AdvEstimator = Literal[tuple(ADVANTAGE_ESTIMATORS)]
+LoggerBackend = Literal[BACKENDS]
 
 
 @dataclass
@@ -48,6 +64,9 @@ class ActorConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     update: ActorUpdateConfig = field(default_factory=ActorUpdateConfig)
     log_prob_micro_batch_size: int = 8  # per data-parallel rank, when recomputing old log-probs
+    # With actor.update.use_dynamic_bsz: packed log-prob micro-batches of at most this many tokens
+    # (prompt + response) per rank instead of log_prob_micro_batch_size rows (docs/packing.md).
+    log_prob_max_token_len_per_gpu: int = 16384
 
 
 @dataclass
@@ -56,6 +75,8 @@ class RefConfig:
     when KL is used (algorithm.use_kl_in_reward or actor.update.use_kl_loss)."""
 
     log_prob_micro_batch_size: int = 8
+    # With actor.update.use_dynamic_bsz: packed micro-batches of at most this many tokens per rank.
+    log_prob_max_token_len_per_gpu: int = 16384
 
 
 @dataclass
@@ -69,6 +90,9 @@ class CriticConfig:
     update: CriticUpdateConfig = field(default_factory=CriticUpdateConfig)
     warmup_steps: int = 0  # steps that update only the critic before the actor starts learning
     n_gpus_per_node: int = 0  # 0: colocated with the actor; >0: its own pool of this many per node
+    # With critic.update.use_dynamic_bsz: packed compute_values micro-batches of at most this many
+    # tokens per rank (the update uses critic.update.max_token_len_per_gpu).
+    forward_max_token_len_per_gpu: int = 16384
 
 
 @dataclass
@@ -80,6 +104,10 @@ class RewardModelConfig:
     path: str | None = None
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     micro_batch_size: int = 8
+    # Packed scoring micro-batches of at most forward_max_token_len_per_gpu tokens per rank
+    # instead of micro_batch_size rows (docs/packing.md).
+    use_dynamic_bsz: bool = False
+    forward_max_token_len_per_gpu: int = 16384
 
 
 @dataclass
@@ -96,7 +124,7 @@ class RewardConfig:
 class KLControlConfig:
     """KL coefficient for KL-in-reward: fixed, or adaptive (Ziegler et al. 2019)."""
 
-    type: str = "fixed"  # "fixed" | "adaptive"
+    type: Literal["fixed", "adaptive"] = "fixed"
     kl_coef: float = 0.001
     target_kl: float = 0.1  # adaptive only
     horizon: int = 10000  # adaptive only
@@ -125,14 +153,12 @@ class OverlongBufferConfig:
 class AlgorithmConfig:
     """How advantages are estimated and whether KL enters the reward."""
 
-    adv_estimator: str = (
-        "grpo"  # gae | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax
-    )
+    adv_estimator: AdvEstimator = "grpo"
     gamma: float = 1.0
     lam: float = 1.0
     norm_adv_by_std_in_grpo: bool = True  # False: Dr. GRPO (mean-centred only)
     use_kl_in_reward: bool = False
-    kl_penalty: str = "kl"  # estimator of the KL in the reward: kl/k1, abs, mse/k2, low_var_kl/k3
+    kl_penalty: KlPenaltyKind = "kl"  # estimator of the KL in the reward: kl/k1, abs, mse/k2, low_var_kl/k3
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)  # DAPO dynamic sampling
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)  # DAPO
@@ -142,7 +168,7 @@ class AlgorithmConfig:
 class TrainerConfig:
     """The run: devices, length, validation, checkpoints, logging and output."""
 
-    mode: str = "rl"  # "rl": the PPO-family loop | "sft": supervised warm start (hybridflow.trainer.sft)
+    mode: Literal["rl", "sft"] = "rl"  # rl: the PPO-family loop | sft: supervised warm start (trainer/sft.py)
     project_name: str = "hybridflow"
     experiment_name: str = "run"
     output_dir: str = "outputs/run"
@@ -155,13 +181,17 @@ class TrainerConfig:
     val_before_train: bool = False
     save_freq: int = 0  # checkpoint every this many steps and after the last one (0: never)
     max_ckpt_to_keep: int | None = None  # None: keep every checkpoint
-    resume_mode: str = (
-        "auto"  # "auto": continue from <output_dir>/checkpoints/latest when present | "disable"
-    )
+    resume_mode: Literal["auto", "disable"] = "auto"  # auto: continue from <output_dir>/checkpoints/latest
     resume_from_path: str | None = None  # a global_step_N directory to continue from (overrides auto)
-    logger: list[str] = field(default_factory=lambda: ["console", "progress"])  # + tensorboard, wandb
+    logger: list[LoggerBackend] = field(default_factory=lambda: ["console", "progress"])
     balance_batch: bool = True  # reorder each batch so every DP rank gets a similar token count
     export_hf: bool = False  # write the final actor as a Hugging Face checkpoint to <output_dir>/hf
+    # NaN / inf reward, loss or grad norm: "error" stops the run before the optimizer step (no
+    # checkpoint, no export) | "skip" drops the step's update and counts it (nonfinite/skipped_steps)
+    nonfinite_policy: Literal["error", "skip"] = "error"
+    # recipe keys that may differ from the resumed checkpoint's although they move the data
+    # position or change the update (hybridflow.trainer.resume.POSITION_AND_UPDATE_KEYS)
+    resume_accept_changes: list[str] = field(default_factory=list)
 
 
 @dataclass

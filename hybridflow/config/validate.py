@@ -1,35 +1,49 @@
 """Checks a loaded recipe before anything starts: every problem is reported at once, each
 naming the key path and the fix. Nothing is corrected silently.
+
+`validate_recipe` is the one pass the driver runs before Ray or any process group exists. It
+checks value ranges, runs every engine validator (optimizer, actor / critic update, rollout,
+Megatron layout against each model's config.json), refuses what the engines cannot do here
+(context parallelism, sequence parallelism without Transformer Engine on CUDA) and applies the
+cross-field rules (devices, batch sizes, algorithm). Choice values are `Literal` types in the
+schema, checked when the recipe loads.
 """
 
-import difflib
 import importlib.util
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridflow.algorithms import ADVANTAGE_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
-from hybridflow.algorithms.kl import KL_PENALTY_KINDS
 from hybridflow.config.schema import RecipeConfig
 from hybridflow.reward.registry import load_reward_fn
 from hybridflow.utils.hub import HOW_TO_FETCH
-from hybridflow.utils.tracking import BACKENDS as LOGGERS
 
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
-CHOICES = {
-    "algorithm.adv_estimator": tuple(ADVANTAGE_ESTIMATORS),
-    "algorithm.kl_penalty": KL_PENALTY_KINDS,
-    "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
-    "actor.update.kl_loss_type": KL_PENALTY_KINDS,
-    "actor.update.loss_agg_mode": LOSS_AGG_MODES,
-    "critic.update.loss_agg_mode": LOSS_AGG_MODES,
-    "actor.update.policy_loss": POLICY_LOSSES,
-    "trainer.resume_mode": ("auto", "disable"),
-    "trainer.mode": ("rl", "sft"),
+UPDATE_SIZES = ("ppo_mini_batch_size", "ppo_micro_batch_size", "ppo_epochs")
+MEGATRON_SIZES = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "context_parallel_size",
+    "make_vocab_size_divisible_by",
+)
+NULL_MEANS = {
+    "data.val_batch_size": "null: the whole validation set in one batch",
+    "data.train_max_samples": "null: every row",
+    "data.val_max_samples": "null: every row",
+    "trainer.total_training_steps": "null: trainer.total_epochs passes over the data",
+    "trainer.max_ckpt_to_keep": "null: keep every checkpoint",
 }
 
 
 class RecipeError(ValueError):
     """A recipe that cannot run; the message lists every problem found."""
+
+    def __init__(self, errors: list[str]):
+        self.errors = errors
+        if len(errors) == 1:
+            super().__init__(f"invalid recipe: {errors[0]}")
+        else:
+            super().__init__("invalid recipe:\n  - " + "\n  - ".join(errors))
 
 
 @dataclass(frozen=True)
@@ -49,18 +63,24 @@ def validate_recipe(cfg: RecipeConfig, cuda_available: bool | None = None) -> La
         import torch
 
         cuda_available = torch.cuda.is_available()
-    errors: list[str] = []
-    errors += _check_choices(cfg)
-    errors += _check_paths(cfg)
+    range_errors = _check_ranges(cfg)
+    errors = range_errors + _check_engine_settings(cfg, range_errors)
+    errors += _check_devices(cfg, cuda_available)
+    path_errors = _check_paths(cfg)
+    errors += path_errors
+    if not range_errors:
+        errors += _check_models(cfg, path_errors)
     if cfg.trainer.mode == "rl":
         errors += _check_algorithm(cfg)
-    errors += _check_devices(cfg, cuda_available)
-    layout, layout_errors = _layout(cfg)
-    errors += layout_errors
-    if layout is not None:
-        errors += _check_batch_sizes(cfg, layout)
+    layout = None
+    if not range_errors:  # the layout and batch arithmetic divide by these sizes
+        layout, layout_errors = _layout(cfg)
+        errors += layout_errors
+        if layout is not None:
+            errors += _check_batch_sizes(cfg, layout)
+    errors += _check_token_budgets(cfg)
     if errors:
-        raise RecipeError("invalid recipe:\n  - " + "\n  - ".join(errors))
+        raise RecipeError(errors)
     return layout
 
 
@@ -71,19 +91,79 @@ def _get(cfg: RecipeConfig, key_path: str):
     return node
 
 
-def _check_choices(cfg: RecipeConfig) -> list[str]:
-    errors = []
-    for key, choices in CHOICES.items():
-        value = _get(cfg, key)
-        if value not in choices:
-            nearest = difflib.get_close_matches(str(value), choices, n=1)
-            hint = f"did you mean {nearest[0]!r}? " if nearest else ""
-            errors.append(f"{key}={value!r} is not one of {list(choices)}; {hint}")
-    errors += [
-        f"trainer.logger has {name!r}; choose from {list(LOGGERS)}"
-        for name in cfg.trainer.logger
-        if name not in LOGGERS
+def _megatron_roles(cfg: RecipeConfig) -> list[str]:
+    """The roles that build a Megatron model: the actor (and the reference, with its layout), an
+    enabled critic and an enabled reward model."""
+    return ["actor"] + [role for role in ("critic", "reward_model") if getattr(cfg, role).enable]
+
+
+def _check_ranges(cfg: RecipeConfig) -> list[str]:
+    """Sizes, counts and rates that must be positive (or null where null has a meaning)."""
+    trained = ["actor"] + (["critic"] if cfg.critic.enable else [])
+    positive = [
+        "data.train_batch_size",
+        "data.max_prompt_length",
+        "rollout.response_length",
+        "trainer.nnodes",
+        "trainer.n_gpus_per_node",
+        "trainer.total_epochs",
+        "actor.log_prob_micro_batch_size",
+        "ref.log_prob_micro_batch_size",
+        *(["reward_model.micro_batch_size"] if cfg.reward_model.enable else []),
+        *(f"{role}.update.{key}" for role in trained for key in UPDATE_SIZES),
+        *(f"{role}.optim.lr" for role in trained),
+        *(f"{role}.megatron.{key}" for role in _megatron_roles(cfg) for key in MEGATRON_SIZES),
     ]
+    positive_or_null = (
+        "data.val_batch_size",
+        "data.train_max_samples",
+        "data.val_max_samples",
+        "trainer.total_training_steps",
+        "trainer.max_ckpt_to_keep",
+    )
+    non_negative = ("trainer.test_freq", "trainer.save_freq", "critic.warmup_steps", "critic.n_gpus_per_node")
+    errors = [f"{key} must be positive, got {_get(cfg, key)}" for key in positive if _get(cfg, key) <= 0]
+    errors += [
+        f"{key} must be positive or null ({NULL_MEANS[key]}), got {_get(cfg, key)}"
+        for key in positive_or_null
+        if _get(cfg, key) is not None and _get(cfg, key) <= 0
+    ]
+    errors += [f"{key} must be >= 0, got {_get(cfg, key)}" for key in non_negative if _get(cfg, key) < 0]
+    return errors
+
+
+def _engine_validators(cfg: RecipeConfig) -> dict:
+    """Section key -> the engine's own check of that section (each raises ValueError)."""
+    with warnings.catch_warnings():  # Megatron-Core warns at import when Apex / TE are absent
+        warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+        from engines.megatron.actor import validate_actor_update_config
+        from engines.megatron.critic import validate_critic_update_config
+        from engines.megatron.optimizer import validate_optim_config
+
+    checks = {
+        "actor.optim": lambda: validate_optim_config(cfg.actor.optim),
+        "actor.update": lambda: validate_actor_update_config(cfg.actor.update),
+        "rollout": cfg.rollout.__post_init__,  # re-run: the recipe may have been changed after loading
+        "rollout.sampling": cfg.rollout.sampling.__post_init__,
+        "rollout.val_sampling": cfg.rollout.val_sampling.__post_init__,
+    }
+    if cfg.critic.enable:
+        checks["critic.optim"] = lambda: validate_optim_config(cfg.critic.optim)
+        checks["critic.update"] = lambda: validate_critic_update_config(cfg.critic.update)
+    return checks
+
+
+def _check_engine_settings(cfg: RecipeConfig, range_errors: list[str]) -> list[str]:
+    """Runs each engine validator on its section, except where a range error already names a key of
+    that section (the engine would repeat it in its own words)."""
+    errors = []
+    for section, check in _engine_validators(cfg).items():
+        if any(error.startswith(section + ".") for error in range_errors):
+            continue
+        try:
+            check()
+        except ValueError as err:
+            errors.append(f"{section}: {err}")
     return errors
 
 
@@ -150,14 +230,6 @@ def _check_algorithm(cfg: RecipeConfig) -> list[str]:
             "validation is requested (trainer.test_freq / trainer.val_before_train) but data.val_files is "
             "empty"
         )
-    positive = (
-        "data.train_batch_size",
-        "data.max_prompt_length",
-        "rollout.response_length",
-        "trainer.nnodes",
-        "trainer.n_gpus_per_node",
-    )
-    errors += [f"{key} must be positive, got {_get(cfg, key)}" for key in positive if _get(cfg, key) <= 0]
     return errors
 
 
@@ -200,6 +272,75 @@ def _check_devices(cfg: RecipeConfig, cuda_available: bool) -> list[str]:
             errors.append(
                 "rollout.name=sglang but sglang is not installed; `pip install -e .[sglang]` or use "
                 "rollout.name=hf"
+            )
+    for role in _megatron_roles(cfg):
+        megatron = getattr(cfg, role).megatron
+        if megatron.context_parallel_size > 1:
+            errors.append(
+                f"{role}.megatron.context_parallel_size={megatron.context_parallel_size}: the core attention "
+                "(SDPA, used on every device so padding masks mean the same) supports no context "
+                "parallelism; set it to 1"
+            )
+        if megatron.sequence_parallel and megatron.tensor_model_parallel_size < 2:
+            errors.append(
+                f"{role}.megatron.sequence_parallel=true needs tensor_model_parallel_size >= 2 (it splits "
+                "sequences over the tensor-parallel ranks); set it to false"
+            )
+        elif megatron.sequence_parallel and not (
+            cuda_available and importlib.util.find_spec("transformer_engine") is not None
+        ):
+            errors.append(
+                f"{role}.megatron.sequence_parallel=true needs Transformer Engine on CUDA, which this "
+                "machine lacks; set it to false"
+            )
+    return errors
+
+
+def model_dirs(cfg: RecipeConfig) -> list[tuple[str, str, str]]:
+    """(role, key of the model directory, directory) of every Megatron model the run builds."""
+    policy = ("model.path", cfg.model.path)
+    dirs = {
+        "actor": policy,
+        "critic": ("critic.model_path", cfg.critic.model_path) if cfg.critic.model_path else policy,
+        "reward_model": ("reward_model.path", cfg.reward_model.path),
+    }
+    return [(role, *dirs[role]) for role in _megatron_roles(cfg) if dirs[role][1] is not None]
+
+
+def _check_models(cfg: RecipeConfig, path_errors: list[str]) -> list[str]:
+    """Each model's config.json is supported, its layers and heads split over the role's TP / PP
+    sizes, and the longest sequence (prompt + response) fits its position embeddings."""
+    from engines.megatron.model import expert_tp_size, load_hf_config
+    from engines.megatron.parallel import validate_moe_training, validate_parallel_layout
+
+    errors = []
+    longest = cfg.data.max_prompt_length + cfg.rollout.response_length
+    for role, key, path in model_dirs(cfg):
+        if any(error.startswith(f"{key}=") for error in path_errors):
+            continue
+        try:
+            hf_config = load_hf_config(path)
+        except ValueError as err:
+            errors.append(f"{key}={path}: {err}")
+            continue
+        megatron = getattr(cfg, role).megatron
+        try:
+            validate_parallel_layout(
+                hf_config,
+                megatron.tensor_model_parallel_size,
+                megatron.pipeline_model_parallel_size,
+                megatron.expert_model_parallel_size,
+                expert_tp_size(megatron),
+            )
+            if role != "reward_model":  # the reward model only runs forward
+                validate_moe_training(hf_config, megatron)
+        except ValueError as err:
+            errors.append(f"{role}.megatron does not fit the model in {path}: {err}")
+        if longest > hf_config.max_position_embeddings:
+            errors.append(
+                f"data.max_prompt_length={cfg.data.max_prompt_length} + rollout.response_length="
+                f"{cfg.rollout.response_length} = {longest} tokens exceed max_position_embeddings="
+                f"{hf_config.max_position_embeddings} of the model in {path}; lower them"
             )
     return errors
 
@@ -263,6 +404,21 @@ def _check_divides(key: str, megatron, devices: int) -> list[str]:
             "(trainer.nnodes × trainer.n_gpus_per_node), so no data-parallel size DP gives TP × PP × CP × "
             "DP = "
             f"{devices}; change the parallel sizes or trainer.n_gpus_per_node"
+        ]
+    return _check_expert_divides(key, megatron, devices)
+
+
+def _check_expert_divides(key: str, megatron, devices: int) -> list[str]:
+    """Megatron-Core lays experts out as expert TP x EP x expert DP x PP over the same devices."""
+    ep = megatron.expert_model_parallel_size
+    etp = megatron.expert_tensor_parallel_size or megatron.tensor_model_parallel_size
+    if ep < 1 or etp < 1:
+        return [f"{key}: expert_model_parallel_size={ep} and expert_tensor_parallel_size={etp} must be >= 1"]
+    pp = megatron.pipeline_model_parallel_size
+    if devices % (etp * ep * pp):
+        return [
+            f"{key}: expert TP × EP × PP = {etp}×{ep}×{pp} does not divide the {devices} devices; lower "
+            "expert_model_parallel_size or expert_tensor_parallel_size"
         ]
     return []
 
@@ -342,3 +498,24 @@ def _check_forward_micro_batches(cfg: RecipeConfig, rows_per_rank: int) -> list[
                 f"{greedy_rows} greedy baseline responses each data-parallel rank scores; pick a divisor"
             )
     return errors
+
+
+def _check_token_budgets(cfg: RecipeConfig) -> list[str]:
+    """Packed micro-batches hold whole sequences: each token budget in use must fit the longest one."""
+    longest = cfg.data.max_prompt_length + cfg.rollout.response_length
+    budgets = {}
+    if cfg.actor.update.use_dynamic_bsz:
+        budgets["actor.update.max_token_len_per_gpu"] = cfg.actor.update.max_token_len_per_gpu
+        budgets["actor.log_prob_max_token_len_per_gpu"] = cfg.actor.log_prob_max_token_len_per_gpu
+        budgets["ref.log_prob_max_token_len_per_gpu"] = cfg.ref.log_prob_max_token_len_per_gpu
+    if cfg.critic.enable and cfg.critic.update.use_dynamic_bsz:
+        budgets["critic.update.max_token_len_per_gpu"] = cfg.critic.update.max_token_len_per_gpu
+        budgets["critic.forward_max_token_len_per_gpu"] = cfg.critic.forward_max_token_len_per_gpu
+    if cfg.reward_model.enable and cfg.reward_model.use_dynamic_bsz:
+        budgets["reward_model.forward_max_token_len_per_gpu"] = cfg.reward_model.forward_max_token_len_per_gpu
+    return [
+        f"{key}={budget} is below the longest sequence, data.max_prompt_length + rollout.response_length = "
+        f"{longest} tokens; raise it to at least {longest}"
+        for key, budget in budgets.items()
+        if budget < longest
+    ]

@@ -21,17 +21,40 @@ NON_TENSOR_KEYS = ("data_source", "reward_model", "raw_prompt", "ability", "extr
 
 
 def read_parquet_rows(files: list[str], required: tuple[str, ...]) -> list[dict]:
-    """All rows of `files`, in order; each file must have the `required` columns."""
-    tables = []
+    """All rows of `files`, in order; each file must be parquet with the `required` columns."""
+    return [row for _, row in read_located_rows(files, required)]
+
+
+def read_located_rows(files: list[str], required: tuple[str, ...]) -> list[tuple[str, dict]]:
+    """(`<file> row <i>`, row) for every row of `files`, in order, so an error can name the row."""
+    located = []
     for file in files:
         if not Path(file).is_file():
             raise FileNotFoundError(f"parquet file {file} does not exist")
-        table = pq.read_table(file)
+        try:
+            table = pq.read_table(file)
+        except pa.ArrowException as err:
+            raise ValueError(f"{file} is not a readable parquet file ({err})") from None
         missing = [c for c in required if c not in table.column_names]
         if missing:
             raise ValueError(f"{file} lacks columns {missing}; it has {table.column_names}")
-        tables.append(table)
-    return pa.concat_tables(tables, promote_options="default").to_pylist()
+        located += [(f"{file} row {i}", row) for i, row in enumerate(table.to_pylist())]
+    return located
+
+
+def check_chat_prompt(messages, where: str, prompt_key: str = "prompt") -> None:
+    """ValueError naming the row unless `messages` is a non-empty list of {role, content} dicts
+    with string values (what the chat template renders)."""
+    expected = "expected a non-empty list of chat messages [{'role': ..., 'content': ...}]"
+    if not isinstance(messages, list | tuple) or not messages:
+        raise ValueError(f"{where}: {prompt_key} is {messages!r}; {expected}")
+    for message in messages:
+        if not (
+            isinstance(message, dict)
+            and isinstance(message.get("role"), str)
+            and isinstance(message.get("content"), str)
+        ):
+            raise ValueError(f"{where}: {prompt_key} has the message {message!r}; {expected}")
 
 
 class PromptDataset(torch.utils.data.Dataset):
@@ -45,22 +68,25 @@ class PromptDataset(torch.utils.data.Dataset):
         prompt_key: str = "prompt",
         max_samples: int | None = None,
     ):
-        rows = read_parquet_rows(files, (prompt_key, *REQUIRED_COLUMNS))
+        located = read_located_rows(files, (prompt_key, *REQUIRED_COLUMNS))
         if max_samples is not None:
-            rows = rows[:max_samples]
+            located = located[:max_samples]
+        if not located:
+            raise ValueError(f"{files} hold no rows; add prompt rows")
         self.prompt_key = prompt_key
         self.rows, self.token_ids = [], []
-        for row in rows:
+        for where, row in located:
+            check_chat_prompt(row[prompt_key], where, prompt_key)
             ids = tokenize_chat(tokenizer, row[prompt_key])
             if len(ids) <= max_prompt_length:
                 self.rows.append(row)
                 self.token_ids.append(ids)
-        self.num_dropped = len(rows) - len(self.rows)
+        self.num_dropped = len(located) - len(self.rows)
         if self.num_dropped:
             logger.warning(
                 "dropped %d of %d prompts from %s longer than max_prompt_length=%d tokens",
                 self.num_dropped,
-                len(rows),
+                len(located),
                 files,
                 max_prompt_length,
             )

@@ -4,14 +4,38 @@ Shapes: B responses, R response positions (right-padded; `response_mask` is 1 up
 including EOS).
 """
 
+import math
+import numbers
+
 import torch
 
 from hybridflow.protocol import DataProto
 from hybridflow.reward.registry import RewardFn
+from hybridflow.utils.nonfinite import NonFiniteError
+
+
+def reward_fn_name(reward_fn: RewardFn) -> str:
+    return f"{reward_fn.__module__}.{reward_fn.__qualname__}"
+
+
+def score_one(reward_fn: RewardFn, row: int, source: str, text: str, ground_truth, extra: dict) -> float:
+    """`reward_fn`'s score of one response; an error names the function, the row and its
+    data_source when the function fails or returns something that is not a finite number."""
+    where = f"reward function {reward_fn_name(reward_fn)} on response {row} (data_source {source!r})"
+    try:
+        score = reward_fn(source, text, ground_truth, extra)
+    except Exception as err:
+        raise RuntimeError(f"{where} raised {type(err).__name__}: {err}") from err
+    if not isinstance(score, numbers.Real):
+        raise TypeError(f"{where} returned {score!r} ({type(score).__name__}); it must return a float")
+    if not math.isfinite(score):
+        raise NonFiniteError(f"{where} returned {score}; rewards must be finite numbers")
+    return float(score)
 
 
 def sequence_scores(batch: DataProto, tokenizer, reward_fn: RewardFn) -> torch.Tensor:
-    """One float per response: `reward_fn(data_source, decoded response, ground truth, extra_info)`."""
+    """One float per response: `reward_fn(data_source, decoded response, ground truth, extra_info)`;
+    a NaN / inf score raises `NonFiniteError` naming the function and the data_source."""
     responses = batch.batch["responses"]  # (B, R)
     lengths = batch.batch["response_mask"].sum(dim=-1).long()  # (B,)
     texts = tokenizer.batch_decode(
@@ -20,9 +44,9 @@ def sequence_scores(batch: DataProto, tokenizer, reward_fn: RewardFn) -> torch.T
     non_tensor = batch.non_tensor_batch
     extra_infos = non_tensor.get("extra_info", [{}] * len(texts))
     scores = [
-        float(reward_fn(source, text, reward_model["ground_truth"], extra or {}))
-        for source, text, reward_model, extra in zip(
-            non_tensor["data_source"], texts, non_tensor["reward_model"], extra_infos, strict=True
+        score_one(reward_fn, row, source, text, reward_model["ground_truth"], extra or {})
+        for row, (source, text, reward_model, extra) in enumerate(
+            zip(non_tensor["data_source"], texts, non_tensor["reward_model"], extra_infos, strict=True)
         )
     ]
     return torch.tensor(scores, dtype=torch.float32)  # (B,)

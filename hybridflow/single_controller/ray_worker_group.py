@@ -6,9 +6,10 @@
     values = critic.compute_values(batch)      # MEGATRON_COMPUTE_PROTO: split by dp, concat back
 
 Rank r runs in slot r (slots laid out node by node) with `RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
-`LOCAL_WORLD_SIZE`, `MASTER_ADDR` (rank 0's node) and `MASTER_PORT` (free on that node) in its
-environment before the worker class's `__init__` runs. Large arguments (DataProto, tensors,
-arrays) are put in the object store once per call however many ranks read them. Blocking
+`LOCAL_WORLD_SIZE`, `MASTER_ADDR` (rank 0's node), `MASTER_PORT` (free on that node) and
+`HYBRIDFLOW_NODE_ID` (the slot's Ray node id, see `engines.placement`) in its environment before
+the worker class's `__init__` runs. Large arguments (DataProto, tensors, arrays) are put in the
+object store once per call however many ranks read them. Blocking
 calls wait on all ranks and raise the first failure as soon as it happens (a rank stuck in a
 collective with a dead peer cannot hide it), as a `WorkerError` that is also the original
 exception type.
@@ -23,6 +24,7 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
+from engines.placement import NODE_ID_ENV
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller.dispatch import Dispatched
 from hybridflow.single_controller.errors import worker_error
@@ -199,6 +201,7 @@ def spmd_envs(slot_nodes: list[str]) -> list[dict[str, str]]:
                 "LOCAL_WORLD_SIZE": str(slot_nodes.count(node)),
                 "MASTER_ADDR": master_addr,
                 "MASTER_PORT": str(master_port),
+                NODE_ID_ENV: node,
             }
         )
     return envs

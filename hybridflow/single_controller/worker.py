@@ -49,7 +49,8 @@ class Worker:
     environment), `parallel_ranks` (None until `set_parallel_ranks` is called).
 
     On GPU, Ray gives each worker process exactly its own device (`CUDA_VISIBLE_DEVICES`), so the
-    worker's device is `cuda:0` in that process whatever its `LOCAL_RANK`.
+    worker's device is `cuda:0` in that process whatever its `LOCAL_RANK` (the slot index on its
+    node); `engines.placement` makes that choice for the engines.
     """
 
     @property

@@ -6,15 +6,19 @@ Layout under `<output_dir>/checkpoints/`:
     global_step_N/critic/            written by the critic workers (when there is a critic)
     global_step_N/trainer_state.pt   the driver: step, data position, RNG states, config
     global_step_N/manifest.json      written last: every file of the checkpoint with its size
+                                     and SHA-256
     latest                           text file naming the newest complete global_step_N
 
 A save writes into `.tmp_global_step_N`, checks that every expected part is there, writes the
 manifest, renames the directory to `global_step_N` (atomic on one filesystem) and then replaces
 `latest` (write a temporary file + os.replace). A crash at any point leaves either the previous
-checkpoint as `latest` or the new one complete. On resume a checkpoint whose files do not match
-its manifest is reported by name and skipped in favour of the previous complete one.
+checkpoint as `latest` or the new one complete. On resume every file is checked against the
+manifest (size and SHA-256, so a file zeroed in place is caught too): in `auto` mode a checkpoint
+that does not match is reported by name and skipped in favour of the previous valid one (or a
+fresh start, said so); a checkpoint named explicitly is refused with a `CheckpointError`.
 """
 
+import hashlib
 import json
 import logging
 import os
@@ -35,6 +39,7 @@ LATEST = "latest"
 TRAINER_STATE = "trainer_state.pt"
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
 TRAINER_STATE_VERSION = 1
+MANIFEST_VERSION = 2  # 2: size and SHA-256 of every file (1 had sizes only)
 
 
 class CheckpointError(ValueError):
@@ -56,9 +61,28 @@ def step_dir_name(step: int) -> str:
     return f"global_step_{step}"
 
 
-def list_files(root: Path) -> dict[str, int]:
-    """Relative path -> size in bytes of every file under `root` (the manifest's content)."""
-    return {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*")) if p.is_file()}
+def sha256_of(file: Path) -> str:
+    with open(file, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def list_files(root: Path) -> dict[str, dict]:
+    """Relative path -> {"size", "sha256"} of every file under `root` (the manifest's content)."""
+    files = (p for p in sorted(root.rglob("*")) if p.is_file())
+    return {str(p.relative_to(root)): {"size": p.stat().st_size, "sha256": sha256_of(p)} for p in files}
+
+
+def file_problem(path: Path, rel: str, expected: dict) -> str | None:
+    """What is wrong with file `rel` of the checkpoint at `path`, or None when it matches."""
+    file = path / rel
+    if not file.is_file():
+        return f"file {rel} is missing"
+    size = file.stat().st_size
+    if size != expected["size"]:
+        return f"file {rel} has {size} bytes, expected {expected['size']}"
+    if sha256_of(file) != expected["sha256"]:
+        return f"file {rel} does not match its SHA-256 checksum (corrupted)"
+    return None
 
 
 def verify_checkpoint(path: str | Path) -> list[str]:
@@ -73,13 +97,13 @@ def verify_checkpoint(path: str | Path) -> list[str]:
         manifest = json.loads(manifest_path.read_text())
     except json.JSONDecodeError as err:
         return [f"{manifest_path} is not valid JSON ({err})"]
+    if manifest.get("version") != MANIFEST_VERSION:
+        return [
+            f"{manifest_path} has manifest version {manifest.get('version')}, this hybridflow checks "
+            f"version {MANIFEST_VERSION} (sizes and checksums)"
+        ]
     problems = [f"part {part!r} is missing" for part in manifest["parts"] if not (path / part).exists()]
-    for rel, size in manifest["files"].items():
-        file = path / rel
-        if not file.is_file():
-            problems.append(f"file {rel} is missing")
-        elif file.stat().st_size != size:
-            problems.append(f"file {rel} has {file.stat().st_size} bytes, expected {size}")
+    problems += [p for rel, exp in manifest["files"].items() if (p := file_problem(path, rel, exp))]
     return problems
 
 
@@ -108,7 +132,7 @@ class CheckpointManager:
         missing = [part for part in parts if not (tmp / part).exists()]
         if missing:
             raise CheckpointError(f"checkpoint save for step {step} did not write {missing} into {tmp}")
-        manifest = {"step": step, "parts": list(parts), "files": list_files(tmp)}
+        manifest = {"version": MANIFEST_VERSION, "step": step, "parts": list(parts), "files": list_files(tmp)}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         if final.exists():  # a rerun of a step after resuming from an earlier checkpoint
             shutil.rmtree(final)
@@ -148,20 +172,27 @@ class CheckpointManager:
         return int(match.group(1))
 
     def find_resume_point(self) -> ResumePoint | None:
-        """The newest complete checkpoint, starting from `latest` (for trainer.resume_mode: auto).
+        """The newest valid checkpoint, starting from `latest` (for trainer.resume_mode: auto).
 
-        A checkpoint that fails verification is logged with its problems and skipped; None when no
-        complete checkpoint exists (a fresh start)."""
+        A checkpoint that fails verification is logged with its problems and skipped, and the
+        fallback is logged too (the previous valid checkpoint, or a fresh start); None when no
+        valid checkpoint exists."""
         latest = self.latest_step()
         candidates = sorted(self.complete_steps(), reverse=True)
         if latest is not None:
             candidates = [latest] + [s for s in candidates if s < latest]
+        skipped = False
         for step in candidates:
             path = self.root / step_dir_name(step)
             problems = verify_checkpoint(path)
             if not problems:
+                if skipped:
+                    logger.warning("falling back to the previous valid checkpoint %s", path)
                 return ResumePoint(step=step, path=path)
-            logger.warning("skipping incomplete checkpoint %s: %s", path, "; ".join(problems))
+            logger.warning("skipping invalid checkpoint %s: %s", path, "; ".join(problems))
+            skipped = True
+        if skipped:
+            logger.warning("no valid checkpoint in %s: starting from scratch", self.root)
         return None
 
     def load_resume_point(self, path: str | Path) -> ResumePoint:

@@ -3,20 +3,26 @@
     python -m hybridflow.trainer.main recipes/gsm8k_grpo.yaml [key.path=value ...]
     bash scripts/run_recipe.sh recipes/gsm8k_grpo.yaml [key.path=value ...]     # the same
 
-The recipe is loaded and checked before anything starts (a bad recipe exits with status 2 and
-every problem listed), the resolved recipe goes to <output_dir>/config.yaml, then the trainer
+The recipe is loaded and checked before anything starts: `validate_recipe` (every key, the engine
+validators, each model's config.json) and `check_run_inputs` (weights headers, tokenizer, prompt
+data, resume point). A bad recipe or input exits with status 2 and one line per problem, no
+traceback. Then the resolved recipe goes to <output_dir>/config.yaml, and the trainer
 joins a Ray cluster (RAY_ADDRESS, or one already running on this machine; RAY_ADDRESS=local
 forces a fresh one) or starts a local one sized to the machine, and runs.
 """
 
 import argparse
 import os
+import signal
 import sys
 
 from hybridflow.config.loader import load_recipe, write_resolved_recipe
 from hybridflow.config.schema import RecipeConfig
 from hybridflow.config.validate import Layout, validate_recipe
+from hybridflow.trainer.preflight import check_run_inputs
+from hybridflow.trainer.resume import ResumePlan, plan_resume
 from hybridflow.utils.hub import resolve_recipe_models
+from hybridflow.utils.nonfinite import NonFiniteError
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -29,27 +35,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("recipe", help="path of the YAML recipe")
     parser.add_argument("overrides", nargs="*", help="key.path=value settings applied over the recipe")
     return parser.parse_args(argv)
-
-
-def check_model_layouts(cfg: RecipeConfig) -> None:
-    """Each model must split over its Megatron TP / PP sizes (read from its config.json only)."""
-    from engines.megatron.model import load_hf_config
-    from engines.megatron.parallel import validate_parallel_layout
-
-    models = [("actor.megatron", cfg.model.path, cfg.actor.megatron)]
-    if cfg.critic.enable:
-        models.append(("critic.megatron", cfg.critic.model_path or cfg.model.path, cfg.critic.megatron))
-    if cfg.reward_model.enable:
-        models.append(("reward_model.megatron", cfg.reward_model.path, cfg.reward_model.megatron))
-    for key, path, megatron in models:
-        try:
-            validate_parallel_layout(
-                load_hf_config(path),
-                megatron.tensor_model_parallel_size,
-                megatron.pipeline_model_parallel_size,
-            )
-        except ValueError as err:
-            raise ValueError(f"{key} does not fit the model in {path}: {err}") from None
 
 
 def connect_ray(cfg: RecipeConfig) -> None:
@@ -79,7 +64,7 @@ def prepare(argv: list[str] | None) -> tuple[RecipeConfig, Layout]:
     cfg = load_recipe(args.recipe, args.overrides)
     cfg = resolve_recipe_models(cfg)
     layout = validate_recipe(cfg)
-    check_model_layouts(cfg)
+    check_run_inputs(cfg)
     write_resolved_recipe(cfg, cfg.trainer.output_dir)
     return cfg, layout
 
@@ -92,8 +77,8 @@ def connect_and_check_cluster(cfg: RecipeConfig) -> None:
     check_cluster_resources(cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, cfg.trainer.use_gpu)
 
 
-def run(cfg: RecipeConfig, layout: Layout) -> None:
-    """Start the roles on the connected cluster and train."""
+def run(cfg: RecipeConfig, layout: Layout, resume_plan: ResumePlan | None) -> None:
+    """Start the roles on the connected cluster and train (resuming as `resume_plan` says)."""
     from hybridflow.trainer.roles import start_roles
 
     if cfg.trainer.mode == "sft":
@@ -102,7 +87,7 @@ def run(cfg: RecipeConfig, layout: Layout) -> None:
         from hybridflow.trainer.ppo_trainer import PPOTrainer as Trainer
     roles = start_roles(cfg)
     try:
-        Trainer(cfg, roles, actor_dp=layout.actor_dp).fit()
+        Trainer(cfg, roles, actor_dp=layout.actor_dp).fit(resume_plan)
     finally:
         roles.shutdown()
 
@@ -110,13 +95,30 @@ def run(cfg: RecipeConfig, layout: Layout) -> None:
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg, layout = prepare(argv)
+        resume_plan = plan_resume(cfg)  # a bad checkpoint or refused recipe change fails before Ray
         connect_and_check_cluster(cfg)
-    except (ValueError, TypeError, FileNotFoundError) as err:
+    except (ValueError, TypeError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    run(cfg, layout)
+    except KeyboardInterrupt:
+        return interrupted()
+    try:
+        run(cfg, layout, resume_plan)
+    except KeyboardInterrupt:
+        return interrupted()
+    except NonFiniteError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     return 0
 
 
+def interrupted() -> int:
+    """SIGINT: one line and the shell's status for it; the last complete checkpoint stays."""
+    print("interrupted (SIGINT): rerun the same command to resume from the last checkpoint", file=sys.stderr)
+    return 130
+
+
 if __name__ == "__main__":
+    # run_recipe.sh starts the driver as a background job, which begins with SIGINT ignored
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.exit(main())

@@ -20,11 +20,15 @@ from hybridflow.reward.manager import compute_rewards, sequence_scores
 from hybridflow.reward.registry import load_reward_fn, rule_reward_fn
 from hybridflow.trainer import core, metrics
 from hybridflow.trainer.balance import balanced_order
-from hybridflow.trainer.checkpoint import CheckpointManager, load_trainer_state, save_trainer_state
+from hybridflow.trainer.checkpoint import CheckpointManager, restore_rng_state, save_trainer_state
 from hybridflow.trainer.dynamic_sampling import collect_varied_groups
+from hybridflow.trainer.resume import ResumePlan, plan_resume
 from hybridflow.trainer.roles import RoleGroups, uses_reference
 from hybridflow.trainer.validation import PROMPT_KEYS, run_validation
+from hybridflow.utils.nonfinite import NonFiniteError, nonfinite_update
 from hybridflow.utils.tracking import Tracking
+
+FROM_RECIPE = "from_recipe"
 
 
 class PPOTrainer:
@@ -48,6 +52,7 @@ class PPOTrainer:
         self.output_dir = Path(cfg.trainer.output_dir)
         self.checkpoints = CheckpointManager(self.output_dir / "checkpoints", cfg.trainer.max_ckpt_to_keep)
         self.global_step = 0
+        self.skipped_steps = 0  # steps whose update was dropped for a NaN / inf (policy "skip")
 
     def _loader(self, files: list[str], max_samples: int | None, train: bool = False) -> ResumableDataLoader:
         data = self.cfg.data
@@ -62,8 +67,10 @@ class PPOTrainer:
         )
 
     # ------------------------------------------------------------------ the loop
-    def fit(self) -> None:
-        resumed_step = self.resume()
+    def fit(self, resume_plan: ResumePlan | str | None = FROM_RECIPE) -> None:
+        """Train to the end. `resume_plan`: what `plan_resume(cfg)` returned before the workers
+        started (None: a fresh start); by default it is worked out here."""
+        resumed_step = self.resume(plan_resume(self.cfg) if resume_plan == FROM_RECIPE else resume_plan)
         tracker = Tracking(
             self.output_dir,
             backends=self.cfg.trainer.logger,
@@ -86,7 +93,7 @@ class PPOTrainer:
         """Steps until total_steps, over as many epochs of the data as that takes."""
         while self.global_step < self.total_steps:
             self.global_step += 1
-            step_metrics = self.step(self.next_batch())
+            step_metrics = self.finite_step(self.next_batch())
             if self._due(self.cfg.trainer.test_freq):
                 step_metrics.update(self.validate())
             tracker.log(step_metrics, step=self.global_step)
@@ -98,6 +105,27 @@ class PPOTrainer:
         (the loader keeps the position, so a step may draw several: dynamic sampling)."""
         batch_dict = next(iter(self.train_loader), None)
         return batch_dict if batch_dict is not None else next(iter(self.train_loader))
+
+    def finite_step(self, batch_dict: dict) -> dict[str, float]:
+        """`step()`, stopped by a NaN / inf reward, loss or grad norm (the workers apply no update
+        whose grad norm is not finite), or with trainer.nonfinite_policy skip, counted instead."""
+        try:
+            step_metrics = self.step(batch_dict)
+            problems = nonfinite_update(step_metrics)
+            if problems:
+                raise NonFiniteError(
+                    f"{', '.join(problems)} (no optimizer step with a non-finite grad norm was applied)"
+                )
+        except NonFiniteError as err:
+            if self.cfg.trainer.nonfinite_policy == "error":
+                raise NonFiniteError(
+                    f"step {self.global_step}: {err}; the run stops with no checkpoint or export of "
+                    "this state (trainer.nonfinite_policy=skip skips such steps instead)"
+                ) from None
+            self.skipped_steps += 1
+            print(f"step {self.global_step} skipped: {err}", flush=True)
+            step_metrics = {}
+        return {**step_metrics, "nonfinite/skipped_steps": self.skipped_steps}
 
     def _due(self, freq: int) -> bool:
         return freq > 0 and (self.global_step % freq == 0 or self.global_step == self.total_steps)
@@ -221,28 +249,24 @@ class PPOTrainer:
                 self.global_step,
                 self.train_loader.state_dict(),
                 config=to_dict(self.cfg),
-                extra={"kl_coef": self.kl_ctrl.value},
+                extra={"kl_coef": self.kl_ctrl.value, "nonfinite_skipped_steps": self.skipped_steps},
             )
 
         return self.checkpoints.save(self.global_step, write, parts)
 
-    def resume(self) -> int | None:
-        """Loads the checkpoint the recipe asks for (resume_from_path, else the latest when
-        resume_mode is auto); returns its step, or None for a fresh start."""
-        trainer = self.cfg.trainer
-        if trainer.resume_from_path:
-            point = self.checkpoints.load_resume_point(trainer.resume_from_path)
-        elif trainer.resume_mode == "auto":
-            point = self.checkpoints.find_resume_point()
-        else:
-            point = None
-        if point is None:
+    def resume(self, plan: ResumePlan | None) -> int | None:
+        """Loads the checkpoint of `plan` (see resume.plan_resume) into the workers and the driver;
+        returns its step, or None for a fresh start."""
+        if plan is None:
             return None
+        point, state = plan.point, plan.state
         self.roles.actor_rollout.load_checkpoint(str(point.part("actor")))
         if self.roles.critic is not None:
             self.roles.critic.load_checkpoint(str(point.part("critic")))
-        state = load_trainer_state(point.part("trainer_state.pt"))
+        restore_rng_state(state["rng"])
         self.train_loader.load_state_dict(state["dataloader"])
         self.kl_ctrl.value = state["extra"]["kl_coef"]
+        self.skipped_steps = state["extra"].get("nonfinite_skipped_steps", 0)
         self.global_step = state["global_step"]
+        print(f"resumed from {point.path} at step {self.global_step}", flush=True)
         return self.global_step

@@ -1,4 +1,5 @@
-"""Builds a tiny, randomly initialised Qwen2-shaped model with a one-token-per-character tokenizer.
+"""Builds a tiny, randomly initialised Qwen2-shaped model with a one-token-per-character tokenizer
+(or, with `num_experts > 0`, a Qwen3-MoE one: QK norm and a mixture of experts in every layer).
 
 The result is an ordinary Hugging Face directory (config.json, generation_config.json,
 model.safetensors, tokenizer.json, tokenizer_config.json with a chat template), so every
@@ -42,6 +43,9 @@ class TinyModelConfig:
     max_position_embeddings: int = 512
     tie_word_embeddings: bool = False
     seed: int = 0
+    num_experts: int = 0  # > 0: Qwen3MoeForCausalLM with this many experts per layer
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 128
 
     def validate(self) -> None:
         if self.hidden_size % self.num_heads:
@@ -55,6 +59,10 @@ class TinyModelConfig:
         for name in ("num_layers", "hidden_size", "intermediate_size", "max_position_embeddings"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, {self.num_experts}]"
+            )
 
 
 def byte_vocab() -> dict[str, int]:
@@ -93,11 +101,21 @@ def build_tokenizer():
 
 
 def build_model(cfg: TinyModelConfig, tokenizer):
-    """A randomly initialised `Qwen2ForCausalLM` (seeded) whose special ids match the tokenizer."""
+    """A randomly initialised `Qwen2ForCausalLM` (or `Qwen3MoeForCausalLM`), seeded, whose special
+    ids match the tokenizer."""
     import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config, Qwen3MoeConfig
 
-    hf_config = Qwen2Config(
+    moe = dict(
+        head_dim=cfg.hidden_size // cfg.num_heads,
+        num_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.num_experts_per_tok,
+        moe_intermediate_size=cfg.moe_intermediate_size,
+        norm_topk_prob=True,  # as Qwen3-30B-A3B
+    )
+    config_class, extra = (Qwen3MoeConfig, moe) if cfg.num_experts else (Qwen2Config, {})
+    hf_config = config_class(
+        **extra,
         vocab_size=len(tokenizer),
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
@@ -111,7 +129,7 @@ def build_model(cfg: TinyModelConfig, tokenizer):
         bos_token_id=tokenizer.bos_token_id,
     )
     torch.manual_seed(cfg.seed)
-    model = Qwen2ForCausalLM(hf_config)
+    model = AutoModelForCausalLM.from_config(hf_config)
     model.generation_config = GenerationConfig(
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,

@@ -5,9 +5,12 @@ Weights & Biases, and PNG plots refreshed every few steps.
     tracker.log({"reward/mean": 0.4, "val/accuracy": 0.5}, step=1)
     tracker.close()
 
-A resumed run passes `resume_step`: records after that step (written by the interrupted run
-after its last checkpoint) are dropped from metrics.jsonl and TensorBoard, so the file holds
-exactly one record per step.
+A resumed run passes `resume_step`: the records up to that step stay in metrics.jsonl byte for
+byte and the new ones are appended; the records after it (written by the interrupted run after its
+last checkpoint, possibly ending in a half-written line) are cut off the end of the file and
+purged from TensorBoard, so the file holds exactly one record per step. A fresh start in a
+directory that already holds metrics.jsonl moves that file aside to metrics.jsonl.<k> (never
+deleted).
 """
 
 import json
@@ -47,6 +50,34 @@ def read_metrics(path: str | Path) -> list[dict]:
         return []
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def records_up_to(path: Path, step: int) -> tuple[list[dict], int]:
+    """The leading records of metrics.jsonl `path` with a step <= `step`, and the byte offset where
+    they end: the first record past `step`, or a line that is not complete JSON (a run killed
+    while writing), ends them."""
+    kept, end = [], 0
+    if not path.exists():
+        return kept, end
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                record = json.loads(line) if line.endswith(b"\n") else None
+            except json.JSONDecodeError:
+                record = None
+            if record is None or record["step"] > step:
+                break
+            kept.append(record)
+            end += len(line)
+    return kept, end
+
+
+def next_free_name(path: Path) -> Path:
+    """`path` with the first suffix .1, .2, ... that names no existing file."""
+    k = 1
+    while path.with_name(f"{path.name}.{k}").exists():
+        k += 1
+    return path.with_name(f"{path.name}.{k}")
 
 
 def format_highlights(record: dict) -> str:
@@ -96,14 +127,16 @@ class Tracking:
 
     def _resume_history(self, resume_step: int | None) -> list[dict]:
         """Records kept from an earlier run in this directory; without `resume_step` a run starts
-        a fresh file."""
+        a fresh file (an existing one is moved aside)."""
         if resume_step is None:
-            self.metrics_path.unlink(missing_ok=True)
+            if self.metrics_path.exists():
+                aside = next_free_name(self.metrics_path)
+                os.replace(self.metrics_path, aside)
+                print(f"fresh start: moved the earlier {METRICS_FILE} to {aside.name}", flush=True)
             return []
-        kept = [r for r in read_metrics(self.metrics_path) if r["step"] <= resume_step]
-        tmp = self.metrics_path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        os.replace(tmp, self.metrics_path)
+        kept, end = records_up_to(self.metrics_path, resume_step)
+        if self.metrics_path.exists() and self.metrics_path.stat().st_size > end:
+            os.truncate(self.metrics_path, end)  # only the interrupted run's rows after resume_step
         return kept
 
     def _open_tensorboard(self, resume_step: int | None):

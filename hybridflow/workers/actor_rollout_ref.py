@@ -50,7 +50,6 @@ class ActorRolloutRefWorker(Worker):
         from engines.megatron.model import build_model, unwrap_model
         from engines.megatron.offload import offload_optimizer, reload_optimizer
         from engines.megatron.optimizer import build_optimizer
-        from engines.rollout.base import create_rollout_engine
         from engines.rollout.sharding_manager import MegatronRolloutShardingManager, OffloadHooks
 
         cfg = self.config
@@ -59,9 +58,7 @@ class ActorRolloutRefWorker(Worker):
             self.actor_chunks, cfg.actor.optim, cfg.actor.megatron
         )
         self.actor = MegatronActor(self.actor_chunks, self.optimizer, self.scheduler, cfg.actor.update)
-        # One engine per rollout group (SGLang TP); its first rank holds it.
-        holds_engine = torch.distributed.get_rank() % cfg.rollout.tensor_model_parallel_size == 0
-        self.rollout = create_rollout_engine(cfg.rollout, cfg.model.path) if holds_engine else None
+        self.rollout = self._build_rollout_engine()
         hooks = None
         if cfg.actor.megatron.optimizer_offload:  # free the optimizer's memory while generating
             hooks = OffloadHooks(
@@ -73,6 +70,21 @@ class ActorRolloutRefWorker(Worker):
             self.actor_chunks, self.hf_config, self.rollout, cfg.rollout, offload_hooks=hooks
         )
 
+    def _build_rollout_engine(self):
+        """The hf engine on every rank; one SGLang engine per rollout group (SGLang TP), on the
+        group's first rank, started on the group's GPUs (`engines.placement`)."""
+        from engines.rollout.base import create_rollout_engine
+
+        cfg = self.config
+        if cfg.rollout.name != "sglang":
+            return create_rollout_engine(cfg.rollout, cfg.model.path)
+        from engines.placement import gather_engine_devices
+
+        devices = gather_engine_devices(cfg.rollout.tensor_model_parallel_size, torch.cuda.device_count())
+        if devices is None:
+            return None
+        return create_rollout_engine(cfg.rollout, cfg.model.path, devices=devices)
+
     @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Responses for a chunk of prompts, with the actor's current weights synced in first."""
@@ -81,23 +93,27 @@ class ActorRolloutRefWorker(Worker):
             output = self.rollout.generate_sequences(piece) if self.rollout is not None else None
             return self.sharding_manager.postprocess_data(output)
 
-    def _log_prob_meta(self, data: DataProto, micro_batch_size: int) -> DataProto:
+    def _log_prob_meta(self, data: DataProto, role) -> DataProto:
+        """Temperature and micro-batching of a log-prob pass; `role` is the actor or ref config."""
         data.meta_info.update(
-            temperature=self.config.rollout.sampling.temperature, micro_batch_size=micro_batch_size
+            temperature=self.config.rollout.sampling.temperature,
+            micro_batch_size=role.log_prob_micro_batch_size,
         )
+        packed = self.config.actor.update.use_dynamic_bsz
+        data.meta_info["max_token_len"] = role.log_prob_max_token_len_per_gpu if packed else None
         return data
 
     @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """`old_log_probs` and `entropys` (B, R) of the responses under the current actor."""
-        data = self._log_prob_meta(data, self.config.actor.log_prob_micro_batch_size)
+        data = self._log_prob_meta(data, self.config.actor)
         return self.actor.compute_log_prob(data)
 
     @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto | None:
         """`ref_log_prob` (B, R) of the responses under the frozen reference policy (on the last
         pipeline stage, the one whose output is collected)."""
-        data = self._log_prob_meta(data, self.config.ref.log_prob_micro_batch_size)
+        data = self._log_prob_meta(data, self.config.ref)
         return self.ref.compute_ref_log_prob(data)
 
     @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE_PROTO)

@@ -30,6 +30,10 @@ class CriticWorker(Worker):
     @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto:
         """`values` (B, R): the value head's output at the positions that predict each response token."""
+        cfg = self.config.critic
+        data.meta_info["max_token_len"] = (
+            cfg.forward_max_token_len_per_gpu if cfg.update.use_dynamic_bsz else None
+        )
         return self.critic.compute_values(data)
 
     @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE_PROTO)

@@ -31,7 +31,9 @@ class RewardModelWorker(Worker):
         """`rm_scores` (B, R): the model's score of each whole sequence (its head at the last real
         token), placed on the response's last token. Only the last pipeline stage has scores (and
         is the one collected); the other stages return None."""
-        data.meta_info["micro_batch_size"] = self.config.reward_model.micro_batch_size
+        cfg = self.config.reward_model
+        data.meta_info["micro_batch_size"] = cfg.micro_batch_size
+        data.meta_info["max_token_len"] = cfg.forward_max_token_len_per_gpu if cfg.use_dynamic_bsz else None
         out = self.scorer.compute_sequence_scores(data)
         if out is None:
             return None

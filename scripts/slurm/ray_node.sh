@@ -6,8 +6,12 @@
 #
 # Devices come from the Slurm step: SLURM_CPUS_ON_NODE CPUs, SLURM_GPUS_ON_NODE GPUs (0 when the
 # allocation has none). The node is labelled slurm-node=<Slurm node name> so the launcher can name
-# nodes that failed to join. `ray start --block` is exec'd, so the SIGTERM srun forwards at
-# teardown reaches it and it stops exactly the Ray processes it started on this node.
+# nodes that failed to join. `ray start --block` runs in its own session, so its process group
+# holds every Ray process of this node (GCS, raylet, dashboard and runtime-env agents, workers).
+# On SIGTERM / SIGINT (srun's teardown) or when `ray start` ends, it gets SIGTERM to stop what it
+# started, then whatever of its group is still there after HYBRIDFLOW_RAY_STOP_GRACE_S (default
+# 10) seconds is killed: agents that would otherwise wait a minute to notice their raylet is gone.
+# The script exits only once the group is empty.
 set -euo pipefail
 
 role="$1" head_ip="$2" port="$3" temp_dir="$4"
@@ -33,14 +37,40 @@ echo "[ray_node] $role on $SLURMD_NODENAME at $node_ip: ${SLURM_CPUS_ON_NODE} CP
 # At teardown Slurm signals every process of the step, the GCS included: draining the node first
 # (a Ray Serve feature) would only wait out its timeout on a GCS that is already gone.
 export RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0
+grace_s="${HYBRIDFLOW_RAY_STOP_GRACE_S:-10}"
 case "$role" in
-  head) exec "$HYBRIDFLOW_RAY" start --head --port="$port" --include-dashboard=false "${common[@]}" ;;
+  head) args=(start --head --port="$port" --include-dashboard=false "${common[@]}") ;;
   worker)
     [[ $head_ip == *:* ]] && head_ip="[$head_ip]"
-    exec "$HYBRIDFLOW_RAY" start --address="$head_ip:$port" "${common[@]}"
+    args=(start --address="$head_ip:$port" "${common[@]}")
     ;;
   *)
     echo "ray_node.sh: role must be head or worker, got '$role'" >&2
     exit 2
     ;;
 esac
+
+group_alive() { kill -0 -- "-$ray_pid" 2>/dev/null; }
+stop_group() {  # SIGTERM to `ray start`, then SIGKILL to the group after the grace period
+  kill -TERM "$ray_pid" 2>/dev/null || true
+  local waited=0
+  while group_alive && ((waited < grace_s * 10)); do
+    sleep 0.1
+    waited=$((waited + 1))
+  done
+  if group_alive; then
+    echo "[ray_node] killing the Ray processes still running after ${grace_s}s" >&2
+    kill -KILL -- "-$ray_pid" 2>/dev/null || true
+  fi
+  while group_alive; do sleep 0.1; done  # killed processes are gone once reaped
+}
+# Not a process-group leader (no job control here), so setsid execs in place: $! is `ray start`,
+# and its PID is the new session's and group's ID.
+setsid "$HYBRIDFLOW_RAY" "${args[@]}" &
+ray_pid=$!
+trap 'stop_group; exit 143' TERM
+trap 'stop_group; exit 130' INT
+status=0
+wait "$ray_pid" || status=$?
+stop_group
+exit "$status"

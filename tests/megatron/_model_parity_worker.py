@@ -2,12 +2,16 @@
 
 Run by test_model_parity.py; also a debugging entry point:
     torchrun --nproc_per_node 4 tests/megatron/_model_parity_worker.py --work-dir /tmp/w --layouts 2x2
-(checkpoints are made in --work-dir if absent). For every layout and both tiny models (Qwen2:
-QKV bias, GQA, untied; Llama: tied embeddings, one KV head so TP=2 exercises Megatron's KV-head
-sharing) it checks, on every rank:
+(checkpoints are made in --work-dir if absent). A layout is TPxPP or TPxPPxEP[:dispatcher]
+(MoE token dispatcher, default allgather); EP > 1 runs only the mixture-of-experts models.
+For every layout and tiny model (Qwen2: QKV bias, GQA, untied; Llama: tied embeddings, one KV
+head so TP=2 exercises Megatron's KV-head sharing; Qwen3: QK norm; Qwen3-MoE: QK norm, 4 experts
+top-2 without renormalisation; Mixtral: top-2 renormalised, tied) it checks, on every rank:
   1. logits equal transformers' on real tokens of a left/right-padded batch (1e-5);
   2. compute_log_prob's log-probs and entropies equal a full-softmax reference (temperature 0.7);
-  3. gradients of a token-mean NLL through Megatron's schedule and DDP equal transformers';
+  3. gradients of a token-mean NLL through Megatron's schedule and DDP equal transformers' (MoE
+     models at TP 1 only: Megatron-Core trains MoE at TP > 1 only with sequence parallelism, which
+     needs Transformer Engine's norms on CUDA);
   4. iter_hf_tensors equals the original safetensors bit for bit;
   5. save_hf_checkpoint loads in transformers with identical tensors and a working tokenizer;
   6. a value-head model gives final-norm hidden states @ head, exports as *ForSequenceClassification
@@ -37,7 +41,13 @@ from hybridflow.protocol import DataProto
 MODELS = {
     "qwen2": dict(arch="qwen2", vocab_size=200, num_kv_heads=2, tie_word_embeddings=False),
     "llama": dict(arch="llama", vocab_size=120, num_kv_heads=1, tie_word_embeddings=True),
+    "qwen3": dict(arch="qwen3", vocab_size=150, num_kv_heads=2, tie_word_embeddings=False),
+    "qwen3_moe": dict(arch="qwen3_moe", vocab_size=130, num_kv_heads=2, tie_word_embeddings=False),
+    "mixtral": dict(
+        arch="mixtral", vocab_size=110, num_kv_heads=2, tie_word_embeddings=True, intermediate_size=48
+    ),
 }
+MOE_MODELS = ("qwen3_moe", "mixtral")
 PROMPT_LEN, RESPONSE_LEN = 5, 4
 TEMPERATURE = 0.7
 
@@ -67,8 +77,23 @@ def hf_reference(hf_dir: Path, batch: dict):
     mask = batch["response_mask"].float()
     nll = -(logp.gather(-1, batch["responses"][..., None]).squeeze(-1) * mask).sum() / mask.sum()
     nll.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    return out.logits.detach(), out.hidden_states[-1].detach(), grads
+    return out.logits.detach(), out.hidden_states[-1].detach(), checkpoint_named_grads(model, hf_dir)
+
+
+def checkpoint_named_grads(model, hf_dir: Path) -> dict[str, torch.Tensor]:
+    """The gradients under the checkpoint's tensor names: transformers 5 fuses MoE experts in
+    memory (experts.gate_up_proj) and splits them per expert on save, so let it save them.
+    Every rank computed the same gradients; transformers saves on global rank 0 only."""
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(param.grad)
+    grad_dir = hf_dir.parent / f"{hf_dir.name}_grads"
+    model.save_pretrained(grad_dir)
+    dist.barrier()
+    grads = {}
+    for shard in sorted(grad_dir.glob("*.safetensors")):
+        grads.update(load_file(shard))
+    return grads
 
 
 def full_softmax_reference(logits: torch.Tensor):
@@ -80,6 +105,14 @@ def full_softmax_reference(logits: torch.Tensor):
 
 def check(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: float = 1e-5) -> None:
     torch.testing.assert_close(actual, expected, atol=tol, rtol=tol, msg=lambda m: f"{name}: {m}")
+
+
+def inference_model(hf_dir, cfg, value_head: bool = False) -> list:
+    """Model chunks in eval mode (Megatron's MoE layer refuses train mode at TP > 1 without SP)."""
+    chunks = build_model(hf_dir, cfg, value_head=value_head, for_training=False)
+    for chunk in chunks:
+        chunk.eval()
+    return chunks
 
 
 def check_logits(chunks, data, batch, ref_logits, vocab_size):
@@ -157,7 +190,7 @@ def check_weights_roundtrip(chunks, hf_dir: Path, hf_config, out_dir: Path):
 
 
 def check_value_head(hf_dir, cfg, data, batch, hf_config, ref_hidden, export_dir: Path):
-    chunks = build_model(hf_dir, cfg, value_head=True, for_training=False)
+    chunks = inference_model(hf_dir, cfg, value_head=True)
     head = dict(iter_hf_tensors(chunks, hf_config))["score.weight"]  # (1, h), replicated
 
     def values_of(model_chunks):
@@ -177,37 +210,59 @@ def check_value_head(hf_dir, cfg, data, batch, hf_config, ref_hidden, export_dir
 
         reloaded = AutoModelForSequenceClassification.from_pretrained(export_dir, dtype=torch.float32)
         assert torch.equal(reloaded.score.weight, head)
-    reloaded_chunks = build_model(export_dir, cfg, value_head=True, for_training=False)
+    reloaded_chunks = inference_model(export_dir, cfg, value_head=True)
     if parallel_state.is_pipeline_last_stage():
         assert torch.equal(values_of(reloaded_chunks), values)
     else:
         values_of(reloaded_chunks)
 
 
-def run_layout(work_dir: Path, tp: int, pp: int) -> None:
-    cfg = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    for arch in MODELS:
+def run_layout(work_dir: Path, tp: int, pp: int, ep: int, dispatcher: str, models: list[str]) -> None:
+    cfg = MegatronConfig(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        moe_token_dispatcher_type=dispatcher,
+    )
+    for arch in models:
+        if ep > 1 and arch not in MOE_MODELS:
+            continue
         hf_dir = work_dir / arch
         hf_config = load_hf_config(hf_dir)
         init_megatron(cfg, hf_config)
         batch = the_batch(hf_config.vocab_size)
         data = DataProto.from_dict(tensors=batch)
         ref_logits, ref_hidden, ref_grads = hf_reference(hf_dir, batch)
-        chunks = build_model(hf_dir, cfg, for_training=False)
+        chunks = inference_model(hf_dir, cfg)
         check_logits(chunks, data, batch, ref_logits, hf_config.vocab_size)
         check_log_probs(chunks, data, batch, ref_logits)
-        check_weights_roundtrip(chunks, hf_dir, hf_config, work_dir / f"export_{arch}_tp{tp}_pp{pp}")
-        check_gradients(hf_dir, cfg, data, batch, hf_config, ref_grads)
-        value_dir = work_dir / f"export_value_{arch}_tp{tp}_pp{pp}"
-        check_value_head(hf_dir, cfg, data, batch, hf_config, ref_hidden, value_dir)
-        print(f"PARITY OK {arch} tp={tp} pp={pp} rank={dist.get_rank()}", flush=True)
+        tag = f"tp{tp}_pp{pp}_ep{ep}"
+        check_weights_roundtrip(chunks, hf_dir, hf_config, work_dir / f"export_{arch}_{tag}")
+        if hf_config.num_experts and tp > 1:
+            # Megatron-Core trains MoE at TP > 1 only with sequence parallelism, which needs TE's
+            # norms (CUDA): without it every TP rank's copy of a token reaches the experts.
+            print(
+                f"SKIP gradients {arch} tp={tp}: MoE training at TP > 1 needs sequence_parallel", flush=True
+            )
+        else:
+            check_gradients(hf_dir, cfg, data, batch, hf_config, ref_grads)
+        check_value_head(
+            hf_dir, cfg, data, batch, hf_config, ref_hidden, work_dir / f"export_value_{arch}_{tag}"
+        )
+        dispatch = f" {dispatcher}" if ep > 1 else ""
+        print(f"PARITY OK {arch} tp={tp} pp={pp} ep={ep}{dispatch} rank={dist.get_rank()}", flush=True)
     parallel_state.destroy_model_parallel()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--work-dir", type=Path, required=True)
-    parser.add_argument("--layouts", default="1x1", help="comma-separated TPxPP, e.g. 1x1,2x1,1x2")
+    parser.add_argument(
+        "--layouts",
+        default="1x1",
+        help="comma-separated TPxPP[xEP[:dispatcher]], e.g. 1x1,2x1,1x1x2:alltoall",
+    )
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {sorted(MODELS)}")
     args = parser.parse_args()
     torch.use_deterministic_algorithms(True)
     dist.init_process_group("gloo")
@@ -215,8 +270,9 @@ def main() -> None:
         make_checkpoints(args.work_dir)
     dist.barrier()
     for layout in args.layouts.split(","):
-        tp, pp = (int(x) for x in layout.split("x"))
-        run_layout(args.work_dir, tp, pp)
+        sizes, _, dispatcher = layout.partition(":")
+        tp, pp, ep = ([int(x) for x in sizes.split("x")] + [1])[:3]
+        run_layout(args.work_dir, tp, pp, ep, dispatcher or "allgather", args.models.split(","))
     dist.destroy_process_group()
 
 

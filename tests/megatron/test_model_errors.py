@@ -80,3 +80,49 @@ def test_intermediate_size_must_split_over_tp(qwen_dir, tmp_path):
     odd = load_hf_config(rewrite_config(qwen_dir, tmp_path / "ffn", intermediate_size=130))
     with pytest.raises(ValueError, match=r"tensor_model_parallel_size=4 must divide intermediate_size=130"):
         validate_parallel_layout(odd, 4, 1)
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    # 4 experts of intermediate size 32, top-2
+    return make_tiny_hf_checkpoint(tmp_path_factory.mktemp("moe"), arch="qwen3_moe", with_tokenizer=False)
+
+
+@pytest.mark.parametrize(
+    ("ep", "etp", "message"),
+    [
+        (3, 1, r"expert_model_parallel_size=3 must divide the number of experts 4"),
+        (8, 1, r"expert_model_parallel_size=8 must divide the number of experts 4"),
+        (2, 3, r"expert_tensor_parallel_size=3 must divide the expert intermediate size 32"),
+        (0, 1, r"expert_model_parallel_size must be a positive integer"),
+    ],
+)
+def test_experts_must_split_over_ep_before_any_process_group(moe_dir, ep, etp, message):
+    cfg = MegatronConfig(expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    with pytest.raises(ValueError, match=message):
+        build_model(moe_dir, cfg)
+    with pytest.raises(ValueError, match=message):
+        init_megatron(cfg, load_hf_config(moe_dir))
+    assert not dist.is_initialized()
+    validate_parallel_layout(load_hf_config(moe_dir), 1, 1, 4, 2)
+
+
+def test_expert_parallelism_needs_a_mixture_of_experts(qwen_dir):
+    with pytest.raises(ValueError, match=r"expert_model_parallel_size=2 needs a mixture-of-experts model"):
+        validate_parallel_layout(load_hf_config(qwen_dir), 1, 1, 2)
+
+
+def test_moe_training_at_tp2_needs_sequence_parallel(moe_dir):
+    from engines.megatron.parallel import validate_moe_training
+
+    moe = load_hf_config(moe_dir)
+    with pytest.raises(ValueError, match=r"tensor_model_parallel_size=2 needs sequence_parallel=true"):
+        validate_moe_training(moe, MegatronConfig(tensor_model_parallel_size=2))
+    validate_moe_training(moe, MegatronConfig(tensor_model_parallel_size=2, sequence_parallel=True))
+    validate_moe_training(moe, MegatronConfig(expert_model_parallel_size=2))
+
+
+def test_qwen3_moe_with_dense_layers_is_refused(moe_dir, tmp_path):
+    mixed = rewrite_config(moe_dir, tmp_path / "mixed", mlp_only_layers=[0])
+    with pytest.raises(ValueError, match=r"mlp_only_layers"):
+        load_hf_config(mixed)

@@ -128,3 +128,49 @@ def test_plan_assigns_layers_and_heads_to_pipeline_stages():
     assert "lm_head.weight" not in {n for p in tied for n in p.hf_names}
     value = weight_plan(hf_config(heads=8, kv_heads=2), ModelLayout(1, 1, 16, True, False))
     assert value[-1].hf_names == ("score.weight",) and value[-1].kind == "replicated"
+
+
+def moe_config(model_type: str) -> HFModelConfig:
+    architecture = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}[model_type]
+    return HFModelConfig(
+        architecture=architecture, model_type=model_type, vocab_size=10, hidden_size=HIDDEN,
+        intermediate_size=8, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=HEAD_DIM, rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=64,
+        tie_word_embeddings=False, qkv_bias=False, qk_layernorm=model_type == "qwen3_moe",
+        num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=4,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(("ep", "grouped"), [(1, False), (2, False), (4, False), (2, True)])
+def test_expert_e_lives_on_ep_rank_e_div_local_count_as_local_expert_e_mod(ep, grouped):
+    plans = weight_plan(moe_config("qwen3_moe"), ModelLayout(2, 2, 16, False, grouped, ep, 1, grouped))
+    fc1 = [p for p in plans if p.expert and p.kind == "gate_up"]
+    assert len(fc1) == 2 * 4  # 2 layers x 4 experts, each once
+    per_rank = 4 // ep
+    for p in fc1:
+        layer, e = int(p.hf_names[0].split(".")[2]), int(p.hf_names[0].split(".")[5])
+        assert p.hf_names == (
+            f"model.layers.{layer}.mlp.experts.{e}.gate_proj.weight",
+            f"model.layers.{layer}.mlp.experts.{e}.up_proj.weight",
+        )
+        assert (p.owner_ep, p.owner_pp, p.full_shape) == (e // per_rank, layer // 1, (8, HIDDEN))
+        local = e % per_rank
+        expected = (
+            f"mlp.experts.linear_fc1.weight{local}"
+            if grouped
+            else f"mlp.experts.local_experts.{local}.linear_fc1.weight"
+        )
+        assert p.megatron_name == f"decoder.layers.0.{expected}"
+    names = {p.megatron_name: p for p in plans if p.owner_pp == 0}
+    assert names["decoder.layers.0.mlp.router.weight"].hf_names == ("model.layers.0.mlp.gate.weight",)
+    assert names["decoder.layers.0.self_attention.q_layernorm.weight"].full_shape == (HEAD_DIM,)
+    # TE's MoE layers keep a separate pre-MLP norm even when the input norm is fused into linear_qkv
+    assert "decoder.layers.0.pre_mlp_layernorm.weight" in names
+
+
+def test_mixtral_experts_use_its_checkpoint_names():
+    plans = weight_plan(moe_config("mixtral"), ModelLayout(1, 1, 16, False, False, 2, 1, False))
+    hf_names = {n for p in plans for n in p.hf_names}
+    assert "model.layers.1.block_sparse_moe.gate.weight" in hf_names
+    assert {f"model.layers.1.block_sparse_moe.experts.3.{w}.weight" for w in ("w1", "w2", "w3")} <= hf_names
+    assert not any("q_norm" in n for n in hf_names)

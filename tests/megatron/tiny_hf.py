@@ -1,4 +1,5 @@
-"""Tiny random Hugging Face checkpoints (Llama, Qwen2) built locally for the engine tests.
+"""Tiny random Hugging Face checkpoints (Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral) built locally
+for the engine tests.
 
 `make_tiny_hf_checkpoint(out_dir, arch="qwen2")` writes config.json, sharded safetensors with
 their index (always at least two shards) and a character-level tokenizer, so that tests exercise
@@ -69,9 +70,15 @@ def tiny_hf_config(
     tie_word_embeddings: bool = False,
     rope_theta: float = 10000.0,
     rms_norm_eps: float = 1e-6,
+    num_experts: int = 4,
+    num_experts_per_tok: int = 2,
+    moe_intermediate_size: int = 32,
+    norm_topk_prob: bool = False,
 ):
-    """The transformers config of a tiny model; `arch` is "qwen2" (QKV bias) or "llama"."""
-    from transformers import LlamaConfig, Qwen2Config
+    """The transformers config of a tiny model; `arch` is "qwen2" (QKV bias), "llama", "qwen3"
+    (QK norm), "qwen3_moe" or "mixtral" (the last two use the num_experts... arguments; Mixtral's
+    experts are intermediate_size wide and always renormalise the top-k probabilities)."""
+    from transformers import LlamaConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         num_hidden_layers=num_layers,
@@ -92,7 +99,27 @@ def tiny_hf_config(
         return Qwen2Config(**common, architectures=["Qwen2ForCausalLM"])
     if arch == "llama":
         return LlamaConfig(**common, architectures=["LlamaForCausalLM"])
-    raise ValueError(f"arch must be 'qwen2' or 'llama', got {arch!r}")
+    head_dim = hidden_size // num_heads  # Qwen3's default head_dim is 128 whatever the width
+    if arch == "qwen3":
+        return Qwen3Config(**common, head_dim=head_dim, architectures=["Qwen3ForCausalLM"])
+    if arch == "qwen3_moe":
+        return Qwen3MoeConfig(
+            **common,
+            head_dim=head_dim,
+            num_experts=num_experts,
+            num_experts_per_tok=num_experts_per_tok,
+            moe_intermediate_size=moe_intermediate_size,
+            norm_topk_prob=norm_topk_prob,
+            architectures=["Qwen3MoeForCausalLM"],
+        )
+    if arch == "mixtral":
+        return MixtralConfig(
+            **common,
+            num_local_experts=num_experts,
+            num_experts_per_tok=num_experts_per_tok,
+            architectures=["MixtralForCausalLM"],
+        )
+    raise ValueError(f"arch must be one of qwen2, llama, qwen3, qwen3_moe, mixtral; got {arch!r}")
 
 
 def make_tiny_hf_checkpoint(out_dir, seed: int = 0, with_tokenizer: bool = True, **config_kwargs) -> Path:

@@ -271,3 +271,28 @@ def test_bad_prompts_and_config_are_rejected(checkpoint):
     with pytest.raises(ValueError, match=r"config\.json"):
         HFRolloutEngine(checkpoint.parent, make_cfg())
     assert replace(make_cfg(), response_length=64).max_new_tokens(SamplingConfig()) == 64
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_checkpoint_tensors_are_what_transformers_saves_and_load_into_fused_experts(arch, tmp_path):
+    """transformers 5 fuses experts in memory and splits them per expert on save: the engine's
+    names and tensors are exactly the saved checkpoint's, and writing them moves the fused weights."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from engines.rollout.hf_rollout import checkpoint_tensors
+
+    hf_dir = make_tiny_hf_checkpoint(tmp_path / arch, arch=arch, num_layers=2, with_tokenizer=False)
+    saved = {}
+    for shard in sorted(hf_dir.glob("*.safetensors")):
+        saved.update(load_file(shard))
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    tensors = checkpoint_tensors(model)
+    assert sorted(tensors) == sorted(saved)
+    for name, tensor in saved.items():
+        assert torch.equal(tensors[name], tensor), name
+    engine = HFRolloutEngine(hf_dir, RolloutConfig(load_format="dummy"), device="cpu")
+    engine.update_weights(saved.items())
+    for name, tensor in saved.items():
+        assert torch.equal(checkpoint_tensors(engine.model)[name], tensor), name
+    assert engine.weight_checksums() == {name: tensor_checksum(t) for name, t in saved.items()}

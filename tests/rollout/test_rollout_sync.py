@@ -1,4 +1,5 @@
-"""Actor (Megatron-Core, TP2 x PP2 on 4 gloo processes) -> hf rollout engine: one launch, six checks.
+"""Actor (Megatron-Core, TP2 x PP2, then a Qwen3-MoE at TP2 x EP2, on 4 gloo processes) -> rollout
+engines (hf, and SGLang through its contract double): one launch, nine checks.
 
 See `_sync_worker.py` for what each check proves.
 """
@@ -13,12 +14,23 @@ from launch import run_distributed
 from tiny_hf import char_vocab, make_tiny_hf_checkpoint
 
 WORKER = Path(__file__).resolve().parent / "_sync_worker.py"
-CHECKS = ("sync-exact", "greedy-export", "independent", "rollout-groups", "verify-catches", "dp2-chunks")
+CHECKS = (
+    "sync-exact",
+    "greedy-export",
+    "independent",
+    "sglang-cycle",
+    "sglang-keep",
+    "sglang-refused",
+    "verify-catches",
+    "dp2-chunks",
+    "moe-tp2-ep2",
+)
 
 
 @pytest.mark.slow
 def test_sync_from_tp2_pp2_actor(tmp_path):
     hf_dir = make_tiny_hf_checkpoint(tmp_path / "hf", arch="qwen2", vocab_size=len(char_vocab()))
-    output = run_distributed(WORKER, 4, hf_dir, tmp_path, timeout=400)
+    moe_dir = make_tiny_hf_checkpoint(tmp_path / "moe", arch="qwen3_moe", vocab_size=len(char_vocab()))
+    output = run_distributed(WORKER, 4, hf_dir, tmp_path, moe_dir, timeout=500)
     for check in CHECKS:
         assert f"OK {check}" in output, f"check {check!r} did not pass:\n{output[-4000:]}"

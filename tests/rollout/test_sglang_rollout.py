@@ -40,8 +40,10 @@ def test_eos_is_kept_once_in_the_output_ids():
 def test_sglang_generates_greedy_like_transformers_and_takes_new_weights(tmp_path):
     from transformers import AutoModelForCausalLM
 
+    from engines.placement import EngineDevices, this_process_slot
     from engines.rollout.config import RolloutConfig, SamplingConfig
     from engines.rollout.sglang_rollout import SGLangRolloutEngine
+    from engines.rollout.weight_sync import WeightSyncError
     from hybridflow.protocol import DataProto
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "megatron"))
@@ -50,7 +52,8 @@ def test_sglang_generates_greedy_like_transformers_and_takes_new_weights(tmp_pat
     hf_dir = make_tiny_hf_checkpoint(tmp_path / "hf", vocab_size=len(char_vocab()))
     greedy = SamplingConfig(do_sample=False, temperature=0.0)
     cfg = RolloutConfig(name="sglang", response_length=8, load_format="auto", val_sampling=greedy)
-    engine = SGLangRolloutEngine(hf_dir, cfg, base_gpu_id=0)
+    devices = EngineDevices((this_process_slot(torch.cuda.device_count()).device,), base_gpu_id=0)
+    engine = SGLangRolloutEngine(hf_dir, cfg, devices)
     mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
     ids = torch.randint(3, 100, mask.shape, generator=torch.Generator().manual_seed(0)) * mask
     prompts = DataProto.from_dict(
@@ -77,9 +80,17 @@ def test_sglang_generates_greedy_like_transformers_and_takes_new_weights(tmp_pat
         with torch.no_grad():
             for param in reference.parameters():
                 param.add_(0.05 * torch.randn_like(param))
+        weights = [(name, tensor.cuda()) for name, tensor in reference.state_dict().items()]
+        # The sharding manager's cycle: release, resume weights, update in a session, resume the
+        # KV cache, flush.
         engine.release_memory()
-        engine.resume_memory()
-        engine.update_weights(reference.state_dict().items())
+        engine.resume_memory(["weights"])
+        with pytest.raises(WeightSyncError, match="begin_weight_update"):  # refused outside a session
+            engine.update_weights(weights)
+        engine.begin_weight_update()
+        engine.update_weights(weights)
+        engine.end_weight_update()
+        engine.resume_memory(["kv_cache", "cuda_graph"])
         engine.flush_cache()
         check()
     finally:

@@ -1,0 +1,177 @@
+"""Driver-side checks of the files a recipe names, after `validate_recipe` and before Ray starts.
+
+`check_run_inputs(cfg)` reads what the workers would otherwise discover only after Ray and
+Megatron have started: each model's safetensors headers (no tensor is loaded), the tokenizer,
+the prompt data (columns, every prompt, the reward inputs, enough rows for a batch) and the
+checkpoint a resume would start from. Each problem raises ValueError / FileNotFoundError naming
+the file (and row) and the fix. The prompt data is tokenized here once more than the trainer
+does it; that costs seconds, a failure in the workers costs minutes.
+"""
+
+import json
+import logging
+from pathlib import Path
+
+from safetensors import SafetensorError, safe_open
+
+from hybridflow.config.schema import RecipeConfig
+from hybridflow.config.validate import model_dirs
+from hybridflow.data.prompt_dataset import (
+    REQUIRED_COLUMNS,
+    PromptDataset,
+    check_chat_prompt,
+    read_located_rows,
+)
+from hybridflow.reward.registry import RULE_SCORES
+from hybridflow.trainer.checkpoint import LATEST, MANIFEST, STEP_DIR
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def check_run_inputs(cfg: RecipeConfig) -> None:
+    for path, key in {path: key for _, key, path in model_dirs(cfg)}.items():  # each directory once
+        check_safetensors(key, Path(path))
+    tokenizer = load_tokenizer(cfg)
+    check_data(cfg, tokenizer)
+    check_resume_point(cfg)
+
+
+def check_safetensors(key: str, model_dir: Path) -> None:
+    """Every safetensors file of the model directory exists and has a whole, readable header."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise ValueError(f"{key}: {index} is not a safetensors index with a weight_map ({err})") from None
+    elif (model_dir / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(
+            f"{key}={model_dir} has neither model.safetensors nor model.safetensors.index.json; the "
+            "model's weights must be there"
+        )
+    for name in files:
+        file = model_dir / name
+        if not file.is_file():
+            raise FileNotFoundError(f"{key}: {file}, listed in {index.name}, does not exist")
+        try:
+            with safe_open(file, framework="pt") as weights:
+                weights.keys()
+        except SafetensorError as err:
+            raise ValueError(f"{key}: {file} is not a complete safetensors file ({err})") from None
+
+
+def load_tokenizer(cfg: RecipeConfig):
+    """The policy's tokenizer (model.tokenizer_path, else model.path), which must have a chat template."""
+    from transformers import AutoTokenizer
+
+    key, path = "model.tokenizer_path", cfg.model.tokenizer_path
+    if path is None:
+        key, path = "model.path", cfg.model.path
+    if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"{key}={path} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}); copy the "
+            "tokenizer there or set model.tokenizer_path"
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as err:
+        raise ValueError(f"{key}={path}: the tokenizer does not load ({type(err).__name__}: {err})") from None
+    if not tokenizer.chat_template:
+        raise ValueError(f"{key}={path}: the tokenizer has no chat_template, which renders the prompts")
+    return tokenizer
+
+
+def check_data(cfg: RecipeConfig, tokenizer) -> None:
+    """The datasets the trainer will build load, and hold at least one batch each."""
+    data = cfg.data
+    if cfg.trainer.mode == "sft":
+        from hybridflow.trainer.sft import SFTDataset
+
+        rows = read_located_rows(data.train_files, (data.prompt_key, "extra_info"))
+        located = rows[: data.train_max_samples]
+        if not located:
+            raise ValueError(f"{data.train_files} hold no rows; add rows")
+        for where, row in located:  # SFTDataset renders the prompts without naming a bad row
+            check_chat_prompt(row[data.prompt_key], where, data.prompt_key)
+        train = SFTDataset(
+            data.train_files, tokenizer, data.max_prompt_length, cfg.rollout.response_length,
+            data.prompt_key, data.train_max_samples,
+        )  # fmt: skip
+    else:
+        train = _prompt_dataset(cfg, tokenizer, data.train_files, data.train_max_samples)
+    _check_batch_fits("data.train_batch_size", data.train_batch_size, len(train), data.train_files)
+    if data.val_files:
+        val = _prompt_dataset(cfg, tokenizer, data.val_files, data.val_max_samples)
+        if data.val_batch_size is not None:
+            _check_batch_fits("data.val_batch_size", data.val_batch_size, len(val), data.val_files)
+
+
+def _prompt_dataset(cfg: RecipeConfig, tokenizer, files: list[str], max_samples: int | None) -> PromptDataset:
+    """The dataset the trainer builds (it checks every prompt), and the rows' reward inputs."""
+    data = cfg.data
+    dataset = PromptDataset(files, tokenizer, data.max_prompt_length, data.prompt_key, max_samples)
+    check_reward_inputs(read_located_rows(files, REQUIRED_COLUMNS)[:max_samples], cfg.reward.custom_fn)
+    return dataset
+
+
+def check_reward_inputs(located: list[tuple[str, dict]], custom_fn: str | None) -> None:
+    """The rule reward needs a rule for each row's data_source and the rows' ground truths; a custom
+    reward may score without ground truth, so missing ones are only reported."""
+    if custom_fn is None:
+        for where, row in located:
+            if row["data_source"] not in RULE_SCORES:
+                raise ValueError(
+                    f"{where}: no reward rule for data_source {row['data_source']!r} (known: "
+                    f"{sorted(RULE_SCORES)}); set reward.custom_fn to a function 'module.fn' that scores it"
+                )
+    missing = [where for where, row in located if (row["reward_model"] or {}).get("ground_truth") is None]
+    if len(missing) == len(located) and custom_fn is None:
+        raise ValueError(
+            f"reward_model.ground_truth is null in every row ({located[0][0]} ... {located[-1][0]}); the "
+            "rule reward scores responses against it: fill it in, or set reward.custom_fn"
+        )
+    if missing:
+        logger.warning(
+            "reward_model.ground_truth is null in %d of %d rows, e.g. %s",
+            len(missing),
+            len(located),
+            missing[0],
+        )
+
+
+def _check_batch_fits(key: str, batch_size: int, rows: int, files: list[str]) -> None:
+    if batch_size > rows:
+        raise ValueError(
+            f"{key}={batch_size} exceeds the {rows} usable rows of {files} (after data.*_max_samples and "
+            f"dropping prompts over data.max_prompt_length); lower {key} or add rows"
+        )
+
+
+def check_resume_point(cfg: RecipeConfig) -> None:
+    """An explicit trainer.resume_from_path must be a finished checkpoint directory; with
+    resume_mode auto, an existing `latest` file must name one."""
+    trainer = cfg.trainer
+    if trainer.resume_from_path:
+        path = Path(trainer.resume_from_path)
+        if not path.is_dir():
+            raise FileNotFoundError(
+                f"trainer.resume_from_path={path} does not exist; give a <output_dir>/checkpoints/"
+                "global_step_N directory, or remove the key"
+            )
+        if not STEP_DIR.match(path.name):
+            raise ValueError(f"trainer.resume_from_path={path}: expected a directory named global_step_N")
+        if not (path / MANIFEST).is_file():
+            raise ValueError(
+                f"trainer.resume_from_path={path} has no {MANIFEST}: that checkpoint's save did not finish"
+            )
+    elif trainer.resume_mode == "auto":
+        latest = Path(trainer.output_dir) / "checkpoints" / LATEST
+        if latest.is_file() and not STEP_DIR.match(latest.read_text().strip()):
+            raise ValueError(
+                f"{latest} should name a global_step_N directory, it holds {latest.read_text()[:80]!r}; "
+                "write the newest complete checkpoint's name there, or set trainer.resume_mode=disable"
+            )

@@ -1,0 +1,238 @@
+"""Every row of the table in docs/bad-inputs.md, run through the real entry point.
+
+Each row is a command line (`python -m hybridflow.trainer.main <args>`) whose `<name>` parts are
+files this module builds once (a valid tiny recipe, broken copies of a tiny model, broken
+parquet files, a broken checkpoint folder). Each must exit with status 2 and one `error:` line
+holding the table's message, no traceback, and Ray never started: in-process, `connect_ray` and
+`ray.init` are replaced by a function that fails the test (a control test shows the valid recipe
+does reach it); in a subprocess, RAY_TMPDIR is a fresh folder Ray would write its session into.
+"""
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from safetensors import safe_open
+
+from hybridflow.data.arith import ArithConfig, write_arith_parquet
+from hybridflow.trainer import main as entry
+from hybridflow.trainer.preflight import check_reward_inputs
+from hybridflow.utils.tiny_model import make_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+TABLE = ROOT / "docs" / "bad-inputs.md"
+ROW = re.compile(r"^\| (?P<case>[^|`]+?) \| `(?P<command>[^`]+)` \| `(?P<message>[^`]+)` \|$")
+INDEX = "model.safetensors.index.json"
+SUBPROCESS_CASES = ("YAML syntax error", "prompt is null")  # the cheapest and the deepest check
+
+
+def table_rows() -> list[tuple[str, str, str]]:
+    rows = [ROW.match(line) for line in TABLE.read_text().splitlines()]
+    return [(m["case"], m["command"], m["message"]) for m in rows if m]
+
+
+class RayStarted(Exception):
+    """Raised in place of connecting to Ray: the checks let the run through."""
+
+
+def base_recipe(files: dict[str, Path]) -> dict:
+    """recipes/quickstart.yaml pointed at the tiny model and data, sized for 2 CPU processes."""
+    recipe = yaml.safe_load((ROOT / "recipes/quickstart.yaml").read_text())
+    recipe["model"]["path"] = str(files["tiny"])
+    recipe["data"].update(
+        train_files=[str(files["train"])], val_files=[str(files["test"])], train_batch_size=4
+    )
+    recipe["rollout"]["sampling"]["n"] = 2
+    recipe["actor"]["update"].update(ppo_mini_batch_size=8, ppo_micro_batch_size=4)
+    recipe["actor"]["log_prob_micro_batch_size"] = 4
+    recipe["critic"]["update"].update(ppo_mini_batch_size=8, ppo_micro_batch_size=4)
+    recipe["trainer"].update(output_dir=str(files["out"]), logger=["console"])
+    return recipe
+
+
+def model_copy(
+    tiny: Path, out: Path, drop: tuple[str, ...] = (), write: dict[str, bytes] | None = None
+) -> Path:
+    """`tiny` with some files left out or replaced (the others are symlinks: nothing is copied)."""
+    out.mkdir()
+    for file in tiny.iterdir():
+        if file.name not in drop and file.name not in (write or {}):
+            (out / file.name).symlink_to(file)
+    for name, content in (write or {}).items():
+        (out / name).write_bytes(content)
+    return out
+
+
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def broken_models(tiny: Path, root: Path) -> dict[str, Path]:
+    """Copies of the tiny model with a broken config.json, weights or tokenizer."""
+    config = json.loads((tiny / "config.json").read_text())
+    headless = json.dumps({k: v for k, v in config.items() if k != "num_attention_heads"}).encode()
+    weights = (tiny / "model.safetensors").read_bytes()
+    with safe_open(tiny / "model.safetensors", framework="pt") as handle:
+        names = list(handle.keys())
+    index = {"weight_map": dict.fromkeys(names, "model.safetensors")}
+    shard_missing = {"weight_map": {**index["weight_map"], names[-1]: "model-00002-of-00002.safetensors"}}
+    tokenizer = tuple(f.name for f in tiny.iterdir() if f.name.startswith(("tokenizer", "vocab", "merges")))
+    variants = {
+        "config_not_json": {"write": {"config.json": b"{not json"}},
+        "config_no_heads": {"write": {"config.json": headless}},
+        "weights_truncated": {"write": {"model.safetensors": weights[: len(weights) // 2]}},
+        "weights_garbage": {"write": {"model.safetensors": b"garbage!" * 512}},
+        "weights_absent": {"drop": ("model.safetensors",)},
+        "sharded": {"write": {INDEX: json.dumps(index).encode()}},  # valid: an export's layout
+        "shard_missing": {"write": {INDEX: json.dumps(shard_missing).encode()}},
+        "tokenizer_absent": {"drop": tokenizer},
+    }
+    return {name: model_copy(tiny, root / name, **how) for name, how in variants.items()}
+
+
+def broken_parquets(rows: list[dict], out: Path) -> dict[str, Path]:
+    """Parquet files that break one rule each, made from valid rows."""
+    out.mkdir()
+    variants = {
+        "null_prompt": [rows[0], {**rows[1], "prompt": None}],
+        "empty_prompt": [rows[0], {**rows[1], "prompt": []}],
+        "string_prompt": [{**r, "prompt": r["prompt"][0]["content"]} for r in rows],  # one type a column
+        "no_answer": [{**r, "extra_info": {**r["extra_info"], "answer": None}} for r in rows],
+        "unknown_source": [{**r, "data_source": "mystery"} for r in rows],
+        "no_ground_truth": [{**r, "reward_model": {"style": "rule", "ground_truth": None}} for r in rows],
+    }
+    files = {f"{name}.parquet": write_rows(out / f"{name}.parquet", bad) for name, bad in variants.items()}
+    files["no_prompt.parquet"] = out / "no_prompt.parquet"
+    pq.write_table(pa.Table.from_pylist(rows).drop(["prompt"]), files["no_prompt.parquet"])
+    files["empty.parquet"] = out / "empty.parquet"
+    pq.write_table(pa.Table.from_pylist(rows).slice(0, 0), files["empty.parquet"])
+    files["not_parquet.parquet"] = out / "not_parquet.parquet"
+    files["not_parquet.parquet"].write_text("question,answer\n1+1,2\n")
+    return files
+
+
+def broken_recipes_and_checkpoints(root: Path) -> dict[str, Path]:
+    files = {"bad_syntax.yaml": root / "bad_syntax.yaml", "list.yaml": root / "list.yaml"}
+    files["bad_syntax.yaml"].write_text("model:\n  path: [unclosed\ndata:\n  train_batch_size: 4\n")
+    files["list.yaml"].write_text("- model\n- data\n")
+    files["garbage_latest"] = root / "garbage_latest"  # an output_dir
+    (files["garbage_latest"] / "checkpoints").mkdir(parents=True)
+    (files["garbage_latest"] / "checkpoints" / "latest").write_text("\x00\x17garbage")
+    files["unfinished_ckpt"] = root / "ckpt" / "global_step_3"  # no manifest.json
+    (files["unfinished_ckpt"] / "actor").mkdir(parents=True)
+    return files
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    """Every `<name>` the table uses, built once for the module."""
+    root = tmp_path_factory.mktemp("bad_inputs")
+    files = {"tiny": make_tiny_model(root / "tiny"), "out": root / "out", "missing": root / "missing"}
+    files.update(write_arith_parquet(root / "data", ArithConfig(num_train=8, num_test=4, seed=3)))
+    files.update(broken_models(files["tiny"], root))
+    files.update(broken_parquets(pq.read_table(files["train"]).to_pylist(), root / "bad_data"))
+    files.update(broken_recipes_and_checkpoints(root))
+    files["recipe"] = root / "recipe.yaml"
+    files["recipe"].write_text(yaml.safe_dump(base_recipe(files)))
+    return files
+
+
+def resolve(text: str, files: dict[str, Path]) -> str:
+    return re.sub(r"<([\w.]+)>", lambda m: str(files[m.group(1)]), text)
+
+
+def run_in_process(argv: list[str], monkeypatch, capsys) -> tuple[int, str]:
+    import ray
+
+    def refuse(*args, **kwargs):
+        raise RayStarted("the checks passed and the entry point went on to start Ray")
+
+    monkeypatch.setattr(entry, "connect_ray", refuse)
+    monkeypatch.setattr(ray, "init", refuse)  # in case anything before connect_ray starts Ray
+    code = entry.main(argv)
+    return code, capsys.readouterr().err
+
+
+CASES = table_rows()
+
+
+def test_the_table_lists_at_least_35_distinct_bad_inputs():
+    assert len(CASES) >= 35
+    assert len({case for case, _, _ in CASES}) == len(CASES)
+    assert set(SUBPROCESS_CASES) <= {case for case, _, _ in CASES}
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["trainer.mode=sft"],
+        ["model.path=<sharded>"],
+        ["algorithm.adv_estimator=gae", "critic.enable=true"],
+    ],
+)
+def test_the_valid_recipe_gets_as_far_as_ray(overrides, files, monkeypatch, capsys):
+    """The control: without a bad input the same checks pass and the entry point goes on to Ray,
+    so each row below fails because of its own input, before that point. (`<sharded>` is the
+    tiny model with a safetensors index, the layout of an export.)"""
+    with pytest.raises(RayStarted):
+        run_in_process([str(files["recipe"]), *(resolve(o, files) for o in overrides)], monkeypatch, capsys)
+    assert (files["out"] / "config.yaml").is_file()
+    (files["out"] / "config.yaml").unlink()
+
+
+@pytest.mark.parametrize(("case", "command", "message"), CASES, ids=[case for case, _, _ in CASES])
+def test_bad_input_fails_with_one_error_before_ray(case, command, message, files, monkeypatch, capsys):
+    argv = [resolve(arg, files) for arg in shlex.split(command)]
+    code, err = run_in_process(argv, monkeypatch, capsys)
+    assert code == 2, err
+    assert "Traceback" not in err
+    assert len([line for line in err.splitlines() if line.startswith("error: ")]) == 1, err
+    error = err[err.index("error: ") :]
+    assert "\n  - " not in error, error  # one problem, one line
+    assert resolve(message, files) in error
+    assert not (files["out"] / "config.yaml").exists()  # nothing written before the checks pass
+
+
+@pytest.mark.parametrize("case", SUBPROCESS_CASES)
+def test_entry_point_exits_2_without_traceback_or_ray_session(case, files, tmp_path):
+    """`python -m hybridflow.trainer.main` itself; Ray would create a session folder in RAY_TMPDIR."""
+    command, message = next((c, m) for name, c, m in CASES if name == case)
+    ray_tmp = tmp_path / "ray"
+    ray_tmp.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-m", "hybridflow.trainer.main", *(resolve(a, files) for a in shlex.split(command))],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "RAY_TMPDIR": str(ray_tmp), "RAY_ADDRESS": ""},
+        timeout=300,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert resolve(message, files) in done.stderr
+    assert list(ray_tmp.iterdir()) == []
+
+
+def test_missing_ground_truths_are_an_error_for_the_rule_reward_and_a_warning_for_a_custom_one(caplog):
+    def row(truth):
+        return {"data_source": "arith", "reward_model": {"style": "rule", "ground_truth": truth}}
+
+    some = [("f.parquet row 0", row(None)), ("f.parquet row 1", row("3"))]
+    check_reward_inputs(some, custom_fn=None)
+    assert "ground_truth is null in 1 of 2 rows, e.g. f.parquet row 0" in caplog.text
+    none = [("f.parquet row 0", row(None)), ("f.parquet row 1", row(None))]
+    with pytest.raises(ValueError, match=r"null in every row \(f.parquet row 0 ... f.parquet row 1\)"):
+        check_reward_inputs(none, custom_fn=None)
+    caplog.clear()
+    check_reward_inputs(none, custom_fn="my_rewards.score")
+    assert "ground_truth is null in 2 of 2 rows" in caplog.text

@@ -1,0 +1,170 @@
+"""How a run ends, end to end through scripts/run_recipe.sh on the tiny quickstart setup:
+
+- SIGINT: exit status 130 and one line, no traceback;
+- SIGKILL of the driver: the script still removes everything the driver started;
+- in both cases no process of the run is left the moment the script returns (each process of the
+  run carries a marker in its environment, inherited from the script);
+- a NaN reward stops the run at step 1 with an error naming the step, the reward function and the
+  data_source, and nothing is published (no checkpoint, no `latest`, no HF export);
+- with trainer.nonfinite_policy=skip the same run completes, counts the skipped steps, and
+  exports the untouched initial weights.
+"""
+
+import os
+import signal
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from multinode_helpers import processes_with_env
+from safetensors.torch import load_file
+
+from hybridflow.data.arith import ArithConfig, write_arith_parquet
+from hybridflow.utils.tiny_model import make_tiny_model
+from hybridflow.utils.tracking import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+NAN_REWARD = """
+def always_nan(data_source, solution_str, ground_truth, extra_info):
+    return float("nan")
+"""
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("lifecycle")
+    (root / "nan_reward.py").write_text(NAN_REWARD)
+    data = write_arith_parquet(root / "data", ArithConfig(num_train=32, num_test=8, seed=3))
+    return {"root": root, "model": make_tiny_model(root / "tiny", num_layers=2), "data": data}
+
+
+def command(local: dict, output_dir: Path, *overrides: str) -> list[str]:
+    return [
+        "bash", str(ROOT / "scripts/run_recipe.sh"), str(ROOT / "recipes/quickstart.yaml"),
+        f"model.path={local['model']}",
+        f"data.train_files=[{local['data']['train']}]",
+        f"data.val_files=[{local['data']['test']}]",
+        "data.train_batch_size=4", "rollout.sampling.n=2", "rollout.response_length=8",
+        "actor.update.ppo_mini_batch_size=8", "actor.update.ppo_micro_batch_size=4",
+        "actor.log_prob_micro_batch_size=8",
+        "trainer.val_before_train=false", "trainer.test_freq=0", "trainer.logger=[console]",
+        f"trainer.output_dir={output_dir}", *overrides,
+    ]  # fmt: skip
+
+
+def environment(local: dict, marker: str) -> dict:
+    return {
+        **os.environ,
+        "RAY_ADDRESS": "local",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore",
+        "PYTHONPATH": str(local["root"]),
+        "HYBRIDFLOW_TEST_RUN": marker,
+    }
+
+
+def wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.2)
+
+
+def start_and_wait_for_step_1(local: dict, output_dir: Path, marker: str) -> tuple[subprocess.Popen, Path]:
+    log = output_dir.parent / f"{output_dir.name}.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            command(local, output_dir, "trainer.total_training_steps=1000"), env=environment(local, marker),
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    wait_for(lambda: read_metrics(output_dir / "metrics.jsonl") or proc.poll() is not None, 900, "step 1")
+    assert proc.poll() is None, log.read_text()[-3000:]
+    return proc, log
+
+
+def cleanup(proc: subprocess.Popen, marker: str) -> None:
+    """After a failed assertion: remove whatever the run left (by PID)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    for pid in [int(p.pid) for p in psutil.process_iter() if marker_in(p, marker)]:
+        psutil.Process(pid).kill()
+
+
+def marker_in(process: psutil.Process, marker: str) -> bool:
+    try:
+        return process.environ().get("HYBRIDFLOW_TEST_RUN") == marker
+    except psutil.Error:
+        return False
+
+
+def test_sigint_exits_130_with_one_line_and_leaves_nothing(local, tmp_path):
+    marker = uuid.uuid4().hex
+    proc, log = start_and_wait_for_step_1(local, tmp_path / "run", marker)
+    try:
+        proc.send_signal(signal.SIGINT)  # to the script, as Ctrl-C in a terminal would
+        assert proc.wait(timeout=600) == 130, log.read_text()[-3000:]
+        output = log.read_text()
+        assert "Traceback" not in output, output[-3000:]
+        assert output.rstrip().splitlines()[-1] == (
+            "interrupted (SIGINT): rerun the same command to resume from the last checkpoint"
+        )
+        assert processes_with_env(f"HYBRIDFLOW_TEST_RUN={marker}") == []
+    finally:
+        cleanup(proc, marker)
+
+
+def test_sigkill_of_the_driver_leaves_nothing(local, tmp_path):
+    marker = uuid.uuid4().hex
+    proc, log = start_and_wait_for_step_1(local, tmp_path / "run", marker)
+    try:
+        (driver,) = psutil.Process(proc.pid).children()
+        assert "hybridflow.trainer.main" in " ".join(driver.cmdline())
+        assert len(psutil.Process(driver.pid).children(recursive=True)) > 1  # Ray and workers
+        driver.kill()
+        assert proc.wait(timeout=600) == 128 + signal.SIGKILL, log.read_text()[-3000:]
+        assert processes_with_env(f"HYBRIDFLOW_TEST_RUN={marker}") == []
+    finally:
+        cleanup(proc, marker)
+
+
+def load_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face directory, whatever its sharding."""
+    return {name: t for shard in sorted(hf_dir.glob("*.safetensors")) for name, t in load_file(shard).items()}
+
+
+def run(local: dict, output_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        command(local, output_dir, "trainer.total_training_steps=2", "trainer.save_freq=1",
+                "reward.custom_fn=nan_reward.always_nan", *overrides),
+        env=environment(local, uuid.uuid4().hex), capture_output=True, text=True, timeout=1200,
+    )  # fmt: skip
+
+
+def test_nan_reward_stops_the_run_and_publishes_nothing(local, tmp_path):
+    result = run(local, tmp_path / "run")
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert (
+        "error: step 1: reward function nan_reward.always_nan on response 0 (data_source 'arith') "
+        "returned nan"
+    ) in result.stderr
+    assert not (tmp_path / "run" / "checkpoints" / "latest").exists()
+    assert not list((tmp_path / "run" / "checkpoints").glob("global_step_*"))
+    assert not (tmp_path / "run" / "hf").exists()
+
+
+def test_skip_policy_counts_skipped_steps_and_keeps_the_weights(local, tmp_path):
+    result = run(local, tmp_path / "run", "trainer.nonfinite_policy=skip")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "step 1 skipped: reward function nan_reward.always_nan" in result.stdout
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [(r["step"], r["nonfinite/skipped_steps"]) for r in rows] == [(1, 1), (2, 2)]
+    exported, initial = load_weights(tmp_path / "run" / "hf"), load_weights(Path(local["model"]))
+    assert exported.keys() == initial.keys() and exported
+    assert all(torch.equal(exported[k], initial[k]) for k in initial)  # no update was applied
