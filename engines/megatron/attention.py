@@ -1,8 +1,9 @@
 """Core attention on `torch.nn.functional.scaled_dot_product_attention`, as a Megatron module.
 
-Placed into a layer spec at `spec.submodules.self_attention.submodules.core_attention`
-(Megatron-Core's extension point); it replaces `DotProductAttention` (which allocates on CUDA)
-on CPU, and is also used on GPU so that the padding mask means the same thing everywhere.
+Placed into the local layer spec at `spec.submodules.self_attention.submodules.core_attention`
+(Megatron-Core's extension point); it replaces `DotProductAttention` (which allocates on CUDA and
+takes no packed sequences) wherever Transformer Engine does not run: on CPU, and on CUDA without
+TE. With TE the spec keeps TE's attention (te_attention.py), which reads the same mask.
 
 Mask contract (Megatron's convention): `attention_mask` is a bool tensor broadcastable to
 (b, 1, sq, sk), True where a query may NOT attend to a key; None means plain causal attention.
@@ -13,30 +14,14 @@ Shapes: inputs are [s, b, heads, head_dim] (Megatron layout); output is [sq, b, 
 
 Packed sequences (`packed_seq_params` with qkv_format="thd", see packing.py): inputs are
 [t, heads, head_dim] holding several sequences back to back; the output is [t, heads * head_dim].
-Where `packed_attention_backend` says "te" (CUDA with Transformer Engine) the call goes to
-Megatron-Core's `TEDotProductAttention` (flash / cuDNN varlen kernels, `cu_seqlens` as given). Else
-each sequence is its own causal block through SDPA: the cost grows with sum_i L_i^2, not with
+Each sequence is its own causal block through SDPA: the cost grows with sum_i L_i^2, not with
 (sum_i L_i)^2 as one block-diagonal mask would (measured in docs/packing.md). Positions past
 `cu_seqlens[-1]` (padding for TP / PP shapes) get zeros; no real query reads them.
 """
 
 import torch
 import torch.nn.functional as F
-from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
-
-
-def packed_attention_backend(cuda: bool, transformer_engine: bool) -> str:
-    """ "te": Transformer Engine's varlen attention (CUDA + TE); "sdpa": per-sequence SDPA blocks."""
-    return "te" if cuda and transformer_engine else "sdpa"
-
-
-def _transformer_engine_importable() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 class SDPACoreAttention(MegatronModule):
@@ -62,9 +47,6 @@ class SDPACoreAttention(MegatronModule):
         self.layer_number = max(1, layer_number)
         self.softmax_scale = softmax_scale
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
-        self._te_args = (config, layer_number, attention_type, attention_dropout, softmax_scale)
-        self._pg_collection = pg_collection
-        self._varlen = []  # TEDotProductAttention, built at the first packed call on CUDA
 
     def forward(
         self,
@@ -103,11 +85,6 @@ class SDPACoreAttention(MegatronModule):
     def _packed(self, query, key, value, params) -> torch.Tensor:
         if params.qkv_format != "thd":
             raise ValueError(f"packed_seq_params.qkv_format must be 'thd', got {params.qkv_format!r}")
-        backend = packed_attention_backend(query.is_cuda, _transformer_engine_importable())
-        if backend == "te":
-            return self._transformer_engine_varlen()(
-                query, key, value, None, attn_mask_type=AttnMaskType.padding_causal, packed_seq_params=params
-            )
         tokens, heads, head_dim = query.shape
         repeat = heads // key.shape[1]
         dropout_p = self.dropout_p if self.training else 0.0
@@ -132,17 +109,3 @@ class SDPACoreAttention(MegatronModule):
             pieces.append(query.new_zeros(tokens - end, heads, head_dim))
         out = torch.cat(pieces)  # (t, n, d)
         return out.reshape(tokens, heads * head_dim)
-
-    def _transformer_engine_varlen(self):
-        """Megatron-Core's TE attention for the THD layout, kept outside the module tree so that
-        checkpoints hold the same keys with and without it."""
-        if not self._varlen:
-            from megatron.core.extensions.transformer_engine import TEDotProductAttention
-
-            config, layer_number, attention_type, dropout, scale = self._te_args
-            attention = TEDotProductAttention(
-                config, layer_number, AttnMaskType.padding_causal, attention_type,
-                attention_dropout=dropout, softmax_scale=scale, pg_collection=self._pg_collection,
-            )  # fmt: skip
-            self._varlen.append(attention)
-        return self._varlen[0]

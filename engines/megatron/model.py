@@ -7,9 +7,12 @@ the mixture-of-experts Qwen3-MoE and Mixtral: every layer's MLP is Megatron-Core
 Experts are Megatron's SequentialMLP (and the all-gather / all-to-all token dispatchers) on CPU,
 TE's grouped GEMM when Transformer Engine runs on CUDA.
 
-Layer spec: Transformer Engine's when `transformer_engine` imports and CUDA is present, else
-Megatron-Core's local spec; in both, the core attention is `SDPACoreAttention` so that the
-padding mask means the same on every path (see attention.py).
+Kernels (`model_kernels`, a plain function of what the machine has, so CPU tests check the CUDA
+choice): with CUDA and Transformer Engine, Megatron-Core's TE layer spec with TE's flash / cuDNN
+core attention (te_attention.py), TE's final norm and the fused kernels (RoPE, SwiGLU, bias-dropout-
+add; weight-gradient accumulation where apex's extension is built); otherwise Megatron-Core's local
+spec with `SDPACoreAttention` (attention.py), no fusions, and torch's norms everywhere (Megatron
+would pick apex's FusedLayerNorm for the final norm when apex is installed, and it refuses RMSNorm).
 
 `build_model(..., value_head=True)` replaces the vocabulary output layer with a replicated
 `hidden -> 1` linear (critics, reward models): loaded from `score.weight` when the checkpoint
@@ -183,15 +186,57 @@ def params_dtype(cfg: MegatronConfig) -> torch.dtype:
     return DTYPES[cfg.params_dtype]
 
 
-def use_transformer_engine() -> bool:
-    """Transformer Engine layers only where they can run: TE importable and CUDA present."""
-    if not cpu_compat.cuda_available():
-        return False
+def _importable(module: str) -> bool:
     try:
-        import transformer_engine  # noqa: F401
+        __import__(module)
     except ImportError:
         return False
     return True
+
+
+@dataclass(frozen=True)
+class ModelKernels:
+    """Which Megatron-Core implementation the model layers use."""
+
+    transformer_engine: bool  # TE layer spec, TE core attention, TE final norm
+    fused_wgrad: bool  # gradient_accumulation_fusion (apex's fused_weight_gradient_mlp_cuda)
+
+
+def model_kernels(cuda: bool, transformer_engine: bool, apex_wgrad_extension: bool) -> ModelKernels:
+    """TE only where it can run (CUDA); weight-gradient fusion also needs apex's CUDA extension,
+    which Megatron's local output layer calls even under the TE spec."""
+    te = cuda and transformer_engine
+    return ModelKernels(transformer_engine=te, fused_wgrad=te and apex_wgrad_extension)
+
+
+def machine_kernels() -> ModelKernels:
+    """`model_kernels` for this process."""
+    cuda = cpu_compat.cuda_available()
+    return model_kernels(
+        cuda,
+        cuda and _importable("transformer_engine"),
+        cuda and _importable("fused_weight_gradient_mlp_cuda"),
+    )
+
+
+def use_transformer_engine() -> bool:
+    """Transformer Engine layers only where they can run: TE importable and CUDA present."""
+    return machine_kernels().transformer_engine
+
+
+def fusion_settings(kernels: ModelKernels) -> dict[str, bool]:
+    """Megatron-Core's fused-kernel switches: on with Transformer Engine, off without (each needs
+    CUDA and TE or apex). The models here have no biases; the bias fusions are SwiGLU and the
+    residual add. `masked_softmax_fusion` belongs to the local DotProductAttention, never used."""
+    te = kernels.transformer_engine
+    return dict(
+        gradient_accumulation_fusion=kernels.fused_wgrad,
+        bias_activation_fusion=te,
+        bias_dropout_fusion=te,
+        apply_rope_fusion=te,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+    )
 
 
 def to_transformer_config(hf_config: HFModelConfig, cfg: MegatronConfig):
@@ -226,13 +271,7 @@ def to_transformer_config(hf_config: HFModelConfig, cfg: MegatronConfig):
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         attention_softmax_in_fp32=True,
-        # No bias in these models, and the fused kernels need CUDA (and TE/apex): keep them off.
-        gradient_accumulation_fusion=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
+        **fusion_settings(machine_kernels()),
         variable_seq_lengths=False,
         qk_layernorm=hf_config.qk_layernorm,
         **moe_config(hf_config, cfg),
@@ -272,28 +311,49 @@ def expert_tp_size(cfg: MegatronConfig) -> int:
     return cfg.expert_tensor_parallel_size
 
 
-def layer_spec(hf_config: HFModelConfig):
-    """GPT layer spec (TE or local) with the SDPA core attention in Megatron's extension slot;
-    QK layernorm and MoE layers (grouped GEMM experts with TE, sequential ones without) per model."""
+def layer_spec(hf_config: HFModelConfig, kernels: ModelKernels):
+    """GPT layer spec: Transformer Engine's (TE core attention that also takes hybridflow's padding
+    mask) or Megatron-Core's local one with the SDPA core attention; QK layernorm and MoE layers
+    (grouped GEMM experts with TE, sequential ones without) per model."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    from engines.megatron.attention import SDPACoreAttention
-
     num_experts = hf_config.num_experts or None
     qk_layernorm = hf_config.qk_layernorm
-    if use_transformer_engine():
+    if kernels.transformer_engine:
+        from engines.megatron.te_attention import te_core_attention
+
         spec = get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts, moe_grouped_gemm=num_experts is not None, qk_layernorm=qk_layernorm
         )
-    else:
-        spec = get_gpt_layer_local_spec(
-            num_experts=num_experts, qk_layernorm=qk_layernorm, normalization="RMSNorm"
-        )
+        spec.submodules.self_attention.submodules.core_attention = te_core_attention()
+        return spec
+    from engines.megatron.attention import SDPACoreAttention
+
+    spec = get_gpt_layer_local_spec(
+        num_experts=num_experts, qk_layernorm=qk_layernorm, normalization="RMSNorm"
+    )
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     return spec
+
+
+def block_spec(hf_config: HFModelConfig, tf_config, kernels: ModelKernels):
+    """This pipeline stage's layers and the final norm, chosen here rather than by Megatron's
+    module-level default (apex's FusedLayerNorm whenever apex imports, which asserts LayerNorm)."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    if kernels.transformer_engine:
+        from megatron.core.extensions.transformer_engine import TENorm as final_norm
+    else:
+        final_norm = WrappedTorchNorm
+    layers = [layer_spec(hf_config, kernels)] * get_num_layers_to_build(tf_config)
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=final_norm)
 
 
 class ValueHead(torch.nn.Linear):
@@ -325,7 +385,7 @@ def build_gpt_model(hf_config: HFModelConfig, cfg: MegatronConfig, *, value_head
     tf_config = to_transformer_config(hf_config, cfg)
     model = GPTModel(
         config=tf_config,
-        transformer_layer_spec=layer_spec(hf_config),
+        transformer_layer_spec=block_spec(hf_config, tf_config, machine_kernels()),
         vocab_size=padded_vocab_size(hf_config.vocab_size, cfg),
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),

@@ -9,7 +9,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer import TransformerConfig
 
 from engines.megatron import packing
-from engines.megatron.attention import SDPACoreAttention, packed_attention_backend
+from engines.megatron.attention import SDPACoreAttention
 
 
 def test_pack_micro_batch_by_hand():
@@ -76,12 +76,6 @@ def test_restore_order_undoes_the_grouping():
     groups = [[1, 3], [0], [2]]
     per_group = [torch.tensor([[1.0], [3.0]]), torch.tensor([[0.0]]), torch.tensor([[2.0]])]
     assert packing.restore_order(per_group, groups).flatten().tolist() == [0.0, 1.0, 2.0, 3.0]
-
-
-def test_packed_attention_backend_choice():
-    assert packed_attention_backend(cuda=True, transformer_engine=True) == "te"
-    assert packed_attention_backend(cuda=True, transformer_engine=False) == "sdpa"
-    assert packed_attention_backend(cuda=False, transformer_engine=True) == "sdpa"
 
 
 def _naive_causal(q, k, v):

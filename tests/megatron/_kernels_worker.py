@@ -1,0 +1,42 @@
+"""torchrun worker (1 process): the model's classes on a machine with apex but no Transformer Engine.
+
+Megatron-Core's transformer block picks its final norm from a module-level default,
+`LayerNormImpl`, which is apex's FusedLayerNorm whenever apex imports (common NGC images); that
+class asserts `normalization == "LayerNorm"`, so an RMSNorm model failed to build there. The
+worker sets the default as apex would, builds a Qwen2 model (and the MoE one), and checks the
+final norm is torch's, the core attention is SDPA and the fused kernels are off. Prints
+"KERNELS OK" when every check passed.
+"""
+
+import sys
+from pathlib import Path
+
+import megatron.core.transformer.transformer_block as transformer_block
+import torch
+from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
+
+from engines.megatron.attention import SDPACoreAttention
+from engines.megatron.config import MegatronConfig
+from engines.megatron.model import build_model, unwrap_model
+from engines.megatron.parallel import init_megatron
+
+
+def main(model_dirs: list[Path]) -> None:
+    transformer_block.LayerNormImpl = FusedLayerNorm  # what `import apex` selects in Megatron-Core
+    init_megatron(MegatronConfig())
+    for model_dir in model_dirs:
+        model = unwrap_model(
+            build_model(model_dir, MegatronConfig(), load_weights=False, for_training=False)[0]
+        )
+        final_norm = model.decoder.final_layernorm
+        assert isinstance(final_norm, torch.nn.RMSNorm), type(final_norm)  # what WrappedTorchNorm makes
+        attentions = {type(layer.self_attention.core_attention) for layer in model.decoder.layers}
+        assert attentions == {SDPACoreAttention}, attentions
+        config = model.config
+        fused = (config.apply_rope_fusion, config.gradient_accumulation_fusion, config.bias_activation_fusion)
+        assert fused == (False, False, False), fused
+    print("KERNELS OK", flush=True)
+
+
+if __name__ == "__main__":
+    main([Path(arg) for arg in sys.argv[1:]])
