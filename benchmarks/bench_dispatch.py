@@ -18,6 +18,7 @@ from benchmarks._timing import median_seconds
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller import (
     Dispatch,
+    ParallelRanks,
     RayClassWithInitArgs,
     RayResourcePool,
     RayWorkerGroup,
@@ -34,7 +35,9 @@ ROWS, TOKENS, KEYS, REPEATS = 512, 2048, 8, 5
 class NoOpWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_layout(self):
-        self.set_parallel_ranks(dp=self.rank // 2, tp=self.rank % 2, pp=0, dp_size=2, tp_size=2, pp_size=1)
+        self.set_parallel_ranks(
+            ParallelRanks(dp=self.rank // 2, tp=self.rank % 2, pp=0, dp_size=2, tp_size=2, pp_size=1)
+        )
 
     @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE_PROTO)
     def no_op(self, data: DataProto) -> DataProto:

@@ -14,7 +14,7 @@ import ray
 import torch
 
 from hybridflow.protocol import DataProto
-from hybridflow.single_controller import Dispatch, Worker, register
+from hybridflow.single_controller import Dispatch, ParallelRanks, Worker, register
 
 
 def megatron_order(rank: int, dp_size: int, tp_size: int, pp_size: int) -> dict[str, int]:
@@ -59,7 +59,7 @@ class ProbeWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def register_megatron_ranks(self, dp_size: int, tp_size: int, pp_size: int) -> None:
         ranks = megatron_order(self.rank, dp_size, tp_size, pp_size)
-        self.set_parallel_ranks(**ranks, cp=0, dp_size=dp_size, tp_size=tp_size, pp_size=pp_size, cp_size=1)
+        self.set_parallel_ranks(ParallelRanks(**ranks, dp_size=dp_size, tp_size=tp_size, pp_size=pp_size))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def take_received(self) -> list:
@@ -153,7 +153,9 @@ class _NamedRole(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def setup(self, dp_size: int):
-        self.set_parallel_ranks(dp=self.rank, tp=0, pp=0, dp_size=dp_size, tp_size=1, pp_size=1)
+        self.set_parallel_ranks(
+            ParallelRanks(dp=self.rank, tp=0, pp=0, dp_size=dp_size, tp_size=1, pp_size=1)
+        )
 
 
 class ActorRole(_NamedRole):

@@ -6,7 +6,6 @@ a Ray worker that exported RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT).
 """
 
 import os
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -14,6 +13,7 @@ import torch.distributed as dist
 from engines.megatron import cpu_compat
 from engines.megatron.config import MegatronConfig
 from engines.placement import training_device_index, visible_devices
+from hybridflow.parallel_ranks import ParallelRanks
 
 
 def validate_parallel_layout(hf_config, tp: int, pp: int, ep: int = 1, etp: int | None = None) -> None:
@@ -87,20 +87,6 @@ def validate_moe_training(hf_config, cfg: MegatronConfig) -> None:
             f"{cfg.tensor_model_parallel_size} needs sequence_parallel=true (Megatron-Core's rule); "
             "or use tensor_model_parallel_size=1 with expert_model_parallel_size for the experts"
         )
-
-
-@dataclass(frozen=True)
-class ParallelRanks:
-    """This process's coordinates in the Megatron layout (argument names of `Worker.set_parallel_ranks`)."""
-
-    dp: int
-    tp: int
-    pp: int
-    cp: int
-    dp_size: int
-    tp_size: int
-    pp_size: int
-    cp_size: int
 
 
 def _init_torch_distributed() -> None:

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import os
 
+from hybridflow.parallel_ranks import ParallelRanks
 from hybridflow.single_controller.dispatch import Dispatched
 from hybridflow.single_controller.ray_worker_group import RayClassWithInitArgs
 from hybridflow.single_controller.resource_pool import RayResourcePool
-from hybridflow.single_controller.worker import ParallelRanks, Worker, free_port
+from hybridflow.single_controller.worker import Worker, free_port
 from hybridflow.single_controller.worker_group import WorkerGroup
 
 

@@ -25,11 +25,12 @@ import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from engines.placement import NODE_ID_ENV
+from hybridflow.parallel_ranks import ParallelRanks
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller.dispatch import Dispatched
 from hybridflow.single_controller.errors import worker_error
 from hybridflow.single_controller.resource_pool import RayResourcePool
-from hybridflow.single_controller.worker import ParallelRanks, Worker, free_port
+from hybridflow.single_controller.worker import Worker, free_port
 from hybridflow.single_controller.worker_group import WorkerGroup
 
 # Arguments worth one object-store copy shared by every rank that reads them.

@@ -3,7 +3,7 @@
 A worker group starts one process per slot and sets the SPMD environment before the worker
 class is built: `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`,
 `MASTER_PORT`. So `torch.distributed.init_process_group(backend)` works inside a worker without
-arguments. After building its Megatron model a role calls `set_parallel_ranks(...)`; the
+arguments. After building its Megatron model a role calls `set_parallel_ranks(ranks)`; the
 MEGATRON_* dispatch modes read that layout once per worker group.
 """
 
@@ -11,32 +11,8 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class ParallelRanks:
-    """One process's place in the Megatron layout: ranks and sizes along each parallel dimension."""
-
-    dp: int
-    tp: int
-    pp: int
-    cp: int
-    dp_size: int
-    tp_size: int
-    pp_size: int
-    cp_size: int
-
-    def __post_init__(self):
-        for dim in ("dp", "tp", "pp", "cp"):
-            rank, size = getattr(self, dim), getattr(self, f"{dim}_size")
-            if not (isinstance(size, int) and size >= 1 and isinstance(rank, int) and 0 <= rank < size):
-                raise ValueError(f"parallel rank {dim}={rank!r} must be an int in [0, {dim}_size={size!r})")
-
-    @property
-    def is_collect_rank(self) -> bool:
-        """True on the ranks whose outputs MEGATRON_COMPUTE(_PROTO) collects: tp 0, cp 0, last pp stage."""
-        return self.tp == 0 and self.cp == 0 and self.pp == self.pp_size - 1
+from hybridflow.parallel_ranks import ParallelRanks
 
 
 class Worker:
@@ -78,25 +54,16 @@ class Worker:
         """This process's Megatron layout, once `set_parallel_ranks` was called."""
         return getattr(self, "_parallel_ranks", None)
 
-    def set_parallel_ranks(
-        self,
-        *,
-        dp: int,
-        tp: int,
-        pp: int,
-        cp: int = 0,
-        dp_size: int,
-        tp_size: int,
-        pp_size: int,
-        cp_size: int = 1,
-    ) -> None:
+    def set_parallel_ranks(self, ranks: ParallelRanks) -> None:
         """Record this process's data/tensor/pipeline/context-parallel ranks and sizes.
 
-        Call it after Megatron's parallel state is initialised (e.g. from
-        `engines.megatron.parallel.parallel_ranks()`), in a method the driver calls before the
-        first MEGATRON_* method. The worker group validates the whole layout when it reads it.
+        Call it after Megatron's parallel state is initialised (with what
+        `engines.megatron.parallel.init_megatron()` returns), in a method the driver calls before
+        the first MEGATRON_* method. The worker group validates the whole layout when it reads it.
         """
-        self._parallel_ranks = ParallelRanks(dp, tp, pp, cp, dp_size, tp_size, pp_size, cp_size)
+        if not isinstance(ranks, ParallelRanks):
+            raise TypeError(f"set_parallel_ranks expects a ParallelRanks, got {type(ranks).__name__}")
+        self._parallel_ranks = ranks
 
     def _hf_parallel_ranks(self, role: str | None = None) -> ParallelRanks | None:
         """What the worker group reads for MEGATRON_* dispatch (`role` is for colocated classes)."""

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import functools
 
+from hybridflow.parallel_ranks import ParallelRanks
 from hybridflow.single_controller.decorator import Execute, MethodSpec, registered_methods
 from hybridflow.single_controller.dispatch import BUILTIN, Dispatched, remove_padding
 from hybridflow.single_controller.errors import UnregisteredMethodError
-from hybridflow.single_controller.worker import ParallelRanks, Worker
+from hybridflow.single_controller.worker import Worker
 
 
 class WorkerGroup:

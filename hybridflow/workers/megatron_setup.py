@@ -1,8 +1,6 @@
 """What every Megatron-backed role does first: initialise Megatron's parallel state and tell the
 worker group this process's place in it (the MEGATRON_* dispatch modes read it)."""
 
-from dataclasses import asdict
-
 from engines.megatron.config import MegatronConfig
 from hybridflow.single_controller import Worker
 
@@ -12,4 +10,4 @@ def init_parallel_state(worker: Worker, megatron: MegatronConfig) -> None:
     `worker.set_parallel_ranks` with the `ParallelRanks` it returns."""
     from engines.megatron.parallel import init_megatron
 
-    worker.set_parallel_ranks(**asdict(init_megatron(megatron)))
+    worker.set_parallel_ranks(init_megatron(megatron))
