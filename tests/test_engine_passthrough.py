@@ -3,6 +3,7 @@ ddp,optimizer} reach the real Megatron-Core 0.16.1 configs; SGLang ServerArgs fi
 rollout.sglang are checked against the pinned version's field list. Bad names fail when the
 recipe loads, before Ray starts."""
 
+import re
 import subprocess
 import sys
 import zipfile
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from engines.rollout.sglang_server_args import SGLANG_VERSION
 from hybridflow.config.loader import load_recipe
 from hybridflow.trainer import main as trainer_main
 from hybridflow.utils.tiny_model import make_tiny_model
@@ -98,7 +100,9 @@ def test_sglang_server_args_by_name():
     with pytest.raises(ValueError, match=r"did you mean rollout\.sglang\.enable_torch_compile\?"):
         load_recipe(RECIPE, ["rollout.sglang.enable_torch_compil=true"])
     with pytest.raises(
-        ValueError, match=r"sets SGLang 0\.5\.20 ServerArgs\.tp_size from rollout\.tensor_model_parallel_size"
+        ValueError,
+        match=rf"sets SGLang {re.escape(SGLANG_VERSION)} ServerArgs\.tp_size from "
+        r"rollout\.tensor_model_parallel_size",
     ):
         load_recipe(RECIPE, ["rollout.sglang.tp_size=2"])
     with pytest.raises(ValueError, match=r"rollout\.sglang is set but rollout\.name='hf'"):

@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 from hub_cache import fill_hub_cache
 
+from hybridflow.data.arith import write_arith_parquet
 from hybridflow.utils.tiny_model import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,8 +38,7 @@ def hub(tmp_path_factory) -> dict:
     hf_home = root / "hf_home"
     main = fill_hub_cache(hf_home, "hybridflow-tests/tiny-qwen2", files)
     tagged = fill_hub_cache(hf_home, "hybridflow-tests/tiny-qwen2", files, revision="v1")
-    data = root / "train.parquet"
-    data.touch()  # the recipe check needs the file to exist; nothing reads it before Ray
+    data = write_arith_parquet(root / "data")["train"]  # the pre-flight check reads every prompt row
     return {"root": root, "hf_home": hf_home, "main": main, "tagged": tagged, "data": data}
 
 
