@@ -270,8 +270,8 @@ def _check_devices(cfg: RecipeConfig, cuda_available: bool) -> list[str]:
             )
         elif importlib.util.find_spec("sglang") is None:
             errors.append(
-                "rollout.name=sglang but sglang is not installed; `pip install -e .[sglang]` or use "
-                "rollout.name=hf"
+                "rollout.name=sglang but sglang is not installed; install the GPU pins "
+                "(`pip install -r requirements-gpu.txt -e .`, README 'GPU machines') or use rollout.name=hf"
             )
     for role in _megatron_roles(cfg):
         megatron = getattr(cfg, role).megatron
