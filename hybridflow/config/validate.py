@@ -147,6 +147,8 @@ def _engine_validators(cfg: RecipeConfig) -> dict:
         "rollout.sampling": cfg.rollout.sampling.__post_init__,
         "rollout.val_sampling": cfg.rollout.val_sampling.__post_init__,
     }
+    for role in _megatron_roles(cfg):  # the Megatron-Core settings passed through by name
+        checks[f"{role}.megatron"] = getattr(cfg, role).megatron.__post_init__
     if cfg.critic.enable:
         checks["critic.optim"] = lambda: validate_optim_config(cfg.critic.optim)
         checks["critic.update"] = lambda: validate_critic_update_config(cfg.critic.update)
