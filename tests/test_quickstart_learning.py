@@ -1,14 +1,20 @@
 """The README's learning claim, checked: GRPO raises held-out accuracy above its SFT warm start.
 
-Stage 1 is the session's stored warm start (`quickstart_warm_start`, tests/conftest.py: the
-quickstart's model, data and SFT stage, shortened). Stage 2 is recipes/quickstart.yaml through
-scripts/run_recipe.sh, unchanged but for the paths and GRPO_STEPS steps instead of 80. Held-out
+Stage 1 is the warm start stored once per session (`quickstart_warm_start`, tests/conftest.py:
+the quickstart's model, data and SFT stage). Stage 2 is recipes/quickstart.yaml through
+scripts/run_recipe.sh, unchanged but for the paths, GRPO_STEPS steps instead of 80, validation
+at the last step only and no checkpoints or export. Held-out
 accuracy is `val/accuracy` in metrics.jsonl: greedy answers to the 200 test problems, scored by
 the rule reward, at RL step 0 (the warm start) and at the last step.
 
-Measured on the 2-core machine (runs are deterministic on CPU), accuracy at step 0 -> step 10:
-  data.seed=1, rollout.seed=42 (the recipe's, what this test runs): SEED_RESULTS
-The margin MARGIN holds for every seed measured, with slack; docs/quickstart-results.md has the runs.
+Measured with exactly this configuration (runs are deterministic on CPU), step 0 -> step 20:
+  the recipe's seeds (data.seed=1, rollout.seed=42; what this test runs): 36.5% -> 65.5% (+29.0)
+  data.seed=1 rollout.seed=1: 36.5% -> 63.0% (+26.5 points)
+  data.seed=2 rollout.seed=2: 36.5% -> 56.0% (+19.5 points)
+  data.seed=3 rollout.seed=3: 36.5% -> 53.0% (+16.5 points)
+Runs validating every 5 steps (another sampling trajectory) gained +27.5, +15.5 and +14.0 points
+by step 20 (seeds 1/42, 2/2, 3/3). MARGIN, 8 points, is under every gain measured, with at least
+6 points to spare; 10 steps gained only +10 in some runs. docs/quickstart-results.md has the runs.
 """
 
 import os
@@ -19,7 +25,7 @@ from process_group import run_in_own_session
 from hybridflow.utils.tracking import read_metrics
 
 GRPO_STEPS = 20
-MARGIN = 0.10  # accuracy points / 100 that the run must gain
+MARGIN = 0.08  # held-out accuracy the 20 steps must add (8 points)
 
 
 @pytest.mark.slow
