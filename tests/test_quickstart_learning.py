@@ -25,7 +25,7 @@ from process_group import run_in_own_session
 from hybridflow.utils.tracking import read_metrics
 
 GRPO_STEPS = 20
-MARGIN = 0.08  # held-out accuracy the 20 steps must add (8 points)
+MARGIN = 0.08  # held-out accuracy that GRPO_STEPS steps must add (8 points)
 
 
 @pytest.mark.slow
