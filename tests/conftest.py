@@ -1,8 +1,16 @@
-"""Fixtures shared by the whole suite: one Ray cluster per session, tiny models built locally."""
+"""Fixtures shared by the whole suite: one Ray cluster per session, tiny models built locally, the
+quickstart's SFT warm start."""
 
 import os
+from pathlib import Path
 
 import pytest
+from process_group import run_in_own_session
+
+from hybridflow.data.arith import write_arith_parquet
+from hybridflow.utils.tiny_model import make_tiny_model
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # Ray and torch each start thread pools sized to the machine; on 2 cores that oversubscribes.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -23,3 +31,29 @@ def ray_cluster():
         ray.init(num_cpus=16, include_dashboard=False, log_to_driver=True, configure_logging=False)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def quickstart_warm_start(tmp_path_factory):
+    """The quickstart's stage 1, run once per session: the tiny model and arithmetic data of
+    scripts/quickstart.sh, then recipes/quickstart_sft.yaml through scripts/run_recipe.sh (400
+    steps, ~2 min on 2 idle cores), without its validation passes. Returns the paths of the data
+    (train / test parquet) and of the SFT export (`hf`) an RL stage starts from."""
+    root = tmp_path_factory.mktemp("quickstart_warm_start")
+    model = make_tiny_model(root / "tiny_model")
+    data = write_arith_parquet(root / "data")
+    overrides = [
+        f"model.path={model}",
+        f"data.train_files=[{data['train']}]",
+        f"data.val_files=[{data['test']}]",
+        f"trainer.output_dir={root / 'sft'}",
+        "trainer.logger=[console]",
+        "trainer.test_freq=0",
+    ]
+    done = run_in_own_session(
+        ["bash", REPO_ROOT / "scripts/run_recipe.sh", REPO_ROOT / "recipes/quickstart_sft.yaml", *overrides],
+        env={**os.environ, "RAY_ADDRESS": "local", "PYTHONWARNINGS": "ignore"},
+        timeout=1200,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return {"train": data["train"], "test": data["test"], "hf": root / "sft" / "hf"}

@@ -12,7 +12,6 @@ import json
 import os
 import re
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
+from process_group import run_in_own_session
 from safetensors import safe_open
 
 from hybridflow.data.arith import ArithConfig, write_arith_parquet
@@ -209,10 +209,8 @@ def test_entry_point_exits_2_without_traceback_or_ray_session(case, files, tmp_p
     command, message = next((c, m) for name, c, m in CASES if name == case)
     ray_tmp = tmp_path / "ray"
     ray_tmp.mkdir()
-    done = subprocess.run(
+    done = run_in_own_session(
         [sys.executable, "-m", "hybridflow.trainer.main", *(resolve(a, files) for a in shlex.split(command))],
-        capture_output=True,
-        text=True,
         cwd=ROOT,
         env={**os.environ, "RAY_TMPDIR": str(ray_tmp), "RAY_ADDRESS": ""},
         timeout=300,

@@ -9,13 +9,13 @@ prints a JSON report; the assertions are here.
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 from multinode_helpers import TOTAL_STEPS, write_tiny_recipe
+from process_group import run_in_own_session
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -73,10 +73,8 @@ def two_node_run(tmp_path_factory):
     )
     env.pop("RAY_ADDRESS", None)
     try:
-        done = subprocess.run(
+        done = run_in_own_session(
             [sys.executable, "-c", SCRIPT, str(recipe), str(ROOT)],
-            capture_output=True,
-            text=True,
             env=env,
             timeout=800,
             cwd=work,

@@ -8,11 +8,11 @@ cluster owns this process's Ray connection.
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from process_group import run_in_own_session
 
 from engines.placement import (
     DeviceSlot,
@@ -92,10 +92,8 @@ print("REPORT" + json.dumps(report))
 def run_cluster(nodes: int, gpus_per_node: int, rollout_tps: list[int]) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]), OMP_NUM_THREADS="1")
     args = json.dumps([nodes, gpus_per_node, rollout_tps])
-    done = subprocess.run(
+    done = run_in_own_session(
         [sys.executable, "-c", SCRIPT, args],
-        capture_output=True,
-        text=True,
         env=env,
         timeout=900,
         cwd=TESTS.parent,

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from process_group import run_in_own_session
 from shared_data import gsm8k_dir
 from transformers import AutoModelForCausalLM
 
@@ -104,12 +105,8 @@ def run_recipe(
 ) -> subprocess.CompletedProcess:
     """Runs in a fresh local Ray cluster (RAY_ADDRESS=local), never a cluster another process runs."""
     env = {**os.environ, "RAY_ADDRESS": "local", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(pythonpath or "")}
-    return subprocess.run(
-        ["bash", ROOT / "scripts/run_recipe.sh", ROOT / recipe, *overrides],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
+    return run_in_own_session(
+        ["bash", ROOT / "scripts/run_recipe.sh", ROOT / recipe, *overrides], env=env, timeout=600
     )
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from process_group import run_in_own_session
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -109,10 +110,7 @@ def environment(local: dict) -> dict:
 
 def run_to_end(local: dict, output_dir: Path, algorithm: str) -> str:
     """Runs to the end; returns stdout."""
-    result = subprocess.run(
-        command(local, output_dir, algorithm), env=environment(local), capture_output=True, text=True,
-        timeout=1200,
-    )  # fmt: skip
+    result = run_in_own_session(command(local, output_dir, algorithm), env=environment(local), timeout=1200)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout
 

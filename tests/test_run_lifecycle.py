@@ -21,6 +21,7 @@ import psutil
 import pytest
 import torch
 from multinode_helpers import processes_with_env
+from process_group import run_in_own_session
 from safetensors.torch import load_file
 
 from hybridflow.data.arith import ArithConfig, write_arith_parquet
@@ -139,10 +140,10 @@ def load_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def run(local: dict, output_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    return run_in_own_session(
         command(local, output_dir, "trainer.total_training_steps=2", "trainer.save_freq=1",
                 "reward.custom_fn=nan_reward.always_nan", *overrides),
-        env=environment(local, uuid.uuid4().hex), capture_output=True, text=True, timeout=1200,
+        env=environment(local, uuid.uuid4().hex), timeout=1200,
     )  # fmt: skip
 
 

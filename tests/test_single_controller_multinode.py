@@ -6,11 +6,11 @@ that prints what the workers saw as JSON; the assertions are here.
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from process_group import run_in_own_session
 
 TESTS = Path(__file__).resolve().parent
 
@@ -44,9 +44,7 @@ print("REPORT" + json.dumps(report))
 @pytest.fixture(scope="module")
 def report():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]), OMP_NUM_THREADS="1")
-    done = subprocess.run(
-        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600, cwd=TESTS.parent
-    )
+    done = run_in_own_session([sys.executable, "-c", SCRIPT], env=env, timeout=600, cwd=TESTS.parent)
     lines = [line for line in done.stdout.splitlines() if line.startswith("REPORT")]
     assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads(lines[0].removeprefix("REPORT"))

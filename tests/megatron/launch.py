@@ -3,7 +3,9 @@
 `run_distributed(script, nproc, *args, timeout=300)` picks a free port, runs the script with
 the repo's Python (OMP_NUM_THREADS=1), and returns the combined stdout+stderr on success; on a
 non-zero exit or timeout it raises `RuntimeError` carrying the output's tail, so pytest shows
-which rank failed and why.
+which rank failed and why. torchrun runs in its own session and, on a timeout or an exception
+(Ctrl-C included), is stopped with every worker it started (tests/process_group.py): its workers
+run in sessions of their own and would outlive a plain `subprocess.run` timeout.
 """
 
 import os
@@ -11,6 +13,8 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from process_group import run_in_own_session
 
 TESTS_MEGATRON_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_MEGATRON_DIR.parents[1]
@@ -43,13 +47,9 @@ def run_distributed(script, nproc: int, *args, timeout: float = 300, env: dict |
     )
     run_env.update(env or {})
     try:
-        proc = subprocess.run(
-            cmd, cwd=REPO_ROOT, env=run_env, capture_output=True, text=True, timeout=timeout
-        )
+        proc = run_in_own_session(cmd, cwd=REPO_ROOT, env=run_env, timeout=timeout)
     except subprocess.TimeoutExpired as err:
-        # TimeoutExpired carries bytes even under text=True.
-        parts = [p.decode(errors="replace") if isinstance(p, bytes) else p for p in (err.stdout, err.stderr)]
-        output = "".join(p or "" for p in parts)
+        output = (err.stdout or "") + (err.stderr or "")
         raise RuntimeError(
             f"{script_path.name} x{nproc} timed out after {timeout}s:\n{output[-8000:]}"
         ) from err

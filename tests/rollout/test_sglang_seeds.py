@@ -6,9 +6,10 @@ as `sglang` in this process, where the availability check expects it missing).""
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
+
+from process_group import run_in_own_session
 
 TESTS = Path(__file__).resolve().parents[1]
 
@@ -16,9 +17,9 @@ TESTS = Path(__file__).resolve().parents[1]
 def test_resumed_sglang_engine_samples_as_uninterrupted_only_when_deterministic(tmp_path):
     path = os.pathsep.join(str(p) for p in (TESTS.parent, TESTS / "doubles", TESTS / "megatron"))
     env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
-    done = subprocess.run(
+    done = run_in_own_session(
         [sys.executable, str(TESTS / "rollout" / "_sglang_seeds.py"), str(tmp_path / "tiny")],
-        capture_output=True, text=True, env=env, timeout=600, cwd=TESTS.parent,
+        env=env, timeout=600, cwd=TESTS.parent,
     )  # fmt: skip
     lines = [line for line in done.stdout.splitlines() if line.startswith("SEEDS ")]
     assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-3000:]
