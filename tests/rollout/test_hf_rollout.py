@@ -13,7 +13,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "megatron"))
-from tiny_hf import char_vocab, make_tiny_hf_checkpoint
+from tiny_hf import ascii_vocab_size, make_tiny_hf_checkpoint
 
 from engines.rollout.config import RolloutConfig, SamplingConfig
 from engines.rollout.hf_rollout import HFRolloutEngine
@@ -29,8 +29,8 @@ MAX_NEW = 9
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    # Every id decodes to one character, so stop strings map to token positions.
-    vocab_size = len(char_vocab())
+    # Every id decodes to one character or one special token, so stop strings map to token positions.
+    vocab_size = ascii_vocab_size()
     return make_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny_qwen2"), arch="qwen2", vocab_size=vocab_size)
 
 
@@ -282,7 +282,7 @@ def test_checkpoint_tensors_are_what_transformers_saves_and_load_into_fused_expe
 
     from engines.rollout.hf_rollout import checkpoint_tensors
 
-    hf_dir = make_tiny_hf_checkpoint(tmp_path / arch, arch=arch, num_layers=2, with_tokenizer=False)
+    hf_dir = make_tiny_hf_checkpoint(tmp_path / arch, arch=arch, num_layers=2)
     saved = {}
     for shard in sorted(hf_dir.glob("*.safetensors")):
         saved.update(load_file(shard))
