@@ -158,8 +158,12 @@ def test_stop_string_truncates_and_masks(checkpoint, reference_model):
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     prompts = make_prompts(data_seed=4, validate=True)
     free_run = reference_greedy(reference_model, prompts, MAX_NEW)
-    text = tokenizer.decode(free_run[0].tolist())
-    stop = text[4:6]  # two characters the model emits in row 0
+    # Two characters the model emits in row 0, from two one-character tokens (not a special
+    # token's text, which decodes to several characters).
+    first = free_run[0].tolist()
+    single = [len(tokenizer.decode([token])) == 1 for token in first]
+    start = next(k for k in range(1, len(first) - 1) if single[k] and single[k + 1])
+    stop = tokenizer.decode(first[start : start + 2])
     val = SamplingConfig(do_sample=False, temperature=0.0, max_new_tokens=MAX_NEW, stop=[stop])
     engine = HFRolloutEngine(checkpoint, make_cfg(val_sampling=val))
     out = engine.generate_sequences(prompts)
