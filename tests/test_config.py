@@ -26,7 +26,8 @@ def local(tmp_path_factory) -> dict:
     """A tiny model directory and (empty but real) parquet files to point recipes at."""
     root = tmp_path_factory.mktemp("local")
     model = make_tiny_model(root / "tiny")
-    moe = make_tiny_model(root / "tiny_moe", num_experts=8)  # the MoE recipe's EP 8 splits 8 experts
+    # the MoE recipe's EP 8 splits 8 experts
+    moe = make_tiny_model(root / "tiny_moe", arch="qwen3_moe", num_experts=8)
     for name in ("train", "test"):
         (root / f"{name}.parquet").write_bytes(b"")
     files = {"train": str(root / "train.parquet"), "test": str(root / "test.parquet")}

@@ -293,7 +293,7 @@ def test_qwen3_moe_grpo_recipe_runs_two_steps_with_expert_parallel_2(local, tmp_
     """A tiny Qwen3-MoE (4 experts, top-2) on 2 CPU processes, experts split EP 2 (TP 1, DP 2):
     the router's load-balancing loss is in the actor's loss and logged, and the trained actor
     exports per expert in a form transformers loads."""
-    moe_model = make_tiny_model(tmp_path / "tiny_moe", num_experts=4, num_layers=2)
+    moe_model = make_tiny_model(tmp_path / "tiny_moe", arch="qwen3_moe", num_experts=4, num_layers=2)
     overrides = [
         *cpu_overrides({**local, "model": str(moe_model)}, tmp_path / "moe", tp=1),
         "actor.megatron.expert_model_parallel_size=2",

@@ -1,5 +1,6 @@
 """The tiny model directory loads with transformers' Auto classes, tokenizes text one character
-per token, renders the chat template, and generates."""
+per token, renders the chat template, and generates; every architecture builds, and the engine
+tests' options (sharded safetensors, std-0.2 weights) do what they say."""
 
 import json
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hybridflow.utils.tiny_model import make_tiny_model
+from hybridflow.utils.tiny_model import ARCHS, MOE_ARCHS, make_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -93,4 +94,55 @@ def test_bad_settings_are_rejected_before_writing(tmp_path):
         make_tiny_model(tmp_path / "x", num_kv_heads=3)
     with pytest.raises(TypeError, match="unknown settings \\['layers'\\]"):
         make_tiny_model(tmp_path / "y", layers=2)
+    with pytest.raises(ValueError, match=r"arch must be one of qwen2, llama.*got 'gpt2'"):
+        make_tiny_model(tmp_path / "x", arch="gpt2")
+    with pytest.raises(ValueError, match="num_experts=4 needs arch 'qwen3_moe' or 'mixtral'"):
+        make_tiny_model(tmp_path / "x", num_experts=4)
+    with pytest.raises(ValueError, match="arch='mixtral' needs num_experts > 0"):
+        make_tiny_model(tmp_path / "x", arch="mixtral")
+    with pytest.raises(ValueError, match="vocab_size=5 must be 0"):
+        make_tiny_model(tmp_path / "x", vocab_size=5)
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_arch_loads_with_the_shared_tokenizer(arch, tmp_path):
+    experts = 4 if arch in MOE_ARCHS else 0
+    out = make_tiny_model(tmp_path, arch=arch, num_layers=1, hidden_size=32, num_experts=experts)
+    tok = AutoTokenizer.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.model_type == arch
+    assert model.config.vocab_size == len(tok)
+    assert (model.config.pad_token_id, model.config.eos_token_id) == (tok.pad_token_id, tok.eos_token_id)
+    assert model.config.head_dim == 32 // 4 if arch.startswith("qwen3") else True
+    experts_in_config = getattr(model.config, "num_experts", None) or getattr(
+        model.config, "num_local_experts", 0
+    )
+    assert experts_in_config == experts
+    ids = tok("1+2=3", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        assert model(ids).logits.shape == (1, 5, len(tok))
+
+
+def test_sharded_and_redrawn_weights(tmp_path):
+    from safetensors.torch import load_file
+
+    settings = dict(num_layers=2, hidden_size=64, intermediate_size=128, vocab_size=120, init_std=0.2, seed=5)
+    sharded = make_tiny_model(tmp_path / "sharded", sharded=True, **settings)
+    single = load_file(make_tiny_model(tmp_path / "single", **settings) / "model.safetensors")
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) >= 2
+    assert not (sharded / "model.safetensors").exists()
+    loaded = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        loaded.update(load_file(sharded / shard))
+    assert loaded.keys() == single.keys()
+    assert all(torch.equal(loaded[k], single[k]) for k in single)
+    embed = single["model.embed_tokens.weight"]  # (120, 64)
+    assert embed.shape == (120, 64) and abs(embed.std().item() - 0.2) < 0.01
+    norm = single["model.layers.0.input_layernorm.weight"]  # (64,)
+    assert abs(norm.mean().item() - 1.0) < 0.05 and 0.05 < norm.std().item() < 0.15
+    default = load_file(
+        make_tiny_model(tmp_path / "default", **{**settings, "init_std": 0.0}) / "model.safetensors"
+    )
+    assert default["model.embed_tokens.weight"].std().item() < 0.05  # transformers' std 0.02

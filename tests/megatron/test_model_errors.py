@@ -14,7 +14,7 @@ from engines.megatron.parallel import init_megatron, validate_parallel_layout
 @pytest.fixture(scope="module")
 def qwen_dir(tmp_path_factory):
     # 4 heads, 2 KV heads, 4 layers, intermediate 128
-    return make_tiny_hf_checkpoint(tmp_path_factory.mktemp("qwen"), arch="qwen2", with_tokenizer=False)
+    return make_tiny_hf_checkpoint(tmp_path_factory.mktemp("qwen"), arch="qwen2")
 
 
 def rewrite_config(src, dst, **changes):
@@ -85,7 +85,7 @@ def test_intermediate_size_must_split_over_tp(qwen_dir, tmp_path):
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory):
     # 4 experts of intermediate size 32, top-2
-    return make_tiny_hf_checkpoint(tmp_path_factory.mktemp("moe"), arch="qwen3_moe", with_tokenizer=False)
+    return make_tiny_hf_checkpoint(tmp_path_factory.mktemp("moe"), arch="qwen3_moe")
 
 
 @pytest.mark.parametrize(

@@ -82,7 +82,7 @@ def te_spec_stand_in(**kwargs):
 
 
 def hf_config(tmp_path, **changes):
-    return model_module.load_hf_config(make_tiny_hf_checkpoint(tmp_path, with_tokenizer=False, **changes))
+    return model_module.load_hf_config(make_tiny_hf_checkpoint(tmp_path, **changes))
 
 
 def test_te_spec_keeps_te_attention_and_norm(tmp_path, monkeypatch):
@@ -129,6 +129,6 @@ def test_local_spec_uses_sdpa_and_torch_norm(tmp_path, monkeypatch):
 
 
 def test_rmsnorm_models_build_where_apex_imports(tmp_path):
-    dense = make_tiny_hf_checkpoint(tmp_path / "qwen2", with_tokenizer=False)
-    moe = make_tiny_hf_checkpoint(tmp_path / "moe", arch="qwen3_moe", with_tokenizer=False)
+    dense = make_tiny_hf_checkpoint(tmp_path / "qwen2")
+    moe = make_tiny_hf_checkpoint(tmp_path / "moe", arch="qwen3_moe")
     assert "KERNELS OK" in run_distributed("_kernels_worker.py", 1, dense, moe, timeout=600)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "megatron"))
-from tiny_hf import char_vocab, make_tiny_hf_checkpoint
+from tiny_hf import ascii_vocab_size, make_tiny_hf_checkpoint
 
 from engines.rollout.config import RolloutConfig, SamplingConfig
 from engines.rollout.hf_rollout import HFRolloutEngine
@@ -29,8 +29,8 @@ MAX_NEW = 9
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    # Every id decodes to one character, so stop strings map to token positions.
-    vocab_size = len(char_vocab())
+    # Every id decodes to one character or one special token, so stop strings map to token positions.
+    vocab_size = ascii_vocab_size()
     return make_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny_qwen2"), arch="qwen2", vocab_size=vocab_size)
 
 
@@ -158,8 +158,12 @@ def test_stop_string_truncates_and_masks(checkpoint, reference_model):
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     prompts = make_prompts(data_seed=4, validate=True)
     free_run = reference_greedy(reference_model, prompts, MAX_NEW)
-    text = tokenizer.decode(free_run[0].tolist())
-    stop = text[4:6]  # two characters the model emits in row 0
+    # Two characters the model emits in row 0, from two one-character tokens (not a special
+    # token's text, which decodes to several characters).
+    first = free_run[0].tolist()
+    single = [len(tokenizer.decode([token])) == 1 for token in first]
+    start = next(k for k in range(1, len(first) - 1) if single[k] and single[k + 1])
+    stop = tokenizer.decode(first[start : start + 2])
     val = SamplingConfig(do_sample=False, temperature=0.0, max_new_tokens=MAX_NEW, stop=[stop])
     engine = HFRolloutEngine(checkpoint, make_cfg(val_sampling=val))
     out = engine.generate_sequences(prompts)
@@ -282,7 +286,7 @@ def test_checkpoint_tensors_are_what_transformers_saves_and_load_into_fused_expe
 
     from engines.rollout.hf_rollout import checkpoint_tensors
 
-    hf_dir = make_tiny_hf_checkpoint(tmp_path / arch, arch=arch, num_layers=2, with_tokenizer=False)
+    hf_dir = make_tiny_hf_checkpoint(tmp_path / arch, arch=arch, num_layers=2)
     saved = {}
     for shard in sorted(hf_dir.glob("*.safetensors")):
         saved.update(load_file(shard))

@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "megatron"))
 from launch import run_distributed
-from tiny_hf import char_vocab, make_tiny_hf_checkpoint
+from tiny_hf import ascii_vocab_size, make_tiny_hf_checkpoint
 
 WORKER = Path(__file__).resolve().parent / "_sync_worker.py"
 CHECKS = (
@@ -29,8 +29,8 @@ CHECKS = (
 
 @pytest.mark.slow
 def test_sync_from_tp2_pp2_actor(tmp_path):
-    hf_dir = make_tiny_hf_checkpoint(tmp_path / "hf", arch="qwen2", vocab_size=len(char_vocab()))
-    moe_dir = make_tiny_hf_checkpoint(tmp_path / "moe", arch="qwen3_moe", vocab_size=len(char_vocab()))
+    hf_dir = make_tiny_hf_checkpoint(tmp_path / "hf", arch="qwen2", vocab_size=ascii_vocab_size())
+    moe_dir = make_tiny_hf_checkpoint(tmp_path / "moe", arch="qwen3_moe", vocab_size=ascii_vocab_size())
     output = run_distributed(WORKER, 4, hf_dir, tmp_path, moe_dir, timeout=500)
     for check in CHECKS:
         assert f"OK {check}" in output, f"check {check!r} did not pass:\n{output[-4000:]}"

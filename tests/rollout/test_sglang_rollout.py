@@ -47,9 +47,9 @@ def test_sglang_generates_greedy_like_transformers_and_takes_new_weights(tmp_pat
     from hybridflow.protocol import DataProto
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "megatron"))
-    from tiny_hf import char_vocab, make_tiny_hf_checkpoint
+    from tiny_hf import ascii_vocab_size, make_tiny_hf_checkpoint
 
-    hf_dir = make_tiny_hf_checkpoint(tmp_path / "hf", vocab_size=len(char_vocab()))
+    hf_dir = make_tiny_hf_checkpoint(tmp_path / "hf", vocab_size=ascii_vocab_size())
     greedy = SamplingConfig(do_sample=False, temperature=0.0)
     cfg = RolloutConfig(name="sglang", response_length=8, load_format="auto", val_sampling=greedy)
     devices = EngineDevices((this_process_slot(torch.cuda.device_count()).device,), base_gpu_id=0)
