@@ -35,13 +35,29 @@ for arg in "$@"; do
   esac
 done
 
+# Each stage runs as a job of its own (set -m: its own process group, and SIGINT not ignored as
+# it is for a background job without job control) while this script waits for it, so that SIGINT
+# and SIGTERM sent to the script reach the stage once, through the traps below, and the script
+# exits only after the stage's own teardown (run_recipe.sh stops everything its driver started).
+set -m
+stage_pid=""
+forward() { [[ -z "$stage_pid" ]] || kill "-$1" "$stage_pid" 2>/dev/null || true; }
+trap 'forward INT' INT
+trap 'forward TERM' TERM
 declare -A SECONDS_FOR
 stage() {  # stage <name> <command...>: runs the command and records its wall time
-  local name="$1" start
+  local name="$1" start status
   shift
   echo "== $name"
   start=$(date +%s)
-  "$@"
+  "$@" &
+  stage_pid=$!
+  while true; do
+    wait "$stage_pid" && status=0 || status=$?
+    kill -0 "$stage_pid" 2>/dev/null || break # wait also returns when a trapped signal arrives
+  done
+  stage_pid=""
+  (( status == 0 )) || exit "$status"
   SECONDS_FOR[$name]=$(( $(date +%s) - start ))
 }
 

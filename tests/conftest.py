@@ -2,15 +2,12 @@
 quickstart's SFT warm start."""
 
 import os
-from pathlib import Path
 
 import pytest
-from process_group import run_in_own_session
+from process_group import run_recipe_script
 
 from hybridflow.data.arith import write_arith_parquet
 from hybridflow.utils.tiny_model import make_tiny_model
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # Ray and torch each start thread pools sized to the machine; on 2 cores that oversubscribes.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -50,10 +47,6 @@ def quickstart_warm_start(tmp_path_factory):
         "trainer.logger=[console]",
         "trainer.test_freq=0",
     ]
-    done = run_in_own_session(
-        ["bash", REPO_ROOT / "scripts/run_recipe.sh", REPO_ROOT / "recipes/quickstart_sft.yaml", *overrides],
-        env={**os.environ, "RAY_ADDRESS": "local", "PYTHONWARNINGS": "ignore"},
-        timeout=1200,
-    )
+    done = run_recipe_script("recipes/quickstart_sft.yaml", overrides, timeout=1200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return {"train": data["train"], "test": data["test"], "hf": root / "sft" / "hf"}

@@ -14,6 +14,8 @@ included) `stop_process_tree` ends it and everything it started, by process grou
 - SIGKILL to the group and to each descendant still running, then wait until they are gone.
 
 Descendants are tracked as psutil processes, which refuse to signal a PID the kernel reused.
+
+`run_recipe_script(recipe, overrides, timeout=...)` runs scripts/run_recipe.sh that way.
 """
 
 import contextlib
@@ -21,8 +23,11 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import psutil
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def default_grace_s() -> float:
@@ -49,6 +54,19 @@ def run_in_own_session(
             raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr) from None
         raise
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def run_recipe_script(
+    recipe: str, overrides: list[str], *, timeout: float, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """`bash scripts/run_recipe.sh <recipe> <overrides...>` (recipe relative to the repository
+    root) in a fresh local Ray cluster (RAY_ADDRESS=local: never a cluster another test or job
+    runs), Python warnings off; `env` adds to or replaces variables of this process's environment."""
+    return run_in_own_session(
+        ["bash", REPO_ROOT / "scripts/run_recipe.sh", REPO_ROOT / recipe, *overrides],
+        env={**os.environ, "RAY_ADDRESS": "local", "PYTHONWARNINGS": "ignore", **(env or {})},
+        timeout=timeout,
+    )
 
 
 def stop_process_tree(proc: subprocess.Popen, grace_s: float) -> None:

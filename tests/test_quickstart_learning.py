@@ -17,10 +17,8 @@ by step 20 (seeds 1/42, 2/2, 3/3). MARGIN, 8 points, is under every gain measure
 6 points to spare; 10 steps gained only +10 in some runs. docs/quickstart-results.md has the runs.
 """
 
-import os
-
 import pytest
-from process_group import run_in_own_session
+from process_group import run_recipe_script
 
 from hybridflow.utils.tracking import read_metrics
 
@@ -29,8 +27,7 @@ MARGIN = 0.08  # held-out accuracy that GRPO_STEPS steps must add (8 points)
 
 
 @pytest.mark.slow
-def test_grpo_raises_held_out_accuracy_over_the_sft_warm_start(quickstart_warm_start, tmp_path, request):
-    root = request.config.rootpath
+def test_grpo_raises_held_out_accuracy_over_the_sft_warm_start(quickstart_warm_start, tmp_path):
     overrides = [
         f"model.path={quickstart_warm_start['hf']}",
         f"data.train_files=[{quickstart_warm_start['train']}]",
@@ -42,11 +39,7 @@ def test_grpo_raises_held_out_accuracy_over_the_sft_warm_start(quickstart_warm_s
         "trainer.export_hf=false",
         "trainer.logger=[console]",
     ]
-    done = run_in_own_session(
-        ["bash", root / "scripts/run_recipe.sh", root / "recipes/quickstart.yaml", *overrides],
-        env={**os.environ, "RAY_ADDRESS": "local", "PYTHONWARNINGS": "ignore"},
-        timeout=1200,
-    )
+    done = run_recipe_script("recipes/quickstart.yaml", overrides, timeout=1200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     accuracy = {
         r["step"]: r["val/accuracy"]

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from process_group import run_in_own_session
+from process_group import run_recipe_script
 from shared_data import gsm8k_dir
 from transformers import AutoModelForCausalLM
 
@@ -103,11 +103,8 @@ def cpu_overrides(local: dict, output_dir: Path, tp: int) -> list[str]:
 def run_recipe(
     recipe: str, overrides: list[str], pythonpath: Path | None = None
 ) -> subprocess.CompletedProcess:
-    """Runs in a fresh local Ray cluster (RAY_ADDRESS=local), never a cluster another process runs."""
-    env = {**os.environ, "RAY_ADDRESS": "local", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(pythonpath or "")}
-    return run_in_own_session(
-        ["bash", ROOT / "scripts/run_recipe.sh", ROOT / recipe, *overrides], env=env, timeout=600
-    )
+    """`pythonpath` holds the runs' custom reward modules."""
+    return run_recipe_script(recipe, overrides, timeout=600, env={"PYTHONPATH": str(pythonpath or "")})
 
 
 def check_run(out: Path, extra_keys: tuple[str, ...]) -> list[dict]:

@@ -4,12 +4,15 @@
 - SIGKILL of the driver: the script still removes everything the driver started;
 - in both cases no process of the run is left the moment the script returns (each process of the
   run carries a marker in its environment, inherited from the script);
+- SIGINT or SIGTERM sent to scripts/quickstart.sh alone (as a job scheduler or `timeout` sends it)
+  reaches the stage it is running, and the script returns after that stage's teardown;
 - a NaN reward stops the run at step 1 with an error naming the step, the reward function and the
   data_source, and nothing is published (no checkpoint, no `latest`, no HF export);
 - with trainer.nonfinite_policy=skip the same run completes, counts the skipped steps, and
   exports the untouched initial weights.
 """
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -169,3 +172,49 @@ def test_skip_policy_counts_skipped_steps_and_keeps_the_weights(local, tmp_path)
     exported, initial = load_weights(tmp_path / "run" / "hf"), load_weights(Path(local["model"]))
     assert exported.keys() == initial.keys() and exported
     assert all(torch.equal(exported[k], initial[k]) for k in initial)  # no update was applied
+
+
+def quickstart_checkout(tmp_path: Path) -> Path:
+    """A checkout of this repository whose outputs/ lie in `tmp_path`: code, scripts, recipes and
+    the virtual environment (when there is one) are links to this one."""
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    for name in ("hybridflow", "scripts", "recipes", ".venv"):
+        if (ROOT / name).exists():
+            (checkout / name).symlink_to(ROOT / name)
+    return checkout
+
+
+def training_started(marker: str) -> bool:
+    """A driver of the run has a Ray cluster and workers below it."""
+    for process in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if marker_in(process, marker) and "hybridflow.trainer.main" in " ".join(process.cmdline()):
+                return len(process.children(recursive=True)) > 1
+    return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
+def test_a_signal_to_the_quickstart_script_stops_its_running_stage(tmp_path, sig):
+    marker = uuid.uuid4().hex
+    checkout = quickstart_checkout(tmp_path)
+    log = tmp_path / "quickstart.log"
+    env = {**os.environ, "HYBRIDFLOW_TEST_RUN": marker}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            ["bash", checkout / "scripts/quickstart.sh"], cwd=checkout, env=env,
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    try:
+        wait_for(lambda: training_started(marker) or proc.poll() is not None, 900, "SFT stage's workers")
+        assert proc.poll() is None, log.read_text()[-3000:]
+        proc.send_signal(sig)  # to the script alone, not its process group
+        status = proc.wait(timeout=600)
+        assert processes_with_env(f"HYBRIDFLOW_TEST_RUN={marker}") == []
+        if sig == signal.SIGINT:
+            assert status == 130 and "Traceback" not in log.read_text(), log.read_text()[-3000:]
+        else:  # Ray's driver turns SIGTERM into sys.exit(15)
+            assert status == signal.SIGTERM, log.read_text()[-3000:]
+        assert not (checkout / "outputs/quickstart/sft/hf").exists()
+    finally:
+        cleanup(proc, marker)
