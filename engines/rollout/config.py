@@ -1,4 +1,4 @@
-"""Settings of the rollout engines (SGLang's names where SGLang has one).
+"""Settings of the rollout engines (SGLang's or vLLM's names where the engine has one).
 
 Imports nothing heavy so that the recipe schema can compose these dataclasses. Each class checks
 its own values in `__post_init__` and raises `ValueError` naming the key and what was expected.
@@ -11,8 +11,10 @@ from typing import Any, Literal, get_args
 
 from engines.passthrough import check_setting_names
 from engines.rollout.sglang_server_args import SERVER_ARGS_FIELDS, SGLANG_VERSION
+from engines.rollout.vllm_engine_args import ENGINE_ARGS_FIELDS, VLLM_VERSION
 
-RolloutName = Literal["hf", "sglang"]  # hf: transformers generate (CPU or CUDA) | sglang: CUDA only
+# hf: transformers generate (CPU or CUDA) | vllm: vLLM (CPU build or CUDA) | sglang: CUDA only
+RolloutName = Literal["hf", "vllm", "sglang"]
 RolloutDtype = Literal["float32", "bfloat16", "float16"]
 LoadFormat = Literal["dummy", "auto"]  # dummy: random init, weights arrive with the first sync
 ROLLOUT_ENGINES = get_args(RolloutName)
@@ -31,6 +33,20 @@ SGLANG_SET_ELSEWHERE = {
     "enable_deterministic_inference": "rollout.enable_deterministic_inference",
     "enable_memory_saver": "the hybrid engine (it must be true to release memory between phases)",
     "skip_tokenizer_init": "whether stop strings are used",
+}
+# EngineArgs fields the vllm engine sets from the rollout settings (or needs as they are)
+VLLM_SET_ELSEWHERE = {
+    "model": "model.path",
+    "dtype": "rollout.dtype",
+    "tensor_parallel_size": "rollout.tensor_model_parallel_size",
+    "gpu_memory_utilization": "rollout.gpu_memory_utilization",
+    "load_format": "rollout.load_format",
+    "seed": "rollout.seed",
+    "enable_sleep_mode": "rollout.free_cache_engine (memory is released between phases on CUDA)",
+    "distributed_executor_backend": "the rollout group (external_launcher when TP > 1)",
+    "skip_tokenizer_init": "whether stop strings are used",
+    "logprobs_mode": "the engine (rollout_log_probs are the log-probs of the distribution sampled from)",
+    "generation_config": "the engine (sampling comes from the recipe, never the checkpoint's defaults)",
 }
 
 
@@ -72,7 +88,7 @@ class RolloutConfig:
     """Which engine generates, and how weights reach it."""
 
     name: RolloutName = "hf"
-    tensor_model_parallel_size: int = 1  # GPUs per SGLang engine; the hf engine has no TP (must be 1)
+    tensor_model_parallel_size: int = 1  # ranks per SGLang/vLLM engine; the hf engine has no TP (must be 1)
     dtype: RolloutDtype = "float32"
     response_length: int = 256  # width of `responses`; max_new_tokens may not exceed it
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -84,7 +100,7 @@ class RolloutConfig:
     calculate_log_probs: bool = False  # return the engine's own per-token log-probs as rollout_log_probs
     weight_sync_bucket_mb: int = 512
     verify_weight_sync: bool = False  # checksum every tensor on both sides at every sync (hf engine)
-    gpu_memory_utilization: float = 0.5  # SGLang mem_fraction_static
+    gpu_memory_utilization: float = 0.5  # SGLang mem_fraction_static, vLLM gpu_memory_utilization
     free_cache_engine: bool = True  # release the engine's memory after generation
     # SGLang's name. True: per-request seeds are honoured, so sampling is reproducible (and a
     # resumed run samples as the uninterrupted one) at the cost of batch-invariant kernels.
@@ -93,6 +109,10 @@ class RolloutConfig:
     # any other SGLang ServerArgs field by its own name (checked against the pinned version's fields),
     # e.g. {enable_torch_compile: true, attention_backend: fa3}
     sglang: dict[str, Any] = field(default_factory=dict)
+    # any other vLLM EngineArgs field by its own name (checked against the pinned version's fields),
+    # e.g. {max_model_len: 2048, enforce_eager: false}. On CPU the KV cache is
+    # kv_cache_memory_bytes (default 1 GiB there); on CUDA gpu_memory_utilization decides.
+    vllm: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.name not in ROLLOUT_ENGINES:
@@ -104,7 +124,7 @@ class RolloutConfig:
         if self.name == "hf" and self.tensor_model_parallel_size != 1:
             raise ValueError(
                 "rollout.tensor_model_parallel_size must be 1 for rollout.name=hf (each rank holds a "
-                f"full replica), got {self.tensor_model_parallel_size}; use rollout.name=sglang for TP"
+                f"full replica), got {self.tensor_model_parallel_size}; use rollout.name=vllm or sglang"
             )
         if self.dtype not in ROLLOUT_DTYPES:
             raise ValueError(f"rollout.dtype must be one of {ROLLOUT_DTYPES}, got {self.dtype!r}")
@@ -130,14 +150,24 @@ class RolloutConfig:
                 "rollout.verify_weight_sync needs rollout.name=hf: SGLang exposes no exact read-back "
                 "of its (fused, TP-sharded) parameters"
             )
-        if self.sglang and self.name != "sglang":
-            raise ValueError(f"rollout.sglang is set but rollout.name={self.name!r}; remove it or use sglang")
+        for engine in ("sglang", "vllm"):
+            if getattr(self, engine) and self.name != engine:
+                raise ValueError(
+                    f"rollout.{engine} is set but rollout.name={self.name!r}; remove it or use {engine}"
+                )
         check_setting_names(
             "rollout.sglang",
             self.sglang,
             SERVER_ARGS_FIELDS,
             f"SGLang {SGLANG_VERSION} ServerArgs",
             SGLANG_SET_ELSEWHERE,
+        )
+        check_setting_names(
+            "rollout.vllm",
+            self.vllm,
+            ENGINE_ARGS_FIELDS,
+            f"vLLM {VLLM_VERSION} EngineArgs",
+            VLLM_SET_ELSEWHERE,
         )
 
     def max_new_tokens(self, sampling: SamplingConfig) -> int:

@@ -19,7 +19,7 @@ import torch
 
 from engines.rollout.base import WEIGHTS_TAG, SeededGenerationMixin, load_tokenizer, read_special_token_ids
 from engines.rollout.config import RolloutConfig, SamplingConfig
-from engines.rollout.weight_sync import tensor_checksum, torch_dtype
+from engines.rollout.weight_sync import check_named_shapes, tensor_checksum, torch_dtype
 from hybridflow.protocol import DataProto
 
 # model_type -> (router name, one expert's tensor name, its (gate, up, down) names) in checkpoints.
@@ -60,6 +60,16 @@ def checkpoint_tensors(model, remove_duplicate: bool = True) -> dict[str, torch.
     for name, param in model.named_parameters(remove_duplicate=remove_duplicate):
         tensors.update(_checkpoint_names(name, param, model.config.model_type))
     return tensors
+
+
+def checkpoint_shapes(hf_config) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor a checkpoint of `hf_config` holds (tied weights under each
+    name), from the transformers model built on the meta device (no memory, no weights)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    return {name: tuple(t.shape) for name, t in checkpoint_tensors(model, remove_duplicate=False).items()}
 
 
 class HFRolloutEngine(SeededGenerationMixin):
@@ -133,20 +143,10 @@ class HFRolloutEngine(SeededGenerationMixin):
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = self._params()
-        for name, tensor in named_tensors:
-            param = params.get(name)
-            if param is None:
-                example = next(iter(params))
-                raise ValueError(
-                    f"update_weights: {name!r} is not a parameter of the rollout model "
-                    f"({type(self.model).__name__}); expected Hugging Face names like {example!r}"
-                )
-            if tuple(tensor.shape) != tuple(param.shape):
-                raise ValueError(
-                    f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the rollout model's "
-                    f"parameter has {tuple(param.shape)}"
-                )
-            param.copy_(tensor)
+        bucket = list(named_tensors)
+        check_named_shapes(bucket, {name: tuple(param.shape) for name, param in params.items()})
+        for name, tensor in bucket:
+            params[name].copy_(tensor)
 
     def flush_cache(self) -> None:
         """Nothing to drop: `generate` builds a fresh KV cache on every call."""

@@ -39,7 +39,10 @@ is generated once:
     that member's slice (n output rows per prompt row when the engine samples n), then the replica
     group all-gathers, so every rank (the collected tp0 / last-stage rank included) returns the
     output of its whole chunk, in the chunk's row order.
-With the hf engine (no TP) every rank holds an engine and rollout groups are single ranks.
+With the hf engine (no TP) every rank holds an engine and rollout groups are single ranks. With
+vLLM at TP = T every rank of a rollout group holds an engine (vLLM's external launcher: one TP
+shard each): all members get the group's prompts and the same seed stream, load the full tensors
+of every bucket (vLLM's loaders keep their shard), and each keeps its own slice's output rows.
 """
 
 import time
@@ -117,12 +120,16 @@ class MegatronRolloutShardingManager:
         self.last_sync: SyncStats | None = None
         self._replica = _group_by_key(parallel_state.get_data_parallel_rank())
         self._rollout = _group_by_key(dist.get_rank() // rollout_cfg.tensor_model_parallel_size)
-        holds_engine = self._rollout.rank == 0
+        # SGLang: the group's first rank holds the engine, which drives the group's GPUs itself.
+        # vLLM (external_launcher) and hf: every rank holds an engine (a TP shard or a replica).
+        self._leader_holds_engine = rollout_cfg.name == "sglang"
+        holds_engine = self._rollout.rank == 0 or not self._leader_holds_engine
         if holds_engine != (rollout_engine is not None):
+            who = "the first rank of each group of" if self._leader_holds_engine else "every rank of"
             raise ValueError(
-                f"rank {dist.get_rank()}: the first rank of each group of rollout.tensor_model_parallel_size="
-                f"{rollout_cfg.tensor_model_parallel_size} ranks must hold the rollout engine and the others "
-                f"none; this rank {'lacks' if holds_engine else 'has'} one"
+                f"rank {dist.get_rank()}: {who} rollout.tensor_model_parallel_size="
+                f"{rollout_cfg.tensor_model_parallel_size} ranks must hold a {rollout_cfg.name} engine and "
+                f"no other rank; this rank {'lacks' if holds_engine else 'has'} one"
             )
         self._slice_sizes: list[int] = []
         self._released: set[str] = set()
@@ -251,7 +258,8 @@ class MegatronRolloutShardingManager:
             dist.all_gather_object(sizes, len(piece), group=self._rollout.group)
             self._slice_sizes = sizes
             piece = all_gather_data_proto(piece, self._rollout.group)
-        piece.meta_info[SEED_STREAM_KEY] = dist.get_rank()
+        # The ranks of one TP engine must draw the same samples: the group's first rank names the stream.
+        piece.meta_info[SEED_STREAM_KEY] = dist.get_global_rank(self._rollout.group, 0)
         return piece
 
     def postprocess_data(self, output: DataProto | None) -> DataProto:
@@ -260,7 +268,13 @@ class MegatronRolloutShardingManager:
             raise ValueError("postprocess_data: this rank holds the rollout engine but got no output")
         if output is not None:
             output.meta_info.pop(SEED_STREAM_KEY, None)
-        mine = output if self._rollout.size == 1 else self._scatter_in_rollout_group(output)
+        if self._rollout.size == 1:
+            mine = output
+        elif self._leader_holds_engine:
+            mine = self._scatter_in_rollout_group(output)
+        else:  # every rank of the group generated the group's output: keep this rank's rows
+            bounds = self._output_bounds(len(output))
+            mine = output[bounds[self._rollout.rank] : bounds[self._rollout.rank + 1]]
         if self._replica.size == 1:
             return mine
         return all_gather_data_proto(mine, self._replica.group)
@@ -268,15 +282,19 @@ class MegatronRolloutShardingManager:
     def _scatter_in_rollout_group(self, output: DataProto | None) -> DataProto:
         parts: list[DataProto] | None = None
         if self._rollout.rank == 0:
-            rows_per_prompt, rest = divmod(len(output), sum(self._slice_sizes))
-            if rest or rows_per_prompt < 1:
-                raise ValueError(f"engine returned {len(output)} rows for {sum(self._slice_sizes)} prompts")
-            bounds = _offsets([s * rows_per_prompt for s in self._slice_sizes])
+            bounds = self._output_bounds(len(output))
             parts = [output[bounds[i] : bounds[i + 1]] for i in range(self._rollout.size)]
         received: list[DataProto | None] = [None]
         leader = dist.get_global_rank(self._rollout.group, 0)
         dist.scatter_object_list(received, parts, src=leader, group=self._rollout.group)
         return received[0]
+
+    def _output_bounds(self, rows: int) -> list[int]:
+        """Offsets of each group member's rows in the engine's output (n rows per prompt row)."""
+        rows_per_prompt, rest = divmod(rows, sum(self._slice_sizes))
+        if rest or rows_per_prompt < 1:
+            raise ValueError(f"engine returned {rows} rows for {sum(self._slice_sizes)} prompts")
+        return _offsets([size * rows_per_prompt for size in self._slice_sizes])
 
 
 def _raise_on_every_rank(problem: str | None, what: str) -> None:

@@ -45,6 +45,24 @@ def bucket_named_tensors(
         yield bucket
 
 
+def check_named_shapes(
+    named_tensors: list[tuple[str, torch.Tensor]], expected: dict[str, tuple[int, ...]]
+) -> None:
+    """ValueError naming the first tensor whose name is not in `expected` or whose shape differs."""
+    for name, tensor in named_tensors:
+        if name not in expected:
+            example = next(iter(expected))
+            raise ValueError(
+                f"update_weights: {name!r} is not a weight of the rollout model; "
+                f"expected Hugging Face names like {example!r}"
+            )
+        if tuple(tensor.shape) != expected[name]:
+            raise ValueError(
+                f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the rollout model's "
+                f"weight has {expected[name]}"
+            )
+
+
 def tensor_checksum(tensor: torch.Tensor) -> str:
     """BLAKE2b of the tensor's raw bytes, prefixed with dtype and shape: equal iff bit-identical."""
     flat = tensor.detach().contiguous().reshape(-1).cpu()

@@ -16,8 +16,8 @@ HAS_SGLANG_GPU = torch.cuda.is_available() and importlib.util.find_spec("sglang"
 
 def test_availability_check_names_the_problem():
     check_rollout_available("hf")
-    with pytest.raises(ValueError, match="'hf' or 'sglang'"):
-        check_rollout_available("vllm")
+    with pytest.raises(ValueError, match="'hf', 'vllm' or 'sglang'"):
+        check_rollout_available("trtllm")
     if HAS_SGLANG_GPU:
         check_rollout_available("sglang")
     else:

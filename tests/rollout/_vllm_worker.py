@@ -1,0 +1,254 @@
+"""Worker for test_vllm_rollout.py: real vLLM (CPU build) engines fed by a Megatron actor, under
+torchrun on gloo. N = 4: actor TP2 x PP2; N = 1: actor TP1. Every rank holds one vLLM engine
+(rollout TP 1) and one hf engine, both started with random weights (`load_format: dummy`), so
+every weight they generate with came through the sync.
+
+    python -m torch.distributed.run --nproc_per_node N tests/rollout/_vllm_worker.py HF_DIR OUT_DIR
+
+Checks, printing "OK <check>" on rank 0 after each:
+  greedy-equals-hf  after a sync of the perturbed actor, vLLM's greedy responses (and masks) equal
+                    the hf engine's on 32 prompts, except rows whose first difference is a near
+                    tie in hf's log-probs (top-2 within 1e-4); N = 1 adds stop strings to greedy
+                    decoding and a second EOS id the model emits, and requires rows ended by EOS,
+                    by a stop string and by the length;
+  log-probs-match   sampled responses' rollout_log_probs (temperature 0.8) equal the actor's
+                    compute_log_prob of the same tokens within 1e-4 (fp32);
+  seeds             the same seed gives the same samples, another seed other samples;
+  wrong-name        (N = 4) a sync stream with a misnamed tensor on rank 1 fails on every rank
+                    with a WeightSyncError naming it; wrong-shape: the same for a wrong shape.
+"""
+
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from engines.megatron import weights as megatron_weights
+from engines.megatron.actor import MegatronActor
+from engines.megatron.config import MegatronConfig
+from engines.megatron.model import build_model, unwrap_model
+from engines.megatron.parallel import init_megatron
+from engines.megatron.weights import save_hf_checkpoint
+from engines.rollout.config import RolloutConfig, SamplingConfig
+from engines.rollout.hf_rollout import HFRolloutEngine
+from engines.rollout.sharding_manager import MegatronRolloutShardingManager
+from engines.rollout.vllm_rollout import VLLMRolloutEngine
+from engines.rollout.weight_sync import WeightSyncError
+from hybridflow.protocol import DataProto
+
+PROMPTS = 32
+RESPONSE_LENGTH = 16
+TIE = 1e-4
+LOG_PROB_TOLERANCE = 1e-4
+TEMPERATURE = 0.8
+STOP = ["q", "Z"]  # one-character tokens of the shared tokenizer
+
+
+@torch.no_grad()
+def perturb(chunks) -> None:
+    """Noise on every actor parameter, identical on the TP ranks that replicate a parameter."""
+    from megatron.core import parallel_state
+
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    for name, param in unwrap_model(chunks[0]).named_parameters():
+        split = getattr(param, "tensor_model_parallel", False)
+        seed = (sum(map(ord, name)) * 31 + pp_rank) * 7 + (tp_rank if split else 0)
+        noise = torch.randn(param.shape, generator=torch.Generator().manual_seed(seed))
+        param.add_(0.05 * noise.to(param.dtype))
+
+
+def with_frequent_eos(chunks, hf_config, hf_dir: Path, out_dir: Path) -> Path:
+    """A copy of `hf_dir` whose EOS ids add a token the synced model emits early in greedy
+    decoding of prompt row 0 (a random model rarely emits the real EOS): some rows end on EOS."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    export = out_dir / "export"
+    save_hf_checkpoint(chunks, hf_config, export)
+    model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
+    prompts = make_prompts(validate=True)
+    row = prompts.batch["input_ids"][0][prompts.batch["attention_mask"][0].bool()]
+    with torch.no_grad():
+        free_run = model.generate(input_ids=row[None], do_sample=False, max_new_tokens=4, eos_token_id=None)
+    eos = int(free_run[0, -1])
+    target = out_dir / "frequent_eos"
+    shutil.copytree(hf_dir, target)
+    generation = json.loads((target / "generation_config.json").read_text())
+    generation["eos_token_id"] = [1, eos]
+    (target / "generation_config.json").write_text(json.dumps(generation))
+    return target
+
+
+def make_prompts(validate: bool) -> DataProto:
+    gen = torch.Generator().manual_seed(1)
+    width = 12
+    lengths = [2 + (5 * row) % (width - 1) for row in range(PROMPTS)]
+    mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths])
+    ids = torch.randint(7, 100, mask.shape, generator=gen) * mask
+    uids = np.array([f"uid-{row}" for row in range(PROMPTS)], dtype=object)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    return DataProto.from_dict(
+        {"input_ids": ids, "attention_mask": mask, "position_ids": positions},
+        {"uid": uids},
+        {"validate": validate},
+    )
+
+
+def generate(manager, engine, prompts: DataProto) -> DataProto:
+    with manager:
+        return manager.postprocess_data(engine.generate_sequences(manager.preprocess_data(prompts)))
+
+
+def first_difference(a: torch.Tensor, b: torch.Tensor) -> int | None:
+    differ = (a != b).nonzero()
+    return None if len(differ) == 0 else int(differ[0])
+
+
+@torch.no_grad()
+def top2_gap(model, prompt: torch.Tensor, prefix: torch.Tensor) -> float:
+    """hf's log-prob gap between its two likeliest next tokens after prompt + prefix."""
+    ids = torch.cat([prompt, prefix])[None]
+    log_probs = model(input_ids=ids).logits[0, -1].float().log_softmax(-1)
+    top = log_probs.topk(2).values
+    return float(top[0] - top[1])
+
+
+def check_greedy_equals_hf(hf_engine, vllm_out: DataProto, hf_out: DataProto, model_dir: Path | None) -> None:
+    equal = ties = 0
+    for row in range(PROMPTS):
+        ours, theirs = vllm_out.batch["responses"][row], hf_out.batch["responses"][row]
+        where = first_difference(ours, theirs)
+        if where is None:
+            assert torch.equal(vllm_out.batch["response_mask"][row], hf_out.batch["response_mask"][row]), row
+            equal += 1
+            continue
+        prompt = hf_out.batch["prompts"][row][hf_out.batch["attention_mask"][row, :-RESPONSE_LENGTH].bool()]
+        gap = top2_gap(hf_engine.model, prompt, theirs[:where])
+        assert gap < TIE, f"row {row} differs at token {where} where hf's top-2 gap is {gap:.2e}"
+        ties += 1
+    assert equal + ties == PROMPTS and equal >= PROMPTS - 2, (equal, ties)
+    if model_dir is not None:
+        check_endings(vllm_out, model_dir, hf_engine.eos_token_ids)
+    say(f"greedy-equals-hf ({equal} equal, {ties} near ties)")
+
+
+def check_endings(out: DataProto, model_dir: Path, eos_ids: list[int]) -> None:
+    """Some rows end on EOS, some on a stop string, some at the length limit."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    endings = set()
+    for row, length in enumerate(out.batch["response_mask"].sum(-1).tolist()):
+        ids = out.batch["responses"][row, :length].tolist()
+        if ids[-1] in eos_ids:
+            endings.add("eos")
+        elif any(tokenizer.decode(ids).endswith(stop) for stop in STOP):
+            endings.add("stop")
+        elif length == RESPONSE_LENGTH:
+            endings.add("length")
+    assert endings == {"eos", "stop", "length"}, endings
+
+
+def check_log_probs(actor: MegatronActor, out: DataProto) -> None:
+    from megatron.core import parallel_state
+
+    data = DataProto.from_dict(
+        {key: out.batch[key] for key in ("input_ids", "attention_mask", "position_ids", "responses")},
+        meta_info={"temperature": TEMPERATURE, "micro_batch_size": 8},
+    )
+    result = actor.compute_log_prob(data, calculate_entropy=False)
+    if parallel_state.is_pipeline_last_stage():
+        mask = out.batch["response_mask"].bool()
+        actor_lp = result.batch["old_log_probs"][mask]
+        rollout_lp = out.batch["rollout_log_probs"][mask]
+        worst = float((actor_lp - rollout_lp).abs().max())
+        assert worst < LOG_PROB_TOLERANCE, f"max |actor - rollout| log-prob = {worst:.2e}"
+        assert mask.sum() > PROMPTS, "too few sampled tokens to compare"
+    say("log-probs-match")
+
+
+def check_seeds(manager, engine, prompts: DataProto) -> None:
+    def sample(seed: int) -> torch.Tensor:
+        batch = prompts[:]
+        batch.meta_info["seed"] = seed
+        return generate(manager, engine, batch).batch["responses"]
+
+    first, again, other = sample(7), sample(7), sample(8)
+    assert torch.equal(first, again), "the same seed gave other samples"
+    assert not torch.equal(first, other), "another seed gave the same samples"
+    say("seeds")
+
+
+def check_bad_stream(manager, edit, expected: str) -> None:
+    """A sync whose stream `edit` changes on rank 1 must fail on every rank, naming the tensor."""
+    real = megatron_weights.iter_hf_tensors
+
+    def stream(*args, **kwargs):
+        for index, (name, tensor) in enumerate(real(*args, **kwargs)):
+            yield edit(name, tensor) if index == 3 and dist.get_rank() == 1 else (name, tensor)
+
+    megatron_weights.iter_hf_tensors = stream
+    try:
+        with manager:
+            raise AssertionError("the bad sync was not caught")
+    except WeightSyncError as err:
+        assert "rank 1" in str(err) and expected in str(err), str(err)
+    finally:
+        megatron_weights.iter_hf_tensors = real
+
+
+def say(message: str) -> None:
+    if dist.get_rank() == 0:
+        print(f"OK {message}", flush=True)
+
+
+def main(hf_dir: Path, out_dir: Path) -> None:
+    four = int(os.environ["WORLD_SIZE"]) == 4
+    megatron_cfg = (
+        MegatronConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+        if four
+        else (MegatronConfig())
+    )
+    init_megatron(megatron_cfg)
+    chunks = build_model(hf_dir, megatron_cfg, for_training=False)
+    hf_config = unwrap_model(chunks[0]).hf_config
+    perturb(chunks)
+    if not four:
+        hf_dir = with_frequent_eos(chunks, hf_config, hf_dir, out_dir)
+    greedy = SamplingConfig(do_sample=False, temperature=0.0, stop=[] if four else STOP)
+    cfg = RolloutConfig(
+        response_length=RESPONSE_LENGTH,
+        sampling=SamplingConfig(temperature=TEMPERATURE),
+        val_sampling=greedy,
+        calculate_log_probs=True,
+        weight_sync_bucket_mb=0.05,  # buckets end inside layers
+    )
+    hf_engine = HFRolloutEngine(hf_dir, cfg, device="cpu")
+    vllm_engine = VLLMRolloutEngine(hf_dir, replace(cfg, name="vllm"))
+    hf_manager = MegatronRolloutShardingManager(chunks, hf_config, hf_engine, cfg)
+    vllm_manager = MegatronRolloutShardingManager(chunks, hf_config, vllm_engine, replace(cfg, name="vllm"))
+
+    vllm_greedy = generate(vllm_manager, vllm_engine, make_prompts(validate=True))
+    hf_greedy = generate(hf_manager, hf_engine, make_prompts(validate=True))
+    check_greedy_equals_hf(hf_engine, vllm_greedy, hf_greedy, model_dir=None if four else hf_dir)
+    sampled = generate(vllm_manager, vllm_engine, make_prompts(validate=False))
+    check_log_probs(MegatronActor(chunks), sampled)
+    check_seeds(vllm_manager, vllm_engine, make_prompts(validate=False))
+    if four:
+        check_bad_stream(vllm_manager, lambda name, t: (name.replace("layers", "layer"), t), "layer.")
+        say("wrong-name")
+        check_bad_stream(vllm_manager, lambda name, t: (name, t[..., :-1]), "has shape")
+        say("wrong-shape")
+    dist.barrier()
+    vllm_engine.shutdown()  # vLLM's teardown destroys the process group too
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), Path(sys.argv[2]))
