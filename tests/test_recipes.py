@@ -1,5 +1,6 @@
 """Both GSM8K recipes run end to end for 2 steps on CPU: the real recipe files with overrides
-pointing at a tiny local model, the hf rollout and real GSM8K rows (prepared into a tmp dir),
+pointing at a tiny local model, the hf rollout (vLLM's CPU build in the GRPO run) and real GSM8K
+rows (prepared into a tmp dir),
 through `scripts/run_recipe.sh` in a subprocess that starts its own local Ray.
 
 A random tiny model never answers GSM8K, so every reward would be 0 and no update would move the
@@ -127,9 +128,11 @@ def check_run(out: Path, extra_keys: tuple[str, ...]) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_grpo_recipe_runs_two_steps_with_tensor_parallel_2(local, tmp_path):
+def test_grpo_recipe_runs_two_steps_with_tensor_parallel_2_and_vllm(local, tmp_path):
+    """The real vLLM engine (CPU build) in each of the two Ray workers, fed by the TP-2 actor."""
     overrides = [
         *cpu_overrides(local, tmp_path / "grpo", tp=2),
+        "rollout.name=vllm",
         "rollout.sampling.n=2",
         "actor.update.ppo_mini_batch_size=4",
         "trainer.export_hf=true",
