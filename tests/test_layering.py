@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-HEAVY_MODULES = ("megatron", "sglang", "transformer_engine")
+HEAVY_MODULES = ("megatron", "sglang", "vllm", "transformer_engine")
 CONTROLLER_PACKAGES = (
     "hybridflow.trainer",
     "hybridflow.workers",

@@ -1,0 +1,220 @@
+"""vLLM (CPU build) against the hf engine: generation tokens/s, and weight sync into vLLM.
+
+Generation: the same 64 prompts (32 tokens) on the tiny quickstart model and on a 76M-parameter
+Qwen2 shape (hidden 768, 12 layers, 12 heads of 64, 4 KV heads, random init), fp32 and, where the
+CPU has AVX512-BF16, bf16. Each request has its own length limit, drawn log-normal like
+bench_megatron's (median 39, log-std 1, capped at 256), and ignores EOS, so both engines produce
+the same useful tokens: vLLM stops each request at its limit; `generate` runs the whole batch to
+its longest limit (that is how the hf engine serves a batch). tokens/s counts useful tokens. One
+timed call after a warm-up per engine.
+
+Weight sync: the 76M shape held by a Megatron actor at TP1 (1 process) and TP2 (2 gloo processes,
+torchrun), synced into each rank's vLLM engine by `MegatronRolloutShardingManager.sync_weights`
+(layerwise reload, 512 MiB buckets); against a plain copy of the same bytes into preallocated
+tensors (vLLM repacks its linear weights, so there is no parameter of the same layout to copy
+into). Median of 3 syncs after a warm-up.
+
+Run: `python -m benchmarks vllm`.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks._timing import REPO_ROOT, median_seconds, run_torchrun
+
+TITLE = "vLLM (CPU build) vs hf: generation with heavy-tailed lengths, weight sync into vLLM"
+REPEATS = 3
+SHAPE_76M = dict(
+    hidden_size=768,
+    num_layers=12,
+    num_heads=12,
+    num_kv_heads=4,
+    intermediate_size=2048,
+    max_position_embeddings=512,
+    init_std=0.02,
+)
+PROMPTS, PROMPT_LEN, MAX_NEW, MEDIAN_NEW, SIGMA = 64, 32, 256, 39.0, 1.0
+
+
+def run() -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        big = _make_model(tmp / "m76", **SHAPE_76M)
+        rows = []
+        dtypes = ["float32", "bfloat16"] if _cpu_has_bf16() else ["float32"]
+        for model_dir, label in ((_make_model(tmp / "tiny"), "tiny"), (big, "76M")):
+            for dtype in dtypes if label == "76M" else ["float32"]:
+                rows += _generation_rows(model_dir, label, dtype)
+        for nproc in (1, 2):
+            result = tmp / f"sync{nproc}.json"
+            run_torchrun(__file__, nproc, big, result, what=f"vllm sync benchmark at TP{nproc}")
+            rows += json.loads(result.read_text())
+    return rows
+
+
+def _cpu_has_bf16() -> bool:
+    cpuinfo = Path("/proc/cpuinfo")
+    return cpuinfo.exists() and "avx512_bf16" in cpuinfo.read_text()
+
+
+def _make_model(out: Path, **shape) -> Path:
+    from hybridflow.utils.tiny_model import make_tiny_model
+
+    return make_tiny_model(out, **shape)
+
+
+def _limits():
+    """Per-request new-token limits, log-normal, at least 1, capped at MAX_NEW. (PROMPTS,)"""
+    import torch
+
+    normal = torch.randn(PROMPTS, generator=torch.Generator().manual_seed(0))
+    lengths = torch.exp(torch.log(torch.tensor(MEDIAN_NEW)) + SIGMA * normal)
+    return lengths.round().clamp(1, MAX_NEW).long()
+
+
+def _prompts():
+    import torch
+
+    return torch.randint(10, 100, (PROMPTS, PROMPT_LEN), generator=torch.Generator().manual_seed(1))
+
+
+# ---------------------------------------------------------------- generation (subprocesses)
+
+
+def _generation_rows(model_dir: Path, label: str, dtype: str) -> list[dict]:
+    """Each engine in a fresh process: vLLM changes process-wide torch settings."""
+    rows = []
+    for engine in ("hf", "vllm"):
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            _run_generation(engine, model_dir, dtype, Path(out.name))
+            seconds, tokens, params = json.loads(Path(out.name).read_text())
+        rows.append(
+            {
+                "case": f"{engine} generate, {label}, {dtype}, {PROMPTS} prompts, heavy-tailed lengths",
+                "size": f"{params / 1e6:.1f}M params, {tokens} tokens",
+                "seconds": seconds,
+                "throughput": f"{tokens / seconds:.0f} tokens/s",
+            }
+        )
+    speedup = float(rows[0]["seconds"]) / float(rows[1]["seconds"])
+    rows[1]["throughput"] += f" ({speedup:.2f}x hf)"
+    return rows
+
+
+def _run_generation(engine: str, model_dir: Path, dtype: str, out: Path) -> None:
+    """Both cores for the one engine process (the torchrun workers get one thread each)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": str(REPO_ROOT)}
+    cmd = [sys.executable, __file__, "generate", engine, str(model_dir), dtype, str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{engine} generation failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
+
+
+def _generate_worker(engine_name: str, model_dir: Path, dtype: str, out: Path) -> None:
+    import torch
+    from transformers import AutoConfig
+
+    from engines.rollout.config import RolloutConfig
+    from engines.rollout.hf_rollout import checkpoint_shapes
+
+    cfg = RolloutConfig(name=engine_name, load_format="auto", dtype=dtype, response_length=MAX_NEW)
+    limits, prompts = _limits(), _prompts()
+    if engine_name == "vllm":
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        from engines.rollout.vllm_rollout import VLLMRolloutEngine
+
+        engine = VLLMRolloutEngine(model_dir, cfg)
+        requests = [TokensPrompt(prompt_token_ids=row.tolist()) for row in prompts]
+        params = [SamplingParams(max_tokens=int(n), ignore_eos=True, seed=i) for i, n in enumerate(limits)]
+
+        def generate():
+            engine.llm.generate(requests, params, use_tqdm=False)
+
+    else:
+        from engines.rollout.hf_rollout import HFRolloutEngine
+
+        engine = HFRolloutEngine(model_dir, cfg, device="cpu")
+        longest = int(limits.max())
+
+        def generate():
+            with torch.no_grad():
+                engine.model.generate(
+                    input_ids=prompts, do_sample=True, max_new_tokens=longest, min_new_tokens=longest
+                )
+
+    generate()
+    start = time.perf_counter()
+    generate()
+    seconds = time.perf_counter() - start
+    shapes = checkpoint_shapes(AutoConfig.from_pretrained(model_dir))
+    size = sum(math.prod(shape) for shape in shapes.values())
+    out.write_text(json.dumps([seconds, int(limits.sum()), size]))
+
+
+# ---------------------------------------------------------------- weight sync (torchrun)
+
+
+def _sync_worker(model_dir: Path, result_file: Path) -> None:
+    """Runs on each torchrun rank; rank 0 writes the rows."""
+    import torch
+    import torch.distributed as dist
+
+    from engines.megatron.config import MegatronConfig
+    from engines.megatron.model import build_model, unwrap_model
+    from engines.megatron.parallel import init_megatron
+    from engines.megatron.weights import iter_hf_tensors
+    from engines.rollout.config import RolloutConfig
+    from engines.rollout.sharding_manager import MegatronRolloutShardingManager
+    from engines.rollout.vllm_rollout import VLLMRolloutEngine
+
+    tp = int(os.environ["WORLD_SIZE"])
+    megatron_cfg = MegatronConfig(tensor_model_parallel_size=tp)
+    init_megatron(megatron_cfg)
+    chunks = build_model(model_dir, megatron_cfg, for_training=False)
+    hf_config = unwrap_model(chunks[0]).hf_config
+    cfg = RolloutConfig(name="vllm", free_cache_engine=False)
+    engine = VLLMRolloutEngine(model_dir, cfg)
+    manager = MegatronRolloutShardingManager(chunks, hf_config, engine, cfg)
+    seconds = median_seconds(manager.sync_weights, REPEATS)
+    nbytes = manager.last_sync.bytes
+    sources = [tensor.clone() for _, tensor in iter_hf_tensors(chunks, hf_config)]
+    targets = [torch.empty_like(tensor) for tensor in sources]
+
+    @torch.no_grad()
+    def plain_copy():
+        for target, source in zip(targets, sources, strict=True):
+            target.copy_(source)
+
+    copy_seconds = median_seconds(plain_copy, REPEATS)
+    rows = [
+        _sync_row(f"weight sync actor TP{tp} -> vllm", nbytes, seconds, copy_seconds),
+        _sync_row(f"plain copy of the same bytes (TP{tp} run)", nbytes, copy_seconds, copy_seconds),
+    ]
+    if dist.get_rank() == 0:
+        result_file.write_text(json.dumps(rows))
+    dist.barrier()
+    engine.shutdown()  # also ends the process group (vLLM's teardown)
+
+
+def _sync_row(case: str, nbytes: int, seconds: float, copy_seconds: float) -> dict:
+    return {
+        "case": case,
+        "size": f"{nbytes / 1e6:.0f} MB",
+        "seconds": seconds,
+        "throughput": f"{nbytes / seconds / 1e9:.2f} GB/s ({copy_seconds / seconds:.0%} of plain copy)",
+    }
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "generate":
+        _generate_worker(sys.argv[2], Path(sys.argv[3]), sys.argv[4], Path(sys.argv[5]))
+    else:
+        _sync_worker(Path(sys.argv[1]), Path(sys.argv[2]))
