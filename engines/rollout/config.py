@@ -99,7 +99,8 @@ class RolloutConfig:
     seed: int = 42  # base of the per-call sampling seed when meta_info carries no "seed"
     calculate_log_probs: bool = False  # return the engine's own per-token log-probs as rollout_log_probs
     weight_sync_bucket_mb: int = 512
-    verify_weight_sync: bool = False  # checksum every tensor on both sides at every sync (hf engine)
+    # after every sync: hf compares every tensor's checksum; vllm its log-probs of fixed tokens
+    verify_weight_sync: bool = False
     gpu_memory_utilization: float = 0.5  # SGLang mem_fraction_static, vLLM gpu_memory_utilization
     free_cache_engine: bool = True  # release the engine's memory after generation
     # SGLang's name. True: per-request seeds are honoured, so sampling is reproducible (and a
@@ -145,9 +146,9 @@ class RolloutConfig:
             raise ValueError(
                 f"rollout.gpu_memory_utilization must be in (0, 1), got {self.gpu_memory_utilization}"
             )
-        if self.verify_weight_sync and self.name != "hf":
+        if self.verify_weight_sync and self.name == "sglang":
             raise ValueError(
-                "rollout.verify_weight_sync needs rollout.name=hf: SGLang exposes no exact read-back "
+                "rollout.verify_weight_sync needs rollout.name=hf or vllm: SGLang exposes no read-back "
                 "of its (fused, TP-sharded) parameters"
             )
         for engine in ("sglang", "vllm"):

@@ -26,7 +26,9 @@ bucket stays alive until the group's first rank says it was loaded. A refused or
 becomes a `WeightSyncError` naming the bucket and the engine's message, raised on every rank
 after the stream is consumed (so that no rank is left waiting in the collective). With
 `rollout.verify_weight_sync`, each tensor's checksum (cast to the rollout dtype) is compared with
-the engine's copy after the sync; the first differing name stops the run on every rank.
+the engine's copy after the sync; the first differing name stops the run on every rank. vLLM
+repacks its weights (no exact read-back): there the engine's log-probs of fixed tokens are
+compared with the actor's instead, within a tolerance of the rollout dtype.
 
 Data. MEGATRON_COMPUTE_PROTO gives the same chunk to every rank of one actor data-parallel rank
 (its "replica group": all its TP/PP/CP ranks) and collects from one of them. So that each prompt
@@ -71,6 +73,8 @@ from engines.rollout.weight_sync import (
 from hybridflow.protocol import DataProto, all_gather_data_proto
 
 ALL_TAGS = [WEIGHTS_TAG, KV_CACHE_TAG, CUDA_GRAPH_TAG]
+# A wrong or missing tensor moves log-probs by O(1); the rest is kernel rounding in that dtype.
+VERIFY_LOG_PROB_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.15, "float16": 0.05}
 
 
 @dataclass
@@ -229,6 +233,9 @@ class MegatronRolloutShardingManager:
 
     def _verify(self, sent: dict[str, str]) -> None:
         """Compare the engine's checksums with the sent ones; raise on every rank if any rank differs."""
+        if self.cfg.name == "vllm":
+            self._verify_log_probs()
+            return
         problem = None
         if self.engine is not None:
             received = self.engine.weight_checksums()
@@ -243,6 +250,30 @@ class MegatronRolloutShardingManager:
                 )
             elif unsynced:
                 problem = f"rollout weights {unsynced[:5]} were not in the actor's weight stream"
+        _raise_on_every_rank(problem, "verify_weight_sync")
+
+    def _verify_log_probs(self) -> None:
+        """vLLM repacks its weights, so no exact read-back: its log-probs of fixed tokens must equal
+        the actor's within the rollout dtype's tolerance (collective; raises on every rank)."""
+        from engines.megatron.forward import compute_log_prob
+
+        probe = log_prob_probe(self.hf_config.vocab_size)
+        result = compute_log_prob(self.actor_chunks, probe, len(probe), calculate_entropy=False)
+        # Only last pipeline stages hold the result; every rank's engine is checked against it.
+        results: list[torch.Tensor | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(results, None if result is None else result.batch["old_log_probs"])
+        actor = next(r for r in results if r is not None)  # (B, R)
+        problem = None
+        if self.engine is not None:
+            engine = self.engine.score_log_probs(probe.batch["input_ids"].tolist())[:, -actor.shape[1] :]
+            worst = float((actor - engine).abs().max())
+            tolerance = VERIFY_LOG_PROB_TOLERANCE[self.cfg.dtype]
+            if not worst <= tolerance:
+                problem = (
+                    f"the rollout engine's log-probs of fixed tokens differ from the actor's by up to "
+                    f"{worst:.3g} (tolerance {tolerance} for rollout.dtype={self.cfg.dtype}): its weights "
+                    "are not the actor's"
+                )
         _raise_on_every_rank(problem, "verify_weight_sync")
 
     # ------------------------------------------------------------------ data
@@ -295,6 +326,14 @@ class MegatronRolloutShardingManager:
         if rest or rows_per_prompt < 1:
             raise ValueError(f"engine returned {rows} rows for {sum(self._slice_sizes)} prompts")
         return _offsets([size * rows_per_prompt for size in self._slice_sizes])
+
+
+def log_prob_probe(vocab_size: int, rows: int = 4, prompt: int = 4, response: int = 12) -> DataProto:
+    """Fixed token sequences (the same on every rank) whose log-probs the actor and an engine compare."""
+    ids = torch.randint(0, vocab_size, (rows, prompt + response), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(prompt + response).expand(rows, -1)
+    tensors = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "position_ids": positions}
+    return DataProto.from_dict({**tensors, "responses": ids[:, prompt:]})
 
 
 def _raise_on_every_rank(problem: str | None, what: str) -> None:

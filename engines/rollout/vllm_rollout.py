@@ -173,7 +173,22 @@ class VLLMRolloutEngine(SeededGenerationMixin):
     def weight_checksums(self, names: list[str] | None = None) -> dict[str, str]:
         raise NotImplementedError(
             "vLLM repacks and shards its weights (on CPU, linear layers are oneDNN handles): there is "
-            "no exact read-back; rollout.verify_weight_sync is available with rollout.name=hf"
+            "no exact read-back; rollout.verify_weight_sync compares log-probs instead (score_log_probs)"
+        )
+
+    def score_log_probs(self, sequences: list[list[int]]) -> torch.Tensor:
+        """log p(token t | tokens before t) of each sequence's tokens t = 1 .. T-1, (B, T-1)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in sequences]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        return torch.tensor(
+            [
+                [entry[token].logprob for entry, token in zip(out.prompt_logprobs[1:], ids[1:], strict=True)]
+                for out, ids in zip(outputs, sequences, strict=True)
+            ]
         )
 
     # ------------------------------------------------------------------ memory

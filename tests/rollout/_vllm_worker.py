@@ -14,8 +14,12 @@ Checks, printing "OK <check>" on rank 0 after each:
   log-probs-match   sampled responses' rollout_log_probs (temperature 0.8) equal the actor's
                     compute_log_prob of the same tokens within 1e-4 (fp32);
   seeds             the same seed gives the same samples, another seed other samples;
+  (every vLLM sync runs with verify_weight_sync: the engine's log-probs of fixed tokens equal the
+  actor's)
   wrong-name        (N = 4) a sync stream with a misnamed tensor on rank 1 fails on every rank
-                    with a WeightSyncError naming it; wrong-shape: the same for a wrong shape.
+                    with a WeightSyncError naming it; wrong-shape: the same for a wrong shape;
+  verify-catches    (N = 4) a tensor changed in transit on rank 1 fails verify_weight_sync on
+                    every rank.
 """
 
 import os
@@ -233,7 +237,8 @@ def main(hf_dir: Path, out_dir: Path) -> None:
     hf_engine = HFRolloutEngine(hf_dir, cfg, device="cpu")
     vllm_engine = VLLMRolloutEngine(hf_dir, replace(cfg, name="vllm"))
     hf_manager = MegatronRolloutShardingManager(chunks, hf_config, hf_engine, cfg)
-    vllm_manager = MegatronRolloutShardingManager(chunks, hf_config, vllm_engine, replace(cfg, name="vllm"))
+    vllm_cfg = replace(cfg, name="vllm", verify_weight_sync=True)  # every sync below is verified
+    vllm_manager = MegatronRolloutShardingManager(chunks, hf_config, vllm_engine, vllm_cfg)
 
     vllm_greedy = generate(vllm_manager, vllm_engine, make_prompts(validate=True))
     hf_greedy = generate(hf_manager, hf_engine, make_prompts(validate=True))
@@ -246,6 +251,8 @@ def main(hf_dir: Path, out_dir: Path) -> None:
         say("wrong-name")
         check_bad_stream(vllm_manager, lambda name, t: (name, t[..., :-1]), "has shape")
         say("wrong-shape")
+        check_bad_stream(vllm_manager, lambda name, t: (name, t + 0.5), "log-probs of fixed tokens differ")
+        say("verify-catches")
     dist.barrier()
     vllm_engine.shutdown()  # vLLM's teardown destroys the process group too
 

@@ -35,7 +35,7 @@ def checkpoint(tmp_path_factory):
 @pytest.mark.parametrize(
     ("nproc", "checks"),
     [
-        (4, ["greedy-equals-hf", "log-probs-match", "seeds", "wrong-name", "wrong-shape"]),
+        (4, ["greedy-equals-hf", "log-probs-match", "seeds", "wrong-name", "wrong-shape", "verify-catches"]),
         (1, ["greedy-equals-hf", "log-probs-match", "seeds"]),
     ],
     ids=["actor-tp2-pp2", "actor-tp1"],
