@@ -6,10 +6,11 @@
 #   3. GRPO through the same actor, hf rollout and GSM8K rule reward (recipes/quickstart.yaml)
 # then prints held-out accuracy before and after RL, time per stage and where the plots are.
 #
-# usage: bash scripts/quickstart.sh [--ppo] [--fresh]
-#   --ppo    PPO with a critic (GAE) instead of GRPO
-#   --fresh  delete outputs/quickstart first; otherwise finished stages are kept and an
-#            interrupted RL stage resumes from its last checkpoint
+# usage: bash scripts/quickstart.sh [--ppo] [--engine hf|vllm] [--fresh]
+#   --ppo          PPO with a critic (GAE) instead of GRPO
+#   --engine NAME  the RL stage's rollout engine (default: the recipe's; README has both timings)
+#   --fresh        delete outputs/quickstart first; otherwise finished stages are kept and an
+#                  interrupted RL stage resumes from its last checkpoint
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -25,14 +26,18 @@ export RAY_ADDRESS="${RAY_ADDRESS:-local}"
 OUT=outputs/quickstart
 RL_NAME=grpo
 RL_ARGS=()
-for arg in "$@"; do
-  case "$arg" in
-    --ppo) RL_NAME=ppo; RL_ARGS=(algorithm.adv_estimator=gae critic.enable=true
-                                 trainer.experiment_name=quickstart-ppo trainer.output_dir="$OUT/ppo") ;;
+while (( $# )); do
+  case "$1" in
+    --ppo) RL_NAME=ppo; RL_ARGS+=(algorithm.adv_estimator=gae critic.enable=true
+                                  trainer.experiment_name=quickstart-ppo trainer.output_dir="$OUT/ppo") ;;
+    --engine)
+      [[ "${2:-}" == hf || "${2:-}" == vllm ]] || { echo "--engine takes hf or vllm, got '${2:-}'" >&2; exit 2; }
+      RL_ARGS+=(rollout.name="$2"); shift ;;
     --fresh) rm -rf "$OUT" ;;
-    -h|--help) sed -n '2,14p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    *) echo "unknown argument: $arg (see --help)" >&2; exit 2 ;;
+    -h|--help) sed -n '2,13p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
+  shift
 done
 
 # Each stage runs as a job of its own (set -m: its own process group, and SIGINT not ignored as

@@ -100,6 +100,9 @@ def test_sft_dataset_drops_long_rows_and_rejects_all_dropped(local):
 def test_quickstart_script_help_and_bad_argument():
     script = ROOT / "scripts/quickstart.sh"
     shown = subprocess.run(["bash", script, "--help"], capture_output=True, text=True, check=True)
-    assert "--ppo" in shown.stdout and "--fresh" in shown.stdout
+    assert "--ppo" in shown.stdout and "--fresh" in shown.stdout and "--engine" in shown.stdout
+    assert "set -euo" not in shown.stdout  # the help is the header comment only
     bad = subprocess.run(["bash", script, "--fast"], capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown argument: --fast" in bad.stderr
+    engine = subprocess.run(["bash", script, "--engine", "trt"], capture_output=True, text=True)
+    assert engine.returncode == 2 and "--engine takes hf or vllm, got 'trt'" in engine.stderr
