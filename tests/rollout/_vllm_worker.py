@@ -1,6 +1,6 @@
 """Worker for test_vllm_rollout.py: real vLLM (CPU build) engines fed by a Megatron actor, under
-torchrun on gloo. N = 4: actor TP2 x PP2; N = 1: actor TP1. Every rank holds one vLLM engine
-(rollout TP 1) and one hf engine, both started with random weights (`load_format: dummy`), so
+torchrun on gloo. N = 4: actor TP2 x PP2; N = 1: actor TP1; N = 2: actor TP2 and one vLLM engine
+at TP 2 over both ranks. Every rank holds one vLLM engine (N = 2: its TP shard) and one hf engine, both started with random weights (`load_format: dummy`), so
 every weight they generate with came through the sync.
 
     python -m torch.distributed.run --nproc_per_node N tests/rollout/_vllm_worker.py HF_DIR OUT_DIR
@@ -8,7 +8,7 @@ every weight they generate with came through the sync.
 Checks, printing "OK <check>" on rank 0 after each:
   greedy-equals-hf  after a sync of the perturbed actor, vLLM's greedy responses (and masks) equal
                     the hf engine's on 32 prompts, except rows whose first difference is a near
-                    tie in hf's log-probs (top-2 within 1e-4); N = 1 adds stop strings to greedy
+                    tie in hf's log-probs (top-2 within 1e-4); N = 1, 2 add stop strings to greedy
                     decoding and a second EOS id the model emits, and requires rows ended by EOS,
                     by a stop string and by the length;
   log-probs-match   sampled responses' rollout_log_probs (temperature 0.8) equal the actor's
@@ -76,13 +76,14 @@ def with_frequent_eos(chunks, hf_config, hf_dir: Path, out_dir: Path) -> Path:
 
     export = out_dir / "export"
     save_hf_checkpoint(chunks, hf_config, export)
+    dist.barrier()
     model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
     prompts = make_prompts(validate=True)
     row = prompts.batch["input_ids"][0][prompts.batch["attention_mask"][0].bool()]
     with torch.no_grad():
         free_run = model.generate(input_ids=row[None], do_sample=False, max_new_tokens=4, eos_token_id=None)
     eos = int(free_run[0, -1])
-    target = out_dir / "frequent_eos"
+    target = out_dir / f"frequent_eos_{dist.get_rank()}"
     shutil.copytree(hf_dir, target)
     generation = json.loads((target / "generation_config.json").read_text())
     generation["eos_token_id"] = [1, eos]
@@ -214,11 +215,10 @@ def say(message: str) -> None:
 
 
 def main(hf_dir: Path, out_dir: Path) -> None:
-    four = int(os.environ["WORLD_SIZE"]) == 4
-    megatron_cfg = (
-        MegatronConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
-        if four
-        else (MegatronConfig())
+    world = int(os.environ["WORLD_SIZE"])
+    four = world == 4
+    megatron_cfg = MegatronConfig(
+        tensor_model_parallel_size=1 if world == 1 else 2, pipeline_model_parallel_size=2 if world == 4 else 1
     )
     init_megatron(megatron_cfg)
     chunks = build_model(hf_dir, megatron_cfg, for_training=False)
@@ -235,9 +235,12 @@ def main(hf_dir: Path, out_dir: Path) -> None:
         weight_sync_bucket_mb=0.05,  # buckets end inside layers
     )
     hf_engine = HFRolloutEngine(hf_dir, cfg, device="cpu")
-    vllm_engine = VLLMRolloutEngine(hf_dir, replace(cfg, name="vllm"))
+    # every sync below is verified; N = 2: one vLLM engine at TP 2 over both ranks
+    vllm_cfg = replace(
+        cfg, name="vllm", verify_weight_sync=True, tensor_model_parallel_size=2 if world == 2 else 1
+    )
+    vllm_engine = VLLMRolloutEngine(hf_dir, vllm_cfg)
     hf_manager = MegatronRolloutShardingManager(chunks, hf_config, hf_engine, cfg)
-    vllm_cfg = replace(cfg, name="vllm", verify_weight_sync=True)  # every sync below is verified
     vllm_manager = MegatronRolloutShardingManager(chunks, hf_config, vllm_engine, vllm_cfg)
 
     vllm_greedy = generate(vllm_manager, vllm_engine, make_prompts(validate=True))

@@ -1,6 +1,7 @@
 """The `vllm` engine, real (vLLM's CPU build, what `make install` installs): the engine fed by a
-Megatron actor at TP2 x PP2 (4 gloo processes) and at TP1 (see `_vllm_worker.py` for each check),
-and the plain functions that decide its settings."""
+Megatron actor at TP2 x PP2 (4 gloo processes), at TP1, and at TP2 into one vLLM engine at TP 2
+over both processes (vLLM's external launcher; see `_vllm_worker.py` for each check), and the
+plain functions that decide its settings."""
 
 import dataclasses
 import importlib.metadata
@@ -37,8 +38,9 @@ def checkpoint(tmp_path_factory):
     [
         (4, ["greedy-equals-hf", "log-probs-match", "seeds", "wrong-name", "wrong-shape", "verify-catches"]),
         (1, ["greedy-equals-hf", "log-probs-match", "seeds"]),
+        (2, ["greedy-equals-hf", "log-probs-match", "seeds"]),
     ],
-    ids=["actor-tp2-pp2", "actor-tp1"],
+    ids=["actor-tp2-pp2", "actor-tp1", "actor-tp2-vllm-tp2"],
 )
 def test_vllm_engine_after_sync_from_the_actor(checkpoint, tmp_path, nproc, checks):
     output = run_distributed(WORKER, nproc, checkpoint, tmp_path, timeout=600)
