@@ -1,7 +1,8 @@
 """Worker for test_vllm_rollout.py: real vLLM (CPU build) engines fed by a Megatron actor, under
 torchrun on gloo. N = 4: actor TP2 x PP2; N = 1: actor TP1; N = 2: actor TP2 and one vLLM engine
-at TP 2 over both ranks. Every rank holds one vLLM engine (N = 2: its TP shard) and one hf engine, both started with random weights (`load_format: dummy`), so
-every weight they generate with came through the sync.
+at TP 2 over both ranks. Every rank holds one vLLM engine (N = 2: its TP shard) and one hf
+engine, both started with random weights (`load_format: dummy`), so every weight they generate
+with came through the sync.
 
     python -m torch.distributed.run --nproc_per_node N tests/rollout/_vllm_worker.py HF_DIR OUT_DIR
 
@@ -14,6 +15,10 @@ Checks, printing "OK <check>" on rank 0 after each:
   log-probs-match   sampled responses' rollout_log_probs (temperature 0.8) equal the actor's
                     compute_log_prob of the same tokens within 1e-4 (fp32);
   seeds             the same seed gives the same samples, another seed other samples;
+  requests-equal-batch  (N = 1) requests awaited one by one through the request-level engine
+                    (engines/rollout/requests.py), joining at different decoding steps, sample
+                    what one batch call samples with the same seeds, with their log-probs and
+                    the policy version of every token;
   (every vLLM sync runs with verify_weight_sync: the engine's log-probs of fixed tokens equal the
   actor's)
   wrong-name        (N = 4) a sync stream with a misnamed tensor on rank 1 fails on every rank
@@ -191,6 +196,42 @@ def check_seeds(manager, engine, prompts: DataProto) -> None:
     say("seeds")
 
 
+def check_requests_equal_batch(engine: VLLMRolloutEngine, cfg: RolloutConfig, prompts: DataProto) -> None:
+    """Requests awaited one by one (arriving at different decoding steps, batched by the engine
+    while in flight) sample what one batch call samples with the same seeds, and record the
+    policy version of every token."""
+    import asyncio
+
+    from engines.rollout.base import row_seed
+    from engines.rollout.requests import VLLMRequestEngine
+
+    requests = VLLMRequestEngine(engine, cfg)
+    requests.policy_version = 3
+    ids, masks = prompts.batch["input_ids"], prompts.batch["attention_mask"]
+    rows = [row[mask.bool()].tolist() for row, mask in zip(ids, masks, strict=True)]
+
+    async def staggered():
+        async def one(row: int):
+            for _ in range(row):  # later rows join while earlier ones are decoding
+                await asyncio.sleep(0)
+            return await requests.generate(rows[row], cfg.sampling, row_seed(11, row), RESPONSE_LENGTH)
+
+        return await asyncio.gather(*(one(row) for row in range(len(rows))))
+
+    completions = asyncio.run(staggered())
+    batch = prompts[:]
+    batch.meta_info["seed"] = 11
+    expected = engine.generate_sequences(batch)
+    for row, completion in enumerate(completions):
+        n = len(completion.token_ids)
+        assert n == int(expected.batch["response_mask"][row].sum()), row
+        assert completion.token_ids == expected.batch["responses"][row, :n].tolist(), row
+        assert completion.versions == [3] * n and completion.finish_reason in ("stop", "length")
+        expected_lp = expected.batch["rollout_log_probs"][row, :n]
+        assert torch.allclose(torch.tensor(completion.log_probs), expected_lp, atol=1e-5), row
+    say("requests-equal-batch")
+
+
 def check_bad_stream(manager, edit, expected: str) -> None:
     """A sync whose stream `edit` changes on rank 1 must fail on every rank, naming the tensor."""
     real = megatron_weights.iter_hf_tensors
@@ -249,6 +290,8 @@ def main(hf_dir: Path, out_dir: Path) -> None:
     sampled = generate(vllm_manager, vllm_engine, make_prompts(validate=False))
     check_log_probs(MegatronActor(chunks), sampled)
     check_seeds(vllm_manager, vllm_engine, make_prompts(validate=False))
+    if world == 1:
+        check_requests_equal_batch(vllm_engine, vllm_cfg, make_prompts(validate=False))
     if four:
         check_bad_stream(vllm_manager, lambda name, t: (name.replace("layers", "layer"), t), "layer.")
         say("wrong-name")

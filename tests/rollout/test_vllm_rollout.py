@@ -37,7 +37,7 @@ def checkpoint(tmp_path_factory):
     ("nproc", "checks"),
     [
         (4, ["greedy-equals-hf", "log-probs-match", "seeds", "wrong-name", "wrong-shape", "verify-catches"]),
-        (1, ["greedy-equals-hf", "log-probs-match", "seeds"]),
+        (1, ["greedy-equals-hf", "log-probs-match", "seeds", "requests-equal-batch"]),
         (2, ["greedy-equals-hf", "log-probs-match", "seeds"]),
     ],
     ids=["actor-tp2-pp2", "actor-tp1", "actor-tp2-vllm-tp2"],
