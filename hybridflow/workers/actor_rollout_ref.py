@@ -36,7 +36,7 @@ class ActorRolloutRefWorker(Worker):
         from engines.megatron.model import build_model
 
         cfg = self.config
-        init_parallel_state(self, cfg.actor.megatron)
+        init_parallel_state(self, cfg.actor.megatron, cfg.rollout)
         if self.has_actor:
             self._build_actor_and_rollout()
         if self.has_ref:
