@@ -183,6 +183,9 @@ class HFRolloutEngine(SeededGenerationMixin):
         if self.device.type == "cuda" and (tags is None or WEIGHTS_TAG in tags):
             self.model.to(self.device)
 
+    def shutdown(self) -> None:
+        """Nothing to stop: the model lives in this process and goes with it."""
+
 
 def _load_model(model_path: Path, hf_config, cfg: RolloutConfig):
     from transformers import AutoModelForCausalLM

@@ -47,6 +47,17 @@ def create_colocated_worker_cls(class_dict: dict[str, RayClassWithInitArgs]) -> 
                 )
             return self.role_workers[role].parallel_ranks
 
+        def teardown(self) -> None:
+            """Every role's teardown, each even when an earlier one fails (the first error is raised)."""
+            errors = []
+            for worker in self.role_workers.values():
+                try:
+                    worker.teardown()
+                except Exception as err:
+                    errors.append(err)
+            if errors:
+                raise errors[0]
+
     owner: dict[str, str] = {}
     for role, cls_with_init in class_dict.items():
         for name, spec in registered_methods(cls_with_init.cls).items():

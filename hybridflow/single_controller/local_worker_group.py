@@ -12,6 +12,7 @@ input mutates the caller's object), and a non-blocking method returns its collec
 from __future__ import annotations
 
 import os
+import sys
 
 from hybridflow.parallel_ranks import ParallelRanks
 from hybridflow.single_controller.dispatch import Dispatched
@@ -82,8 +83,16 @@ class LocalWorkerGroup(WorkerGroup):
         return {prefix: self._view(self._workers, self._worker_cls, prefix) for prefix in prefix_set}
 
     def shutdown(self) -> None:
-        """Drop the worker object (its memory is freed once nothing else refers to it)."""
-        self._workers.clear()
+        """Run the worker's `teardown` (a failure is reported on stderr, not raised, so that an
+        error already propagating is never hidden), then drop the worker object (its memory is
+        freed once nothing else refers to it)."""
+        try:
+            for worker in self._workers:
+                worker.teardown()
+        except Exception as err:
+            print(f"warning: {type(worker).__name__}.teardown failed: {err!r}", file=sys.stderr, flush=True)
+        finally:
+            self._workers.clear()
 
     def _execute(self, method: str, ranks: list[int], dispatched: Dispatched) -> list:
         return [

@@ -69,6 +69,18 @@ class Worker:
         """What the worker group reads for MEGATRON_* dispatch (`role` is for colocated classes)."""
         return self.parallel_ranks
 
+    def teardown(self) -> None:
+        """Stop what this worker started beyond its own memory (e.g. a rollout engine's processes).
+
+        The worker group's `shutdown()` calls it on every rank before ending the processes;
+        override it in a role that starts processes. The default does nothing.
+        """
+
+
+def overrides_teardown(worker_cls: type) -> bool:
+    """Whether `worker_cls` has a teardown of its own (the worker group skips the call otherwise)."""
+    return worker_cls.teardown is not Worker.teardown
+
 
 def free_port() -> int:
     """A TCP port that was free on this host a moment ago (the OS picks it)."""

@@ -85,6 +85,11 @@ class ActorRolloutRefWorker(Worker):
             return None
         return create_rollout_engine(cfg.rollout, cfg.model.path, devices=devices)
 
+    def teardown(self) -> None:
+        """Stop the rollout engine (SGLang's scheduler processes); the worker group calls it."""
+        if getattr(self, "rollout", None) is not None:
+            self.rollout.shutdown()
+
     @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Responses for a chunk of prompts, with the actor's current weights synced in first."""
