@@ -105,8 +105,6 @@ def test_shutdown_tears_down_every_rank_and_role_before_killing(pool_of_two, tmp
     assert markers == {
         f"{role}-rank{rank}": str(pid) for role in roles for rank, pid in enumerate(pids)
     }  # run in the workers' own processes, before they were killed
-    with pytest.raises(ray.exceptions.RayActorError):
-        group.actor_rollout_whoami()
 
 
 def test_shutdown_kills_a_rank_too_busy_to_tear_down_and_reports_failures(pool_of_two, tmp_path, capsys):
@@ -115,7 +113,7 @@ def test_shutdown_kills_a_rank_too_busy_to_tear_down_and_reports_failures(pool_o
     group.shutdown(teardown_timeout_s=5)
     assert not (tmp_path / "actor-rank1").exists()
     assert "rank 1: TeardownRole.teardown did not finish within 5s" in capsys.readouterr().err
-    with pytest.raises(ray.exceptions.RayActorError):
+    with pytest.raises(ray.exceptions.RayActorError):  # rank 1 never answers unless killed
         group.whoami()
 
     failing = RayWorkerGroup(pool_of_two, RayClassWithInitArgs(TeardownRole, "actor", str(tmp_path), True))

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 from hybridflow.parallel_ranks import ParallelRanks
 from hybridflow.single_controller.decorator import mark_registered, registered_methods
-from hybridflow.single_controller.ray_worker_group import RayClassWithInitArgs
-from hybridflow.single_controller.worker import Worker
+from hybridflow.single_controller.worker import RayClassWithInitArgs, Worker
 
 
 def create_colocated_worker_cls(class_dict: dict[str, RayClassWithInitArgs]) -> RayClassWithInitArgs:

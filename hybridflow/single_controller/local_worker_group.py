@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from hybridflow.parallel_ranks import ParallelRanks
 from hybridflow.single_controller.dispatch import Dispatched
-from hybridflow.single_controller.ray_worker_group import RayClassWithInitArgs
-from hybridflow.single_controller.resource_pool import RayResourcePool
-from hybridflow.single_controller.worker import Worker, free_port
+from hybridflow.single_controller.worker import RayClassWithInitArgs, Worker, free_port
 from hybridflow.single_controller.worker_group import WorkerGroup
+
+if TYPE_CHECKING:
+    from hybridflow.single_controller.resource_pool import RayResourcePool
 
 
 class LocalWorkerGroup(WorkerGroup):

@@ -31,7 +31,7 @@ from hybridflow.protocol import DataProto
 from hybridflow.single_controller.dispatch import Dispatched
 from hybridflow.single_controller.errors import worker_error
 from hybridflow.single_controller.resource_pool import RayResourcePool
-from hybridflow.single_controller.worker import Worker, free_port, overrides_teardown
+from hybridflow.single_controller.worker import RayClassWithInitArgs, free_port, overrides_teardown
 from hybridflow.single_controller.worker_group import WorkerGroup
 
 # Arguments worth one object-store copy shared by every rank that reads them.
@@ -39,29 +39,6 @@ _SHARED_TYPES = (DataProto, torch.Tensor, np.ndarray)
 # How long shutdown() waits for the workers' teardown: longer than SGLang 0.5.23's own wait for its
 # scheduler processes to exit (60 s, entrypoints/engine.py 1491).
 TEARDOWN_TIMEOUT_S = 90.0
-
-
-class RayClassWithInitArgs:
-    """A `Worker` subclass and the arguments to build it with, in every slot of a worker group.
-
-    Pass the plain class, not a `ray.remote`-decorated one: the worker group adds the Ray
-    options (placement, resources, environment) itself.
-    """
-
-    def __init__(self, cls: type, *args, **kwargs):
-        if isinstance(cls, ray.actor.ActorClass):
-            raise TypeError(
-                "RayClassWithInitArgs takes the plain worker class, not a @ray.remote-decorated one"
-            )
-        if not (isinstance(cls, type) and issubclass(cls, Worker)):
-            raise TypeError(f"RayClassWithInitArgs needs a subclass of Worker, got {cls!r}")
-        self.cls = cls
-        self.args = args
-        self.kwargs = kwargs
-
-    def instantiate(self) -> Worker:
-        """Build the worker in this process (the SPMD environment must already be set)."""
-        return self.cls(*self.args, **self.kwargs)
 
 
 class RayWorkerGroup(WorkerGroup):
