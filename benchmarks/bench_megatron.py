@@ -16,9 +16,8 @@ whatever the lengths, padded ones grow with the longest row.
 CPU: the tiny quickstart model (`hybridflow.utils.tiny_model`, ~1 M parameters, fp32, 2048
 positions) at TP1, torchrun with OMP_NUM_THREADS=1. CUDA (when present): a Qwen2.5-0.5B-shaped
 random model (config only) in bf16 on one GPU, and MFU = achieved FLOPs / the GPU's dense bf16
-peak, FLOPs per token 6 N + 12 L h T for a training step (N matmul parameters incl. the output
-layer, L layers, h hidden, T the mean sequence length; PaLM, Chowdhery et al. 2022, appendix B)
-and a third of that for a forward pass.
+peak, FLOPs per token as `hybridflow.utils.flops` counts them (6 N + 12 L h T for a training
+step, a third of that for a forward pass).
 
 Run: `python -m benchmarks megatron`. Results and the length distribution: docs/packing.md.
 """
@@ -49,8 +48,6 @@ QWEN25_05B = dict(
     tie_word_embeddings=True,
     hidden_act="silu",
 )
-# Dense bf16 peak FLOP/s by device-name fragment (vendor data sheets, SXM parts).
-PEAK_BF16 = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12}
 
 
 def run() -> list[dict]:
@@ -123,15 +120,6 @@ def _batch(shape: dict, vocab_size: int):
     return DataProto.from_dict(tensors=tensors, meta_info={"micro_batch_size": shape["micro"]})
 
 
-def _flops_per_token(hf, seq_len: float) -> float:
-    """Training FLOPs per token, 6 N + 12 L h T (see the module docstring)."""
-    h, f, layers = hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers
-    kv = hf.num_key_value_heads * hf.head_dim
-    per_layer = h * (h + 2 * kv) + h * h + 3 * h * f  # QKV, output projection, gate/up/down
-    matmul_params = layers * per_layer + h * hf.vocab_size  # + the output layer
-    return 6 * matmul_params + 12 * layers * h * seq_len
-
-
 def _activation_mib(actor, data, micro_batches) -> float:
     """MiB saved for backward by one training micro-batch (`micro_batches` selects it); weights
     that autograd keeps are not activations and are left out."""
@@ -191,11 +179,11 @@ def _measure(actor, data, mode: str, sync) -> dict:
 def _rows(hf, device: str, data, results: dict) -> list[dict]:
     import torch
 
-    peak = next(
-        (v for k, v in PEAK_BF16.items() if device == "cuda" and k in torch.cuda.get_device_name()), None
-    )
+    from hybridflow.utils.flops import peak_bf16_flops, train_flops_per_token
+
+    peak = peak_bf16_flops(torch.cuda.get_device_name()) if device == "cuda" else None
     tokens = int(data.batch["attention_mask"].sum())
-    flops = _flops_per_token(hf, tokens / len(data))
+    flops = train_flops_per_token(hf, tokens / len(data))
     rows = []
     for op in ("compute_log_prob", "update_policy"):
         for mode in ("padded", "packed"):

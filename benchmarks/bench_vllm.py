@@ -118,10 +118,9 @@ def _run_generation(engine: str, model_dir: Path, dtype: str, out: Path) -> None
 
 def _generate_worker(engine_name: str, model_dir: Path, dtype: str, out: Path) -> None:
     import torch
-    from transformers import AutoConfig
 
     from engines.rollout.config import RolloutConfig
-    from engines.rollout.hf_rollout import checkpoint_shapes
+    from engines.rollout.weight_sync import expected_hf_tensor_shapes
 
     cfg = RolloutConfig(name=engine_name, load_format="auto", dtype=dtype, response_length=MAX_NEW)
     limits, prompts = _limits(), _prompts()
@@ -154,7 +153,7 @@ def _generate_worker(engine_name: str, model_dir: Path, dtype: str, out: Path) -
     start = time.perf_counter()
     generate()
     seconds = time.perf_counter() - start
-    shapes = checkpoint_shapes(AutoConfig.from_pretrained(model_dir))
+    shapes, _ = expected_hf_tensor_shapes(model_dir)
     size = sum(math.prod(shape) for shape in shapes.values())
     out.write_text(json.dumps([seconds, int(limits.sum()), size]))
 

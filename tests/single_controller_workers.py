@@ -8,7 +8,9 @@ modules, so this module's classes travel by value (cloudpickle) instead of by im
 import datetime
 import os
 import sys
+import threading
 import time
+from pathlib import Path
 
 import ray
 import torch
@@ -168,6 +170,27 @@ class CriticRole(_NamedRole):
     @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto:
         return DataProto.from_dict({"values": data.batch["x"].float() / 2})
+
+
+class TeardownRole(_NamedRole):
+    """Writes `<marker_dir>/<name>-rank<r>` (holding its pid) when torn down."""
+
+    def __init__(self, name: str, marker_dir: str, fail_teardown: bool = False):
+        super().__init__(name)
+        self.marker_dir = marker_dir
+        self.fail_teardown = fail_teardown
+
+    def teardown(self) -> None:
+        if self.fail_teardown:
+            raise RuntimeError(f"{self.name} could not stop its engine")
+        Path(self.marker_dir, f"{self.name}-rank{self.rank}").write_text(str(os.getpid()))
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def busy_on(self, rank: int):
+        """`rank` never returns, like a rank waiting in a collective for a dead peer."""
+        if self.rank == rank:
+            threading.Event().wait()
+        return self.rank
 
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

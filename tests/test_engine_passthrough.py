@@ -160,3 +160,15 @@ def test_server_args_list_is_generated_from_the_wheel_source(tmp_path):
         "model_path": "str",
         "revision": "Optional[str]",
     }
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_overlap_param_gather_is_refused_because_weights_are_read_right_after_the_step(role):
+    """With the distributed optimizer the updated bf16 parameters would be all-gathered only at the
+    next forward, after the weight sync / checkpoint / export that follow the step have read them."""
+    with pytest.raises(ValueError) as err:
+        load_recipe(RECIPE, [f"{role}.megatron.ddp.overlap_param_gather=true"])
+    assert "megatron.ddp.overlap_param_gather=True is not supported" in str(err.value)
+    assert "set it to false" in str(err.value)
+    cfg = load_recipe(RECIPE, [f"{role}.megatron.ddp.overlap_param_gather=false"])
+    assert getattr(cfg, role).megatron.ddp == {"overlap_param_gather": False}

@@ -56,3 +56,15 @@ def test_only_engines_import_megatron_or_sglang():
         if name.split(".")[0] in HEAVY_MODULES
     ]
     assert offenders == []
+
+
+def test_the_in_process_path_imports_no_ray():
+    """scripts/gpu_check.sh trains through LocalWorkerGroup on GPU machines that have no Ray."""
+    probe = (
+        "import sys; sys.modules['ray'] = None;"  # every `import ray` now fails
+        "import hybridflow.trainer.ppo_trainer, hybridflow.workers.actor_rollout_ref;"
+        "from hybridflow.single_controller import LocalWorkerGroup, RayClassWithInitArgs, Worker;"
+        "print('no ray needed')"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert out.stdout.strip() == "no ray needed", out.stderr[-3000:]

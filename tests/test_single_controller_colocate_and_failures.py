@@ -1,4 +1,5 @@
-"""Colocated roles in one process per slot, dead workers, and pools the cluster cannot place.
+"""Colocated roles in one process per slot, dead workers, teardown at shutdown, and pools the
+cluster cannot place.
 
 Uses the session Ray cluster (16 logical CPUs, one node): at most 2 actors alive at a time.
 """
@@ -8,7 +9,7 @@ import time
 import pytest
 import ray
 import torch
-from single_controller_workers import ActorRole, CriticRole, ProbeWorker
+from single_controller_workers import ActorRole, CriticRole, ProbeWorker, TeardownRole
 
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller import (
@@ -91,6 +92,33 @@ def test_dead_worker_is_reported_with_rank_and_method_without_hanging(pool_of_tw
             group.on_rank_zero("anyone there?")
     finally:
         group.shutdown()
+
+
+def test_shutdown_tears_down_every_rank_and_role_before_killing(pool_of_two, tmp_path):
+    roles = {
+        role: RayClassWithInitArgs(TeardownRole, role, str(tmp_path)) for role in ("actor_rollout", "critic")
+    }
+    group = RayWorkerGroup(pool_of_two, create_colocated_worker_cls(roles))
+    pids = [pid for *_, pid in group.actor_rollout_whoami()]
+    group.shutdown()
+    markers = {path.name: path.read_text() for path in tmp_path.iterdir()}
+    assert markers == {
+        f"{role}-rank{rank}": str(pid) for role in roles for rank, pid in enumerate(pids)
+    }  # run in the workers' own processes, before they were killed
+
+
+def test_shutdown_kills_a_rank_too_busy_to_tear_down_and_reports_failures(pool_of_two, tmp_path, capsys):
+    group = RayWorkerGroup(pool_of_two, RayClassWithInitArgs(TeardownRole, "actor", str(tmp_path)))
+    group.busy_on(1)  # non-blocking; rank 1 never returns
+    group.shutdown(teardown_timeout_s=5)
+    assert not (tmp_path / "actor-rank1").exists()
+    assert "rank 1: TeardownRole.teardown did not finish within 5s" in capsys.readouterr().err
+    with pytest.raises(ray.exceptions.RayActorError):  # rank 1 never answers unless killed
+        group.whoami()
+
+    failing = RayWorkerGroup(pool_of_two, RayClassWithInitArgs(TeardownRole, "actor", str(tmp_path), True))
+    failing.shutdown()  # reported, not raised: shutdown runs while another error may propagate
+    assert "could not stop its engine" in capsys.readouterr().err
 
 
 def test_pool_larger_than_cluster_fails_before_creating_anything(ray_cluster):

@@ -3,7 +3,7 @@ plus the checks `register` and `Worker` make without any worker group. No Ray ne
 
 import pytest
 import torch
-from single_controller_workers import ActorRole, CriticRole, ProbeWorker
+from single_controller_workers import ActorRole, CriticRole, ProbeWorker, TeardownRole
 
 from hybridflow.protocol import DataProto, DataProtoConfig
 from hybridflow.single_controller import (
@@ -104,3 +104,14 @@ def test_worker_outside_a_group_says_how_to_build_it(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(RuntimeError, match=r"RANK is not set.*RayWorkerGroup or LocalWorkerGroup"):
         _ = Worker().rank
+
+
+def test_local_shutdown_runs_the_worker_teardown_and_reports_its_failure(spmd_env_restored, tmp_path, capsys):
+    group = LocalWorkerGroup(ray_cls_with_init=RayClassWithInitArgs(TeardownRole, "actor", str(tmp_path)))
+    group.shutdown()
+    assert (tmp_path / "actor-rank0").exists()
+    failing = LocalWorkerGroup(
+        ray_cls_with_init=RayClassWithInitArgs(TeardownRole, "actor", str(tmp_path), True)
+    )
+    failing.shutdown()  # reported, not raised
+    assert "could not stop its engine" in capsys.readouterr().err

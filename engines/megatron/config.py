@@ -33,7 +33,10 @@ class MegatronConfig:
     use_distributed_optimizer: bool = True  # GPU only; CPU runs use the numerically equal local update
     params_dtype: ParamsDtype = "float32"
     make_vocab_size_divisible_by: int = 128
-    param_offload: bool = False  # offload to CPU between phases; a no-op on CPU machines
+    # Actor state in host memory while the rollout engine generates (engines/megatron/offload.py);
+    # no-ops on CPU machines. Parameters leave once synced into the engine, gradients and
+    # optimizer state before the engine's weights are resumed.
+    param_offload: bool = False
     grad_offload: bool = False
     optimizer_offload: bool = False
     seed: int = 42

@@ -194,6 +194,19 @@ def _importable(module: str) -> bool:
     return True
 
 
+def transformer_engine_usable() -> bool:
+    """Whether Transformer Engine's torch layers import. `import transformer_engine` is not
+    enough: its `__init__` swallows a failed `from . import pytorch` (transformer_engine 2.20.2
+    `__init__.py` 84-108), so the core library alone imports while TENorm and the TE layer spec
+    do not. A missing torch extension fails as ImportError or as FileNotFoundError (its shared
+    object)."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except (ImportError, FileNotFoundError):
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class ModelKernels:
     """Which Megatron-Core implementation the model layers use."""
@@ -214,7 +227,7 @@ def machine_kernels() -> ModelKernels:
     cuda = cpu_compat.cuda_available()
     return model_kernels(
         cuda,
-        cuda and _importable("transformer_engine"),
+        cuda and transformer_engine_usable(),
         cuda and _importable("fused_weight_gradient_mlp_cuda"),
     )
 

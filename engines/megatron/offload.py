@@ -6,15 +6,24 @@ Every function is a no-op without CUDA, where everything already lives in host m
 
 Megatron-Core's own mechanisms are used where they exist: the DDP buffers'
 `offload_to_cpu` / `reload_from_cpu` (contiguous grad buffer, and the contiguous param buffer
-under the distributed optimizer) and the mixed-precision optimizers' `offload_to_cpu` /
-`restore_from_cpu` (fp32 master weights and moments). Parameters outside a contiguous buffer
-(no distributed optimizer, or a frozen reference model) move one by one.
+under the distributed optimizer; megatron/core/distributed/param_and_grad_buffer.py 964-990) and
+the mixed-precision optimizers' `offload_to_cpu` / `restore_from_cpu` (fp32 master weights and
+moments). Parameters outside a contiguous buffer (no distributed optimizer, or a frozen reference
+model) move one by one.
+
+`actor_offload_hooks(cfg, chunks, optimizer)` wires the three switches into the rollout sharding
+manager's hooks: gradients (zeroed before the next update anyway) and optimizer state leave before
+the rollout engine's weights are resumed, parameters once they are synced into it, and all come
+back after generation; the allocator's cached blocks are freed before the engine resumes its
+memory whatever the switches say, so that SGLang finds the memory the actor no longer uses.
 """
 
 import torch
 from megatron.core.optimizer.optimizer import ChainedOptimizer, MixedPrecisionOptimizer
 
 from engines.megatron import cpu_compat
+from engines.megatron.config import MegatronConfig
+from engines.rollout.sharding_manager import OffloadHooks
 
 
 def _ddp_buffers(chunk) -> list:
@@ -100,3 +109,33 @@ def reload_optimizer(optimizer) -> None:
         else:
             _move_state(inner, torch.cuda.current_device())
     torch.cuda.synchronize()
+
+
+def empty_device_cache() -> None:
+    """Return the caching allocator's unused blocks to the device (a no-op without CUDA)."""
+    if cpu_compat.cuda_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def actor_offload_hooks(cfg: MegatronConfig, chunks: list, optimizer) -> OffloadHooks:
+    """The sharding manager's hooks for `cfg.param_offload`, `grad_offload`, `optimizer_offload`."""
+
+    def before_resume() -> None:
+        if cfg.grad_offload:
+            offload_model(chunks, params=False, grads=True)
+        if cfg.optimizer_offload:
+            offload_optimizer(optimizer)
+        empty_device_cache()
+
+    def after_sync() -> None:
+        if cfg.param_offload:
+            offload_model(chunks, params=True, grads=False)
+
+    def after_release() -> None:
+        if cfg.param_offload or cfg.grad_offload:
+            reload_model(chunks, params=cfg.param_offload, grads=cfg.grad_offload)
+        if cfg.optimizer_offload:
+            reload_optimizer(optimizer)
+
+    return OffloadHooks(before_resume=before_resume, after_sync=after_sync, after_release=after_release)

@@ -4,7 +4,8 @@
 model's config.json and its typed settings, then these sections override it field by field.
 
 `check_megatron_passthrough` runs when the recipe loads (MegatronConfig.__post_init__) and imports
-Megatron-Core only when a section is set, so `import hybridflow` stays light.
+Megatron-Core only when a section is set, so `import hybridflow` stays light. A few values that
+would make hybridflow read wrong weights (`REFUSED`) are refused with the reason.
 """
 
 import dataclasses
@@ -60,6 +61,18 @@ OPTIMIZER_SET_ELSEWHERE = {
 }
 
 
+# Megatron-Core settings hybridflow cannot honour: (section, name) -> (refused value, why and the fix).
+REFUSED = {
+    ("ddp", "overlap_param_gather"): (
+        True,
+        "with the distributed optimizer it defers the all-gather of the updated parameters from "
+        "optimizer.step() to the next forward (megatron/core/optimizer/distrib_optimizer.py 2613-2619), "
+        "but hybridflow reads the parameters before that: the weight sync into the rollout engine, "
+        "checkpoints and the Hugging Face export would see stale or mixed weights; set it to false",
+    ),
+}
+
+
 def _config_classes() -> dict[str, tuple[type, dict[str, str]]]:
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
@@ -87,6 +100,9 @@ def check_megatron_passthrough(sections: dict[str, dict]) -> None:
         for name, value in settings.items():
             if not _accepts(hints[name], value):
                 raise ValueError(f"{key}.{name}={value!r}: {cls.__name__}.{name} takes {hints[name]}")
+            refused, why = REFUSED.get((section, name), (None, ""))
+            if refused is not None and value == refused:
+                raise ValueError(f"{key}.{name}={value!r} is not supported: {why}")
 
 
 def _accepts(hint, value) -> bool:

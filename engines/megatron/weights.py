@@ -441,6 +441,16 @@ def _to_hf(full: torch.Tensor, plan: TensorPlan, hf: HFModelConfig, tp: int) -> 
     return [full]
 
 
+def hf_tensor_shapes(chunks, hf_config: HFModelConfig) -> dict[str, tuple[int, ...]]:
+    """The (HF name, shape) pairs `iter_hf_tensors` yields, in its order, without moving a tensor."""
+    layout = model_layout(unwrap_model(chunks[0]))
+    return {
+        name: tuple(shape)
+        for plan in weight_plan(hf_config, layout)
+        for name, shape in zip(plan.hf_names, hf_shapes(hf_config, plan), strict=True)
+    }
+
+
 def iter_hf_tensors(chunks, hf_config: HFModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, full tensor) for the whole model on every rank, in lockstep.
 

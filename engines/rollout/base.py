@@ -70,6 +70,9 @@ class RolloutEngine(Protocol):
 
     def set_rng_state(self, state: dict[str, Any]) -> None: ...
 
+    def shutdown(self) -> None:
+        """Stop the engine's processes and free what it holds (the worker's teardown calls it)."""
+
 
 class SeededGenerationMixin:
     """`generate_sequences` and the RNG state shared by the engines.

@@ -62,16 +62,6 @@ def checkpoint_tensors(model, remove_duplicate: bool = True) -> dict[str, torch.
     return tensors
 
 
-def checkpoint_shapes(hf_config) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor a checkpoint of `hf_config` holds (tied weights under each
-    name), from the transformers model built on the meta device (no memory, no weights)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config)
-    return {name: tuple(t.shape) for name, t in checkpoint_tensors(model, remove_duplicate=False).items()}
-
-
 class HFRolloutEngine(SeededGenerationMixin):
     """Batched generation with a transformers model held in this process."""
 
@@ -182,6 +172,9 @@ class HFRolloutEngine(SeededGenerationMixin):
     def resume_memory(self, tags: list[str] | None = None) -> None:
         if self.device.type == "cuda" and (tags is None or WEIGHTS_TAG in tags):
             self.model.to(self.device)
+
+    def shutdown(self) -> None:
+        """Nothing to stop: the model lives in this process and goes with it."""
 
 
 def _load_model(model_path: Path, hf_config, cfg: RolloutConfig):

@@ -22,10 +22,24 @@ SGLang calls used, as 0.5.23 defines them (`entrypoints/engine.py`,
     name the GPU by UUID, not by an index that means another GPU in the receiving process).
 
 Sampling: SGLang reads per-request `sampling_seed` only with `enable_deterministic_inference`
-(sglang `sampling/sampling_batch_info.py`). With `rollout.enable_deterministic_inference: true`
-the seed is sent and a resumed run samples as the uninterrupted one would (at the cost of
-SGLang's batch-invariant kernels, slower generation); otherwise sampling is not reproducible
-and the engine says so once in the log.
+(sglang `sampling/sampling_batch_info.py`), and refuses one outside int64
+(`sampling/sampling_params.py` 302-312). With `rollout.enable_deterministic_inference: true`
+each row's seed (`row_seed`) is sent and a resumed run samples as the uninterrupted one would (at
+the cost of SGLang's batch-invariant kernels, slower generation); otherwise sampling is not
+reproducible and the engine says so once in the log.
+
+Outputs: `output_ids` run through the stop condition, so a response that stopped on EOS ends
+with it, and `output_token_logprobs` has one entry per output id (`managers/schedule_batch.py`
+1509-1513, `managers/scheduler_components/output_streamer.py` 489-491 and 612-640).
+
+What building the engine does to this process, and what is undone: SGLang's `configure_logger`
+calls `logging.basicConfig(..., force=True)` (level "error" unless `log_level` is given), which
+would drop every warning of this worker from then on, and `_set_envs_and_config` writes
+CUDA_DEVICE_MAX_CONNECTIONS=8 (and NCCL settings) into `os.environ` for the schedulers it spawns
+(`entrypoints/engine.py` 294-296, 1152, 1878-1921). The engine is built with `log_level` at this
+process's level (unless `rollout.sglang.log_level` says otherwise), and afterwards the root
+logger's handlers and level and the variables of `engines.process_env.PROCESS_ENV_KEYS` are put
+back as they were, so this rank's Megatron settings stay those of the other ranks.
 """
 
 import logging
@@ -38,15 +52,13 @@ from typing import Any
 import torch
 
 from engines.placement import EngineDevices
-from engines.rollout.base import SeededGenerationMixin, load_tokenizer, read_special_token_ids
+from engines.process_env import PROCESS_ENV_KEYS
+from engines.rollout.base import SeededGenerationMixin, load_tokenizer, read_special_token_ids, row_seed
 from engines.rollout.config import RolloutConfig, SamplingConfig
 from engines.rollout.weight_sync import WeightSyncError
 from hybridflow.protocol import DataProto
 
 logger = logging.getLogger(__name__)
-
-# Distinct per-row seeds from one call seed: seed * stride + row never collides for rows < stride.
-_ROW_SEED_STRIDE = 1 << 20
 
 
 class SGLangRolloutEngine(SeededGenerationMixin):
@@ -68,7 +80,9 @@ class SGLangRolloutEngine(SeededGenerationMixin):
                 f"an engine with rollout.tensor_model_parallel_size={cfg.tensor_model_parallel_size} "
                 f"needs that many GPUs, got {list(devices.visible_devices)}"
             )
-        with _cuda_visible_devices(devices.cuda_visible_devices):  # inherited by SGLang's schedulers
+        # CUDA_VISIBLE_DEVICES is inherited by SGLang's schedulers; the rest is what SGLang changes
+        # in this process (see the module docstring).
+        with _cuda_visible_devices(devices.cuda_visible_devices), _process_logging_and_env_kept():
             self.engine = sglang.Engine(
                 model_path=str(model_path),
                 dtype=cfg.dtype,
@@ -80,7 +94,7 @@ class SGLangRolloutEngine(SeededGenerationMixin):
                 enable_memory_saver=True,  # release/resume_memory_occupation need it
                 enable_deterministic_inference=cfg.enable_deterministic_inference,
                 skip_tokenizer_init=not uses_stop,  # stop strings are matched on text, so they need it
-                **cfg.sglang,  # the recipe's other ServerArgs fields
+                **{"log_level": _process_log_level(), **cfg.sglang},  # the recipe's ServerArgs win
             )
         if not cfg.enable_deterministic_inference:
             logger.warning(
@@ -96,23 +110,16 @@ class SGLangRolloutEngine(SeededGenerationMixin):
         requests = [row[row_mask.bool()].tolist() for row, row_mask in zip(input_ids, mask, strict=True)]
         if not requests:
             return torch.zeros(0, 0, dtype=torch.long), None
-        params = [
-            self._sampling_params(sampling, seed * _ROW_SEED_STRIDE + row) for row in range(len(requests))
-        ]
+        params = [self._sampling_params(sampling, row_seed(seed, row)) for row in range(len(requests))]
         outputs = self.engine.generate(
             input_ids=requests, sampling_params=params, return_logprob=self.cfg.calculate_log_probs
         )
-        ids = [_output_ids_with_eos(out) for out in outputs]
+        ids = [list(out["output_ids"]) for out in outputs]  # EOS included when a request stopped on it
         length = max(len(row) for row in ids)
-        responses = torch.full((len(ids), length), self.pad_token_id, dtype=torch.long)
+        responses = torch.full((len(ids), length), self.pad_token_id, dtype=torch.long)  # (B, L)
         for row, row_ids in enumerate(ids):
             responses[row, : len(row_ids)] = torch.tensor(row_ids, dtype=torch.long)
-        log_probs = None
-        if self.cfg.calculate_log_probs:
-            log_probs = torch.zeros(len(ids), length)
-            for row, out in enumerate(outputs):
-                values = [entry[0] for entry in out["meta_info"]["output_token_logprobs"]]
-                log_probs[row, : len(values)] = torch.tensor(values, dtype=torch.float32)
+        log_probs = _output_log_probs(outputs, ids, length) if self.cfg.calculate_log_probs else None
         return responses, log_probs
 
     def _sampling_params(self, sampling: SamplingConfig, seed: int) -> dict[str, Any]:
@@ -211,11 +218,38 @@ def _cuda_visible_devices(value: str) -> Iterator[None]:
             os.environ["CUDA_VISIBLE_DEVICES"] = previous
 
 
-def _output_ids_with_eos(output: dict) -> list[int]:
-    """A request's generated ids, ending with the EOS id when it stopped on one."""
-    ids = list(output["output_ids"])
-    finish = output["meta_info"].get("finish_reason") or {}
-    matched = finish.get("matched") if finish.get("type") == "stop" else None
-    if isinstance(matched, int) and (not ids or ids[-1] != matched):
-        ids.append(matched)
-    return ids
+def _output_log_probs(outputs: list[dict], ids: list[list[int]], length: int) -> torch.Tensor:
+    """(B, L) log-probs of the output ids, one SGLang entry per id (the EOS's included)."""
+    log_probs = torch.zeros(len(ids), length)
+    for row, out in enumerate(outputs):
+        values = [entry[0] for entry in out["meta_info"]["output_token_logprobs"]]
+        if len(values) != len(ids[row]):
+            raise RuntimeError(
+                f"SGLang returned {len(values)} log-probs for {len(ids[row])} output ids (row {row})"
+            )
+        log_probs[row, : len(values)] = torch.tensor(values, dtype=torch.float32)
+    return log_probs
+
+
+def _process_log_level() -> str:
+    """This process's logging level as a ServerArgs `log_level` ("warning", "info", ...)."""
+    return logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
+
+
+@contextmanager
+def _process_logging_and_env_kept() -> Iterator[None]:
+    """Put back the root logger's handlers and level, and the Megatron process settings, that
+    building an SGLang engine replaces (see the module docstring)."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    env = {key: os.environ.get(key) for key in PROCESS_ENV_KEYS}
+    try:
+        yield
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        for key, value in env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

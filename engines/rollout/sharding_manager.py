@@ -10,10 +10,12 @@ and the batch reshaped between the actor's data-parallel layout and the rollout 
 Engine memory (with `rollout.free_cache_engine`, the default). The engine's memory is released
 as soon as the manager is built (the actor trains next), and each entry resumes it in two steps
 so that the peak is the weights plus the actor, never the KV cache plus the actor plus buckets:
-resume "weights" -> stream the weights -> resume "kv_cache" and "cuda_graph" -> flush the cache;
-exit releases everything. The manager tracks what is released and never resumes memory that
-is not (SGLang's scheduler dies on that). With `free_cache_engine: false` nothing is ever released
-or resumed; entries only sync and flush.
+`before_resume` hook (the actor's optimizer state and gradients to host memory, the allocator's
+cache emptied) -> resume "weights" -> stream the weights -> `after_sync` hook (the actor's
+parameters to host memory) -> resume "kv_cache" and "cuda_graph" -> flush the cache; exit
+releases everything, then the `after_release` hook brings the actor's state back. The manager
+tracks what is released and never resumes memory that is not (SGLang's scheduler dies on that).
+With `free_cache_engine: false` nothing is ever released or resumed; entries only sync and flush.
 
 Weights. On entry every rank of the actor's model-parallel group iterates
 `engines.megatron.weights.iter_hf_tensors` in lockstep (it is a collective); the stream is cut into
@@ -22,13 +24,19 @@ buckets of `rollout.weight_sync_bucket_mb`, loaded inside one weight-update sess
 tensors with `engine.update_weights`. For SGLang every rank of a rollout group serialises its own
 copy of the bucket as CUDA-IPC handles on its own GPU (`sglang_rollout.serialize_bucket`), the
 group's first rank gathers them and hands scheduler i the handles of member i (on that GPU); the
-bucket stays alive until the group's first rank says it was loaded. A refused or failed load
-becomes a `WeightSyncError` naming the bucket and the engine's message, raised on every rank
-after the stream is consumed (so that no rank is left waiting in the collective). With
-`rollout.verify_weight_sync`, each tensor's checksum (cast to the rollout dtype) is compared with
-the engine's copy after the sync; the first differing name stops the run on every rank. vLLM
-repacks its weights (no exact read-back): there the engine's log-probs of fixed tokens are
-compared with the actor's instead, within a tolerance of the rollout dtype.
+bucket stays alive until the group's first rank says it was loaded. An update SGLang refuses
+(outside a session) becomes a `WeightSyncError` naming the bucket and SGLang's message, raised on
+every rank after the stream is consumed (so that no rank is left waiting in the collective).
+A load that *fails* inside SGLang returns nothing: the scheduler's exception kills the engine's
+whole process tree, this worker included (sglang 0.5.23 managers/scheduler.py 6369,
+tokenizer_manager.py 4072-4081), and an unknown name is skipped with only a warning (models/qwen2.py
+719). So the names and shapes of the stream are checked when the manager is built, against the
+model in `hf_config.source_dir` (the directory the rollout engine serves) built on the meta device,
+and a mismatch stops every rank with a `WeightSyncError` naming the tensor, before anything is
+sent. With `rollout.verify_weight_sync`, each tensor's checksum (cast to the rollout dtype) is
+compared with the engine's copy after the sync; the first differing name stops the run on every
+rank. vLLM repacks its weights (no exact read-back): there the engine's log-probs of fixed tokens
+are compared with the actor's instead, within a tolerance of the rollout dtype.
 
 Data. MEGATRON_COMPUTE_PROTO gives the same chunk to every rank of one actor data-parallel rank
 (its "replica group": all its TP/PP/CP ranks) and collects from one of them. So that each prompt
@@ -65,10 +73,12 @@ from engines.rollout.config import RolloutConfig
 from engines.rollout.weight_sync import (
     WeightSyncError,
     bucket_named_tensors,
+    expected_hf_tensor_shapes,
     first_checksum_mismatch,
     tensor_checksum,
     tensor_nbytes,
     torch_dtype,
+    weight_stream_problem,
 )
 from hybridflow.protocol import DataProto, all_gather_data_proto
 
@@ -81,8 +91,9 @@ VERIFY_LOG_PROB_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.15, "float16": 0.05}
 class OffloadHooks:
     """What the worker does around generation with the actor's own state (offload.py on GPU)."""
 
-    before_resume: Callable[[], None] | None = None  # e.g. move the actor's optimizer state to host
-    after_release: Callable[[], None] | None = None  # e.g. bring it back before the next update
+    before_resume: Callable[[], None] | None = None  # e.g. the optimizer state and gradients to host
+    after_sync: Callable[[], None] | None = None  # e.g. the parameters to host (synced, unused now)
+    after_release: Callable[[], None] | None = None  # e.g. bring it all back before the next update
 
 
 @dataclass
@@ -135,6 +146,7 @@ class MegatronRolloutShardingManager:
                 f"{rollout_cfg.tensor_model_parallel_size} ranks must hold a {rollout_cfg.name} engine and "
                 f"no other rank; this rank {'lacks' if holds_engine else 'has'} one"
             )
+        self._check_weight_stream()
         self._slice_sizes: list[int] = []
         self._released: set[str] = set()
         if self.engine is not None and rollout_cfg.free_cache_engine:
@@ -146,6 +158,8 @@ class MegatronRolloutShardingManager:
             self.hooks.before_resume()
         self._resume([WEIGHTS_TAG])
         self.sync_weights()
+        if self.hooks.after_sync is not None:
+            self.hooks.after_sync()
         self._resume([KV_CACHE_TAG, CUDA_GRAPH_TAG])
         if self.engine is not None:
             self.engine.flush_cache()
@@ -171,6 +185,18 @@ class MegatronRolloutShardingManager:
             self._released.difference_update(pending)
 
     # ------------------------------------------------------------------ weights
+    def _check_weight_stream(self) -> None:
+        """Collective: a WeightSyncError on every rank, naming the tensor, when the actor's stream
+        has a name or shape the rollout model does not take (see the module docstring)."""
+        from engines.megatron.weights import hf_tensor_shapes
+
+        model_dir = self.hf_config.source_dir
+        expected, required = expected_hf_tensor_shapes(model_dir)
+        problem = weight_stream_problem(
+            hf_tensor_shapes(self.actor_chunks, self.hf_config), expected, required
+        )
+        _raise_on_every_rank(problem and f"{problem} (rollout model {model_dir})", "weight sync check")
+
     def sync_weights(self) -> SyncStats:
         """Stream the actor's HF-named tensors into the engine (collective over all ranks)."""
         from engines.megatron.weights import iter_hf_tensors

@@ -45,8 +45,7 @@ from engines.rollout.base import (
     row_seed,
 )
 from engines.rollout.config import RolloutConfig, SamplingConfig
-from engines.rollout.hf_rollout import checkpoint_shapes
-from engines.rollout.weight_sync import check_named_shapes
+from engines.rollout.weight_sync import check_named_shapes, expected_hf_tensor_shapes
 from hybridflow.protocol import DataProto
 
 # Head sizes vLLM 0.32's CPU attention backend supports (v1/attention/backends/cpu_attn.py).
@@ -122,7 +121,7 @@ class VLLMRolloutEngine(SeededGenerationMixin):
         self.eos_token_ids, self.pad_token_id = read_special_token_ids(model_path, hf_config)
         uses_stop = bool(cfg.sampling.stop or cfg.val_sampling.stop)
         self.tokenizer = load_tokenizer(model_path) if uses_stop else None
-        self.expected_shapes = checkpoint_shapes(hf_config)
+        self.expected_shapes, _ = expected_hf_tensor_shapes(model_path)
         self.llm = _build_llm(vllm_engine_args(cfg, str(model_path), on_cuda, uses_stop))
         self._calls = 0
 

@@ -1,5 +1,8 @@
 """Moving named weight tensors into a rollout engine: size-bounded buckets and exact checksums.
 
+`expected_hf_tensor_shapes` reads the names and shapes a rollout model takes from its config
+alone (a model built on the meta device), and `weight_stream_problem` compares them with what the
+actor will send, so that a stream the engine would not take is refused before anything is sent.
 `bucket_named_tensors` groups a stream of (hf_name, tensor) into lists of about `bucket_mb` each
 without materialising the stream (the actor's stream is a collective: every rank must consume it
 in lockstep). `tensor_checksum` hashes a tensor's raw bytes (with its dtype and shape), so two
@@ -45,22 +48,48 @@ def bucket_named_tensors(
         yield bucket
 
 
+def expected_hf_tensor_shapes(model_dir) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """The tensors of the Hugging Face model in `model_dir` under its checkpoint names (what SGLang
+    and the hf engine load), with their shapes, and the names every sync must carry (a tied
+    weight's second name, e.g. `lm_head.weight`, is optional). Built from config.json on the meta
+    device: nothing is allocated or read but the config."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from engines.rollout.hf_rollout import checkpoint_tensors
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    every = checkpoint_tensors(model, remove_duplicate=False)
+    return {name: tuple(t.shape) for name, t in every.items()}, set(checkpoint_tensors(model))
+
+
+def weight_stream_problem(
+    sent: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]], required: set[str]
+) -> str | None:
+    """What is wrong with sending tensors of these names and shapes to a model that takes
+    `expected` (and needs every name of `required`), or None."""
+    for name, shape in sent.items():
+        if name not in expected:
+            example = next(iter(expected))
+            return f"the actor's tensor {name!r} is not one of the rollout model's (names like {example!r})"
+        if tuple(shape) != expected[name]:
+            theirs = expected[name]
+            return f"the actor's tensor {name!r} has shape {tuple(shape)}, the rollout model's {theirs}"
+    missing = sorted(required - set(sent))
+    if missing:
+        count = len(missing)
+        return f"the rollout model's tensors {missing[:5]} ({count} in all) are not in the actor's stream"
+    return None
+
+
 def check_named_shapes(
     named_tensors: list[tuple[str, torch.Tensor]], expected: dict[str, tuple[int, ...]]
 ) -> None:
-    """ValueError naming the first tensor whose name is not in `expected` or whose shape differs."""
-    for name, tensor in named_tensors:
-        if name not in expected:
-            example = next(iter(expected))
-            raise ValueError(
-                f"update_weights: {name!r} is not a weight of the rollout model; "
-                f"expected Hugging Face names like {example!r}"
-            )
-        if tuple(tensor.shape) != expected[name]:
-            raise ValueError(
-                f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the rollout model's "
-                f"weight has {expected[name]}"
-            )
+    """ValueError naming the first tensor of a bucket that `expected` lacks or has another shape."""
+    sent = {name: tuple(tensor.shape) for name, tensor in named_tensors}
+    problem = weight_stream_problem(sent, expected, required=set())
+    if problem is not None:
+        raise ValueError(f"update_weights: {problem}")
 
 
 def tensor_checksum(tensor: torch.Tensor) -> str:

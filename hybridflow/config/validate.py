@@ -293,14 +293,18 @@ def _check_devices(cfg: RecipeConfig, cuda_available: bool) -> list[str]:
                 f"{role}.megatron.sequence_parallel=true needs tensor_model_parallel_size >= 2 (it splits "
                 "sequences over the tensor-parallel ranks); set it to false"
             )
-        elif megatron.sequence_parallel and not (
-            cuda_available and importlib.util.find_spec("transformer_engine") is not None
-        ):
+        elif megatron.sequence_parallel and not (cuda_available and _transformer_engine_usable()):
             errors.append(
                 f"{role}.megatron.sequence_parallel=true needs Transformer Engine on CUDA, which this "
                 "machine lacks; set it to false"
             )
     return errors
+
+
+def _transformer_engine_usable() -> bool:
+    from engines.megatron.model import transformer_engine_usable
+
+    return transformer_engine_usable()
 
 
 def model_dirs(cfg: RecipeConfig) -> list[tuple[str, str, str]]:

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 from hybridflow.parallel_ranks import ParallelRanks
 from hybridflow.single_controller.decorator import mark_registered, registered_methods
-from hybridflow.single_controller.ray_worker_group import RayClassWithInitArgs
-from hybridflow.single_controller.worker import Worker
+from hybridflow.single_controller.worker import RayClassWithInitArgs, Worker
 
 
 def create_colocated_worker_cls(class_dict: dict[str, RayClassWithInitArgs]) -> RayClassWithInitArgs:
@@ -46,6 +45,17 @@ def create_colocated_worker_cls(class_dict: dict[str, RayClassWithInitArgs]) -> 
                     "a colocated worker group's MEGATRON_* methods are called through spawn() views"
                 )
             return self.role_workers[role].parallel_ranks
+
+        def teardown(self) -> None:
+            """Every role's teardown, each even when an earlier one fails (the first error is raised)."""
+            errors = []
+            for worker in self.role_workers.values():
+                try:
+                    worker.teardown()
+                except Exception as err:
+                    errors.append(err)
+            if errors:
+                raise errors[0]
 
     owner: dict[str, str] = {}
     for role, cls_with_init in class_dict.items():

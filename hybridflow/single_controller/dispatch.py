@@ -24,11 +24,10 @@ Ranks that receive the same chunk receive the same object, so the Ray backend pu
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-
-import ray
 
 from hybridflow.protocol import DataProto, DataProtoFuture, pad_dataproto_to_divisor, unpad_dataproto
 from hybridflow.single_controller.decorator import Dispatch
@@ -122,7 +121,8 @@ def collect_megatron_pp_as_dp_proto(wg, outputs: list) -> DataProto | DataProtoF
 
 def concat_outputs(outputs: list) -> DataProto | DataProtoFuture:
     """DataProto.concat of values, or a DataProtoFuture of the concat when outputs are object refs."""
-    if outputs and all(isinstance(out, ray.ObjectRef) for out in outputs):
+    ray = sys.modules.get("ray")  # not imported: no object refs exist (the in-process backend)
+    if ray is not None and outputs and all(isinstance(out, ray.ObjectRef) for out in outputs):
         return DataProtoFuture.concat(outputs)
     for i, out in enumerate(outputs):
         if not isinstance(out, DataProto):

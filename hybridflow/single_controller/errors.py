@@ -8,8 +8,6 @@ surfaces the same way as a `WorkerError` that is also Ray's `ActorDiedError`.
 
 from __future__ import annotations
 
-import ray.exceptions
-
 
 class WorkerError(Exception):
     """A worker-group call failed on one rank.
@@ -37,6 +35,8 @@ def worker_error(err: BaseException, rank: int, method: str) -> WorkerError:
     The result is an instance of `WorkerError` and of the original exception's type (the user
     exception inside a `RayTaskError`, else Ray's own error such as `ActorDiedError`).
     """
+    import ray.exceptions  # only the Ray backend calls this; the in-process one runs without Ray
+
     if isinstance(err, ray.exceptions.RayTaskError):
         original = err.cause
         message = (

@@ -12,13 +12,16 @@ input mutates the caller's object), and a non-blocking method returns its collec
 from __future__ import annotations
 
 import os
+import sys
+from typing import TYPE_CHECKING
 
 from hybridflow.parallel_ranks import ParallelRanks
 from hybridflow.single_controller.dispatch import Dispatched
-from hybridflow.single_controller.ray_worker_group import RayClassWithInitArgs
-from hybridflow.single_controller.resource_pool import RayResourcePool
-from hybridflow.single_controller.worker import Worker, free_port
+from hybridflow.single_controller.worker import RayClassWithInitArgs, Worker, free_port
 from hybridflow.single_controller.worker_group import WorkerGroup
+
+if TYPE_CHECKING:
+    from hybridflow.single_controller.resource_pool import RayResourcePool
 
 
 class LocalWorkerGroup(WorkerGroup):
@@ -82,8 +85,16 @@ class LocalWorkerGroup(WorkerGroup):
         return {prefix: self._view(self._workers, self._worker_cls, prefix) for prefix in prefix_set}
 
     def shutdown(self) -> None:
-        """Drop the worker object (its memory is freed once nothing else refers to it)."""
-        self._workers.clear()
+        """Run the worker's `teardown` (a failure is reported on stderr, not raised, so that an
+        error already propagating is never hidden), then drop the worker object (its memory is
+        freed once nothing else refers to it)."""
+        try:
+            for worker in self._workers:
+                worker.teardown()
+        except Exception as err:
+            print(f"warning: {type(worker).__name__}.teardown failed: {err!r}", file=sys.stderr, flush=True)
+        finally:
+            self._workers.clear()
 
     def _execute(self, method: str, ranks: list[int], dispatched: Dispatched) -> list:
         return [

@@ -18,6 +18,7 @@ exception type.
 from __future__ import annotations
 
 import os
+import sys
 
 import numpy as np
 import ray
@@ -30,34 +31,14 @@ from hybridflow.protocol import DataProto
 from hybridflow.single_controller.dispatch import Dispatched
 from hybridflow.single_controller.errors import worker_error
 from hybridflow.single_controller.resource_pool import RayResourcePool
-from hybridflow.single_controller.worker import Worker, free_port
+from hybridflow.single_controller.worker import RayClassWithInitArgs, free_port, overrides_teardown
 from hybridflow.single_controller.worker_group import WorkerGroup
 
 # Arguments worth one object-store copy shared by every rank that reads them.
 _SHARED_TYPES = (DataProto, torch.Tensor, np.ndarray)
-
-
-class RayClassWithInitArgs:
-    """A `Worker` subclass and the arguments to build it with, in every slot of a worker group.
-
-    Pass the plain class, not a `ray.remote`-decorated one: the worker group adds the Ray
-    options (placement, resources, environment) itself.
-    """
-
-    def __init__(self, cls: type, *args, **kwargs):
-        if isinstance(cls, ray.actor.ActorClass):
-            raise TypeError(
-                "RayClassWithInitArgs takes the plain worker class, not a @ray.remote-decorated one"
-            )
-        if not (isinstance(cls, type) and issubclass(cls, Worker)):
-            raise TypeError(f"RayClassWithInitArgs needs a subclass of Worker, got {cls!r}")
-        self.cls = cls
-        self.args = args
-        self.kwargs = kwargs
-
-    def instantiate(self) -> Worker:
-        """Build the worker in this process (the SPMD environment must already be set)."""
-        return self.cls(*self.args, **self.kwargs)
+# How long shutdown() waits for the workers' teardown: longer than SGLang 0.5.23's own wait for its
+# scheduler processes to exit (60 s, entrypoints/engine.py 1491).
+TEARDOWN_TIMEOUT_S = 90.0
 
 
 class RayWorkerGroup(WorkerGroup):
@@ -70,7 +51,7 @@ class RayWorkerGroup(WorkerGroup):
 
     The constructor returns once every actor finished `__init__` (a failing `__init__` raises here,
     naming the rank). `spawn(prefix_set)` gives per-role views of a colocated class;
-    `shutdown()` kills the actors.
+    `shutdown()` runs each rank's `Worker.teardown`, then kills the actors.
     """
 
     def __init__(self, resource_pool: RayResourcePool, ray_cls_with_init: RayClassWithInitArgs):
@@ -85,7 +66,7 @@ class RayWorkerGroup(WorkerGroup):
         try:
             self._wait([actor.__ray_ready__.remote() for actor in self._actors], self._ranks(), "__init__")
         except BaseException:
-            self.shutdown()
+            self._kill_actors()  # nothing started yet that a teardown would stop
             raise
 
     @classmethod
@@ -111,8 +92,36 @@ class RayWorkerGroup(WorkerGroup):
         """
         return {prefix: self._view(self._actors, self._worker_cls, prefix) for prefix in prefix_set}
 
-    def shutdown(self) -> None:
-        """Kill every actor of this group (and so of the views spawned from it)."""
+    def shutdown(self, teardown_timeout_s: float = TEARDOWN_TIMEOUT_S) -> None:
+        """Run every rank's `Worker.teardown` (e.g. a rollout engine's `shutdown`), then kill every
+        actor of this group (and so of the views spawned from it).
+
+        Ranks get `teardown_timeout_s` in all: a rank still busy in an earlier call (e.g. waiting in
+        a collective for a dead peer) cannot run its teardown and is killed when that time is up. A
+        teardown that fails or does not finish is reported on stderr, not raised, so that an error
+        already propagating (shutdown runs in `finally` blocks) is never hidden.
+        """
+        try:
+            if overrides_teardown(self._worker_cls):
+                self._teardown_actors(teardown_timeout_s)
+        finally:
+            self._kill_actors()
+
+    def _teardown_actors(self, timeout_s: float) -> None:
+        rank_of = {actor.teardown.remote(): rank for rank, actor in enumerate(self._actors)}
+        done, pending = ray.wait(list(rank_of), num_returns=len(rank_of), timeout=timeout_s)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError as err:
+                _warn(f"rank {rank_of[ref]}: {self._worker_cls.__name__}.teardown failed: {err}")
+        for ref in pending:
+            _warn(
+                f"rank {rank_of[ref]}: {self._worker_cls.__name__}.teardown did not finish within "
+                f"{timeout_s:g}s (busy in an earlier call?); killing the process"
+            )
+
+    def _kill_actors(self) -> None:
         for actor in self._actors:
             ray.kill(actor, no_restart=True)
 
@@ -155,6 +164,10 @@ class RayWorkerGroup(WorkerGroup):
 
     def _ranks(self) -> list[int]:
         return list(range(len(self._actors)))
+
+
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def _start_actors(pool: RayResourcePool, cls_with_init: RayClassWithInitArgs) -> list:

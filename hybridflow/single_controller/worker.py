@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 
 from hybridflow.parallel_ranks import ParallelRanks
 
@@ -68,6 +69,42 @@ class Worker:
     def _hf_parallel_ranks(self, role: str | None = None) -> ParallelRanks | None:
         """What the worker group reads for MEGATRON_* dispatch (`role` is for colocated classes)."""
         return self.parallel_ranks
+
+    def teardown(self) -> None:
+        """Stop what this worker started beyond its own memory (e.g. a rollout engine's processes).
+
+        The worker group's `shutdown()` calls it on every rank before ending the processes;
+        override it in a role that starts processes. The default does nothing.
+        """
+
+
+class RayClassWithInitArgs:
+    """A `Worker` subclass and the arguments to build it with, in every slot of a worker group.
+
+    Pass the plain class, not a `ray.remote`-decorated one: the worker group adds the Ray
+    options (placement, resources, environment) itself. Needs no Ray (LocalWorkerGroup takes it).
+    """
+
+    def __init__(self, cls: type, *args, **kwargs):
+        ray_actor = sys.modules.get("ray.actor")  # Ray not imported: no decorated class can exist
+        if ray_actor is not None and isinstance(cls, ray_actor.ActorClass):
+            raise TypeError(
+                "RayClassWithInitArgs takes the plain worker class, not a @ray.remote-decorated one"
+            )
+        if not (isinstance(cls, type) and issubclass(cls, Worker)):
+            raise TypeError(f"RayClassWithInitArgs needs a subclass of Worker, got {cls!r}")
+        self.cls = cls
+        self.args = args
+        self.kwargs = kwargs
+
+    def instantiate(self) -> Worker:
+        """Build the worker in this process (the SPMD environment must already be set)."""
+        return self.cls(*self.args, **self.kwargs)
+
+
+def overrides_teardown(worker_cls: type) -> bool:
+    """Whether `worker_cls` has a teardown of its own (the worker group skips the call otherwise)."""
+    return worker_cls.teardown is not Worker.teardown
 
 
 def free_port() -> int:

@@ -9,13 +9,7 @@ the rollout engine sees what memory the others left.
 from dataclasses import dataclass
 
 from hybridflow.config.schema import RecipeConfig
-from hybridflow.single_controller import (
-    RayClassWithInitArgs,
-    RayWorkerGroup,
-    ResourcePoolManager,
-    Role,
-    create_colocated_worker_cls,
-)
+from hybridflow.single_controller import RayClassWithInitArgs, WorkerGroup, create_colocated_worker_cls
 from hybridflow.workers.actor_rollout_ref import ActorRolloutRefWorker
 from hybridflow.workers.critic import CriticWorker
 from hybridflow.workers.reward_model import RewardModelWorker
@@ -23,12 +17,13 @@ from hybridflow.workers.reward_model import RewardModelWorker
 
 @dataclass
 class RoleGroups:
-    """Driver-side handles of each role (None when the recipe does not use the role)."""
+    """Driver-side handles of each role (None when the recipe does not use the role): Ray worker
+    groups, or a LocalWorkerGroup for a one-process run without Ray (scripts/gpu_check.py)."""
 
-    actor_rollout: RayWorkerGroup
-    critic: RayWorkerGroup | None
-    reward_model: RayWorkerGroup | None
-    groups: list[RayWorkerGroup]  # the underlying groups, for shutdown
+    actor_rollout: WorkerGroup
+    critic: WorkerGroup | None
+    reward_model: WorkerGroup | None
+    groups: list[WorkerGroup]  # the underlying groups, for shutdown
 
     def shutdown(self) -> None:
         for group in self.groups:
@@ -56,7 +51,10 @@ def role_classes(cfg: RecipeConfig) -> dict[str, dict[str, RayClassWithInitArgs]
     return pools
 
 
-def resource_pool_manager(cfg: RecipeConfig) -> ResourcePoolManager:
+def resource_pool_manager(cfg: RecipeConfig):
+    """The `ResourcePoolManager` of the recipe's pools (imported here: it needs Ray)."""
+    from hybridflow.single_controller import ResourcePoolManager, Role
+
     trainer, critic = cfg.trainer, cfg.critic
     own_critic = critic.enable and critic.n_gpus_per_node > 0
     spec = {
@@ -76,6 +74,8 @@ def resource_pool_manager(cfg: RecipeConfig) -> ResourcePoolManager:
 
 def start_roles(cfg: RecipeConfig) -> RoleGroups:
     """Starts every worker process and builds every model (a Ray cluster must be connected)."""
+    from hybridflow.single_controller import RayWorkerGroup
+
     manager = resource_pool_manager(cfg)
     manager.create_resource_pool()
     views, groups = {}, []

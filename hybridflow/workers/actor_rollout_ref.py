@@ -36,7 +36,7 @@ class ActorRolloutRefWorker(Worker):
         from engines.megatron.model import build_model
 
         cfg = self.config
-        init_parallel_state(self, cfg.actor.megatron)
+        init_parallel_state(self, cfg.actor.megatron, cfg.rollout)
         if self.has_actor:
             self._build_actor_and_rollout()
         if self.has_ref:
@@ -48,9 +48,9 @@ class ActorRolloutRefWorker(Worker):
     def _build_actor_and_rollout(self) -> None:
         from engines.megatron.actor import MegatronActor
         from engines.megatron.model import build_model, unwrap_model
-        from engines.megatron.offload import offload_optimizer, reload_optimizer
+        from engines.megatron.offload import actor_offload_hooks
         from engines.megatron.optimizer import build_optimizer
-        from engines.rollout.sharding_manager import MegatronRolloutShardingManager, OffloadHooks
+        from engines.rollout.sharding_manager import MegatronRolloutShardingManager
 
         cfg = self.config
         self.actor_chunks = build_model(cfg.model.path, cfg.actor.megatron)
@@ -59,12 +59,7 @@ class ActorRolloutRefWorker(Worker):
         )
         self.actor = MegatronActor(self.actor_chunks, self.optimizer, self.scheduler, cfg.actor.update)
         self.rollout = self._build_rollout_engine()
-        hooks = None
-        if cfg.actor.megatron.optimizer_offload:  # free the optimizer's memory while generating
-            hooks = OffloadHooks(
-                before_resume=lambda: offload_optimizer(self.optimizer),
-                after_release=lambda: reload_optimizer(self.optimizer),
-            )
+        hooks = actor_offload_hooks(cfg.actor.megatron, self.actor_chunks, self.optimizer)
         self.hf_config = unwrap_model(self.actor_chunks[0]).hf_config
         self.sharding_manager = MegatronRolloutShardingManager(
             self.actor_chunks, self.hf_config, self.rollout, cfg.rollout, offload_hooks=hooks
@@ -84,6 +79,11 @@ class ActorRolloutRefWorker(Worker):
         if devices is None:
             return None
         return create_rollout_engine(cfg.rollout, cfg.model.path, devices=devices)
+
+    def teardown(self) -> None:
+        """Stop the rollout engine (SGLang's scheduler processes); the worker group calls it."""
+        if getattr(self, "rollout", None) is not None:
+            self.rollout.shutdown()
 
     @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:

@@ -21,7 +21,7 @@ class CriticWorker(Worker):
         from engines.megatron.optimizer import build_optimizer
 
         cfg = self.config.critic
-        init_parallel_state(self, cfg.megatron)
+        init_parallel_state(self, cfg.megatron, self.config.rollout)
         # A fresh value head on the policy's (or the given model's) transformer.
         self.chunks = build_model(cfg.model_path or self.config.model.path, cfg.megatron, value_head=True)
         self.optimizer, self.scheduler = build_optimizer(self.chunks, cfg.optim, cfg.megatron)

@@ -21,7 +21,7 @@ class RewardModelWorker(Worker):
         from engines.megatron.model import build_model
 
         cfg = self.config.reward_model
-        init_parallel_state(self, cfg.megatron)
+        init_parallel_state(self, cfg.megatron, self.config.rollout)
         self.chunks = build_model(cfg.path, cfg.megatron, value_head=True, for_training=False)
         # Forward only: the critic's value computation without an optimizer.
         self.scorer = MegatronCritic(self.chunks, None, None, self.config.critic.update)

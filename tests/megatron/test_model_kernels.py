@@ -132,3 +132,39 @@ def test_rmsnorm_models_build_where_apex_imports(tmp_path):
     dense = make_tiny_hf_checkpoint(tmp_path / "qwen2")
     moe = make_tiny_hf_checkpoint(tmp_path / "moe", arch="qwen3_moe")
     assert "KERNELS OK" in run_distributed("_kernels_worker.py", 1, dense, moe, timeout=600)
+
+
+TE_CORE_ONLY_INIT = """
+import os
+try:
+    from . import pytorch
+except ImportError:
+    pass
+except FileNotFoundError as e:  # transformer_engine 2.20.2 __init__.py 84-108, without NVTE_FRAMEWORK
+    if "Could not find shared object file" not in str(e) or os.getenv("NVTE_FRAMEWORK"):
+        raise
+"""
+
+
+def test_transformer_engine_core_without_its_torch_extension_picks_the_local_spec(tmp_path, monkeypatch):
+    """The TE core library installed, its torch extension not (a stand-in package shaped like TE
+    2.20.2: `import transformer_engine` works, `transformer_engine.pytorch` does not): on a CUDA
+    machine the model must not choose the TE spec (TENorm would fail to import in the build)."""
+    import sys
+
+    from engines.megatron import cpu_compat
+
+    package = tmp_path / "site" / "transformer_engine"
+    (package / "pytorch").mkdir(parents=True)
+    (package / "__init__.py").write_text(TE_CORE_ONLY_INIT)
+    (package / "pytorch" / "__init__.py").write_text(
+        "raise FileNotFoundError('Could not find shared object file for transformer_engine_torch')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setattr(cpu_compat, "cuda_available", lambda: True)
+    try:
+        __import__("transformer_engine")  # the core imports, as it does on such a machine
+        assert model_module.machine_kernels() == ModelKernels(transformer_engine=False, fused_wgrad=False)
+    finally:
+        for name in [m for m in sys.modules if m.split(".")[0] == "transformer_engine"]:
+            del sys.modules[name]

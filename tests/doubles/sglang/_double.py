@@ -1,47 +1,82 @@
 """A contract double of SGLang's offline engine, for CPU tests of the code that drives it.
 
-Follows sglang 0.5.23 (the version requirements-gpu.txt pins), read from its wheel:
-  - `srt/entrypoints/engine.py`: `Engine(**server_args)`, `generate`, `begin_weight_update`,
-    `end_weight_update`, `update_weights_from_tensor(named_tensors, load_format, flush_cache)`,
-    `flush_cache`, `release_memory_occupation(tags)`, `resume_memory_occupation(tags)`, `shutdown`;
-  - `srt/managers/scheduler_components/weight_updater.py` (the scheduler side): updates outside a
+Follows sglang 0.5.23 (the version requirements-gpu.txt pins), read from its wheel (paths under
+`sglang/srt/`, line numbers of 0.5.23):
+  - `entrypoints/engine.py`: `Engine(**server_args)`, `generate`, `begin_weight_update`,
+    `end_weight_update`, `update_weights_from_tensor(named_tensors, load_format, flush_cache)`
+    (1679-1700: `named_tensors` serialized once per TP rank, 1743-1759), `flush_cache`,
+    `release_memory_occupation(tags)`, `resume_memory_occupation(tags)`, `shutdown`;
+  - logging: without `log_level` the engine sets "error" (engine.py:294-296) and
+    `configure_logger` (engine.py:1152, utils/common.py:2618-2638) calls
+    `logging.basicConfig(level=..., force=True)` in the calling process: the root logger's
+    handlers are replaced and its level set, so the caller's warnings are dropped from then on;
+  - environment: `_set_envs_and_config` (engine.py:1878-1921) writes into the calling process's
+    `os.environ` (inherited by the schedulers it spawns): NCCL_CUMEM_ENABLE and NCCL_NVLS_ENABLE
+    (to 0 with the defaults, unless already set and no symm-mem / NVLS option asks otherwise) and
+    CUDA_DEVICE_MAX_CONNECTIONS=8, always;
+  - `managers/scheduler_components/weight_updater.py` (the scheduler side): updates outside a
     `begin_weight_update()` / `end_weight_update()` session return `(False, message)` without
-    raising; a second begin or an end without begin return `(False, message)`; release adds the
-    tags to a set and resume does `offload_tags.remove(tag)`, which raises KeyError (killing the
-    scheduler) for a tag that was not released; release asserts the engine is idle;
-  - `srt/model_executor/model_runner_components/weight_updater.py`: scheduler `i` of an engine
-    with `tp_size=T` unwraps `LocalSerializedTensor.values[i]` (or the tensor itself) and loads it;
-  - `srt/utils/common.py` `MultiprocessingSerializer` and `srt/utils/patch_torch.py`
-    `monkey_patch_torch_reductions`: a CUDA tensor pickles to an IPC handle naming its device by
-    the ordinal in the sender process, or, once the sender patched torch's reductions, by UUID;
-    the receiver opens an ordinal on *its own* device of that ordinal;
-  - `srt/constants.py`: the memory tags; `sampling/sampling_batch_info.py`: `sampling_seed` is
-    read only with `enable_deterministic_inference`.
+    raising; a second begin or an end without begin return `(False, message)`; release asserts
+    the engine is fully idle (339-341), adds the tags to a set; resume does
+    `offload_tags.remove(tag)` (390), a KeyError for a tag that was not released;
+  - released weights: `torch_memory_saver` pauses them without a CPU copy unless
+    `enable_weights_cpu_backup` (model_runner_components/load_model_utils.py:307-325), so after
+    a resume of "weights" their contents are undefined until reloaded;
+  - any exception inside a scheduler (a failed assertion, the KeyError above, a CUDA error, a
+    shape mismatch in `load_weights`) makes it SIGQUIT its parent (managers/scheduler.py:6369),
+    whose handler kills the whole process tree, the process that built the engine included
+    (tokenizer_manager.py:4072-4081, utils/common.py:2507-2550): nothing is returned. Modelled as
+    `ProcessTreeKilled`, a BaseException, so no `except Exception` in the code under test
+    survives it, as no code survives SIGKILL;
+  - `model_executor/model_runner_components/weight_updater.py`: scheduler `i` of an engine with
+    `tp_size=T` deserializes `named_tensors`, unwraps `LocalSerializedTensor.values[i]` (or the
+    tensor itself) (444-458) and calls `model.load_weights`, which for Qwen2 (models/qwen2.py:
+    651-719) skips an unknown name with a warning ("Parameter {name} not found in params_dict")
+    and asserts the shape of a known one (model_loader/weight_utils.py:1574-1586);
+  - `utils/common.py` `MultiprocessingSerializer` (3060-3099): pickles with ForkingPickler,
+    unpickles with `SafeUnpickler` (3144-3370), which resolves only an exact allow-list of
+    (module, name) globals and raises "Blocked unsafe global (...)" for any other;
+  - `utils/patch_torch.py` `monkey_patch_torch_reductions`: a CUDA tensor pickles to an IPC
+    handle naming its device by the ordinal in the sender process, or, once the sender patched
+    torch's reductions, by UUID; the receiver opens an ordinal on *its own* device of that ordinal;
+  - `managers/schedule_batch.py` (1509-1513, 1856-1876) and
+    `managers/scheduler_components/output_streamer.py` (489-491, 612-640): `output_ids` run
+    through the stop condition, so a request that stopped on EOS ends with the EOS id, and
+    `output_token_logprobs` has one entry per output id, the EOS's included;
+  - `sampling/sampling_params.py` (302-312): `sampling_seed` must be an int in
+    [-2**63, 2**63 - 1] (ValueError otherwise); `sampling/sampling_batch_info.py`: it is read only
+    with `enable_deterministic_inference`;
+  - `constants.py`: the memory tags.
 
 What it models where CUDA is absent: the schedulers' GPUs are `CUDA_VISIBLE_DEVICES` of the
 process that builds the engine (inherited by SGLang's spawned scheduler processes), entries
 `base_gpu_id + i * gpu_id_step`; an entry past the end fails as `torch.cuda.set_device` does. A
 sender is a process that sees exactly one GPU (Ray's narrowing), so its tensors live on
-`CUDA_VISIBLE_DEVICES[0]`. Tensors travel by value (pickled), tagged with that device.
+`CUDA_VISIBLE_DEVICES[0]`. Tensors travel by value (pickled bytes), tagged with that device.
 
 What it enforces beyond SGLang's own errors, so a test fails where the real engine would go
-silently wrong or crash: a handle opened on a GPU other than the one holding the tensor; loading
-into or generating from released memory; generating after a weight update without a cache
-flush (the radix cache would serve KV computed with the old weights). Generation runs the
-transformers model of `model_path` on the weights received by scheduler 0.
+silently wrong: a handle opened on a GPU other than the one holding the tensor; generating after
+a weight update without a cache flush (the radix cache would serve KV computed with the old
+weights); generating from weights that were resumed without a CPU backup and not all reloaded.
+Generation runs the transformers model of `model_path` on the weights received by scheduler 0.
 """
 
 import io
+import logging
 import os
 import pickle
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
+
+logger = logging.getLogger("sglang.srt.models.qwen2")
 
 SERVER_ARGS = {  # the ServerArgs fields this double accepts (all exist in 0.5.23's ServerArgs)
     "model_path", "dtype", "tp_size", "mem_fraction_static", "load_format", "base_gpu_id",
     "gpu_id_step", "random_seed", "enable_memory_saver", "skip_tokenizer_init",
-    "enable_deterministic_inference", "log_level",
+    "enable_deterministic_inference", "log_level", "enable_weights_cpu_backup", "enable_symm_mem",
+    "enable_nccl_nvls",
 }  # fmt: skip
 SAMPLING_PARAMS = {
     "max_new_tokens",
@@ -53,11 +88,16 @@ SAMPLING_PARAMS = {
     "stop",
 }
 ALL_TAGS = ["kv_cache", "weights", "cuda_graph"]
+INT64 = (-(2**63), 2**63 - 1)
 
 _patched_reductions = False  # per process, as monkey_patch_torch_reductions is
 
 
-def monkey_patch_torch_reductions() -> None:
+class ProcessTreeKilled(BaseException):
+    """SGLang killed the process tree of the engine, the process that built it included."""
+
+
+def patch_reductions() -> None:
     global _patched_reductions
     _patched_reductions = True
 
@@ -72,8 +112,8 @@ def _sender_gpu() -> str:
 
 
 @dataclass
-class _Handle:
-    """A pickled CUDA tensor: its device as the sender names it, and (here) its value."""
+class Handle:
+    """An opened CUDA tensor: its device as the sender named it, and (here) its value."""
 
     by_uuid: bool
     device: str  # the GPU itself (by_uuid) or the sender's ordinal
@@ -81,19 +121,63 @@ class _Handle:
     value: torch.Tensor
 
 
-def _rebuild_handle(by_uuid: bool, device: str, source_gpu: str, raw, dtype: torch.dtype, shape) -> _Handle:
-    value = torch.from_numpy(raw.copy()).view(dtype).reshape(shape)
-    return _Handle(by_uuid, device, source_gpu, value)
+def rebuild_handle(by_uuid: bool, device: str, source_gpu: str, raw: bytes, dtype, shape) -> Handle:
+    value = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape).clone()
+    return Handle(by_uuid, device, source_gpu, value)
+
+
+def _rebuild_by_ordinal(device: str, source_gpu: str, raw: bytes, dtype, shape) -> Handle:
+    """Stands in for torch's `rebuild_cuda_tensor` (no CUDA here to open the handle with)."""
+    return rebuild_handle(False, device, source_gpu, raw, dtype, shape)
 
 
 class _Pickler(pickle.Pickler):
+    """ForkingPickler's view of a CUDA tensor: a rebuild function (torch's, or SGLang's patched one)
+    and the handle's fields; raw bytes stand in for the IPC memory handle."""
+
     def reducer_override(self, obj):
-        if isinstance(obj, torch.Tensor):
-            gpu = _sender_gpu()
-            raw = obj.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-            device = gpu if _patched_reductions else "0"  # a UUID, or the ordinal in the sender
-            return _rebuild_handle, (_patched_reductions, device, gpu, raw, obj.dtype, tuple(obj.shape))
-        return NotImplemented
+        if not isinstance(obj, torch.Tensor):
+            return NotImplemented
+        gpu = _sender_gpu()
+        raw = obj.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        if _patched_reductions:
+            from sglang.srt.utils.patch_torch import _rebuild_cuda_tensor_modified
+
+            return _rebuild_cuda_tensor_modified, (gpu, gpu, raw, obj.dtype, tuple(obj.shape))
+        return torch.multiprocessing.reductions.rebuild_cuda_tensor, (
+            "0",
+            gpu,
+            raw,
+            obj.dtype,
+            tuple(obj.shape),
+        )  # the ordinal in the sender, which sees its one GPU as device 0
+
+
+class SafeUnpickler(pickle.Unpickler):
+    """The allow-list of SGLang's SafeUnpickler (utils/common.py:3148-3356) that these payloads can
+    meet; any other global is refused with SGLang's message."""
+
+    ALLOWED_GLOBALS: ClassVar[set[tuple[str, str]]] = {
+        *(("builtins", name) for name in ("bool", "bytearray", "bytes", "dict", "float", "int", "list")),
+        *(("builtins", name) for name in ("set", "str", "tuple", "frozenset", "complex", "slice")),
+        ("collections", "OrderedDict"),
+        ("copyreg", "__newobj__"),
+        ("copyreg", "__newobj_ex__"),
+        ("torch", "Size"),
+        ("torch", "device"),
+        ("torch", "dtype"),
+        *(("torch", name) for name in ("float32", "float16", "bfloat16", "float64", "int64", "int32")),
+        ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
+        ("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified"),
+        ("sglang.srt.model_executor.model_runner_components.weight_updater", "LocalSerializedTensor"),
+    }
+
+    def find_class(self, module, name):
+        if (module, name) not in self.ALLOWED_GLOBALS:
+            raise RuntimeError(f"Blocked unsafe global ({module}.{name}) during pickle deserialization")
+        if (module, name) == ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"):
+            return _rebuild_by_ordinal
+        return super().find_class(module, name)
 
 
 class MultiprocessingSerializer:
@@ -107,17 +191,7 @@ class MultiprocessingSerializer:
 
     @staticmethod
     def deserialize(data: bytes):
-        return pickle.loads(data)
-
-
-@dataclass
-class LocalSerializedTensor:
-    """One serialized tensor per TP rank; rank i loads values[i]."""
-
-    values: list[bytes]
-
-    def get(self, rank: int):
-        return MultiprocessingSerializer.deserialize(self.values[rank])
+        return SafeUnpickler(io.BytesIO(data)).load()
 
 
 @dataclass
@@ -149,6 +223,25 @@ class _Calls:
     flushes: int = 0
 
 
+def _configure_logger(log_level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, log_level.upper()),
+        format="[%(asctime)s] %(message)s",
+        datefmt="%Y-%m-%d %H:%M:%S",
+        force=True,
+    )
+
+
+def _set_envs_and_config(server_args: dict) -> None:
+    symm_mem = bool(server_args.get("enable_symm_mem", False))
+    nvls = bool(server_args.get("enable_nccl_nvls", False))
+    if "NCCL_CUMEM_ENABLE" not in os.environ or symm_mem:
+        os.environ["NCCL_CUMEM_ENABLE"] = str(int(symm_mem))  # memory saver on: no KV-shard scratch
+    if "NCCL_NVLS_ENABLE" not in os.environ or nvls or symm_mem:
+        os.environ["NCCL_NVLS_ENABLE"] = str(int(nvls or symm_mem))
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "8"
+
+
 class Engine:
     """`sglang.Engine` as 0.5.23 behaves, with CPU generation through transformers."""
 
@@ -156,9 +249,10 @@ class Engine:
         unknown = sorted(set(server_args) - SERVER_ARGS)
         if unknown:
             raise TypeError(f"ServerArgs.__init__() got unexpected keyword arguments {unknown}")
-        from transformers import AutoConfig, AutoModelForCausalLM
-
+        server_args.setdefault("log_level", "error")
         self.server_args = server_args
+        _configure_logger(server_args["log_level"])
+        _set_envs_and_config(server_args)
         tp, base, step = (
             server_args.get("tp_size", 1),
             server_args.get("base_gpu_id", 0),
@@ -175,19 +269,15 @@ class Engine:
             )
         self.visible = visible
         self.scheduler_gpus = [visible[o] for o in ordinals]
-        path = server_args["model_path"]
-        if server_args.get("load_format", "auto") == "dummy":
-            self.model = AutoModelForCausalLM.from_config(
-                AutoConfig.from_pretrained(path), dtype=torch.float32
-            )
-        else:
-            self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        self.model.eval()
+        self.model = _load_model(server_args["model_path"], server_args.get("load_format", "auto"))
         self.params = dict(self.model.named_parameters())
         self.deterministic = bool(server_args.get("enable_deterministic_inference", False))
         self.offload_tags: set[str] = set()
         self.received: list[dict[str, Received]] = [{} for _ in range(tp)]
         self.calls = _Calls()
+        self.undefined_weights: set[str] = set()  # resumed without a CPU backup, not reloaded since
+        self.in_flight = 0  # requests being generated
+        self.shut_down = False
         self._session: _Session | None = None
         self._cache_stale = False
         self._alive = True
@@ -196,6 +286,8 @@ class Engine:
     def release_memory_occupation(self, tags: list[str] | None = None):
         self._check_alive()
         self.calls.release.append(list(tags) if tags else None)
+        if self.in_flight:
+            self._kill("AssertionError: release_memory_occupation should be called only when server is idle.")
         for tag in tags or ALL_TAGS:
             self.offload_tags.add(tag)
 
@@ -204,9 +296,20 @@ class Engine:
         self.calls.resume.append(list(tags) if tags else None)
         for tag in tags or ALL_TAGS:
             if tag not in self.offload_tags:
-                self._alive = False  # the scheduler raised KeyError in offload_tags.remove and died
-                raise KeyError(f"{tag!r}: resume_memory_occupation of memory that was not released")
+                self._kill(f"KeyError: {tag!r} (resume_memory_occupation of memory that was not released)")
             self.offload_tags.remove(tag)
+            if tag == "weights" and self._weights_lost_on_release():
+                self._undefine_weights()
+
+    def _weights_lost_on_release(self) -> bool:
+        args = self.server_args
+        return bool(args.get("enable_memory_saver")) and not args.get("enable_weights_cpu_backup")
+
+    @torch.no_grad()
+    def _undefine_weights(self) -> None:
+        for param in self.params.values():
+            param.fill_(float("nan"))  # what the paused memory holds is unspecified
+        self.undefined_weights = set(self.params)
 
     # ------------------------------------------------------------------ weights
     def begin_weight_update(self, selector: str = "all"):
@@ -232,33 +335,44 @@ class Engine:
         self.calls.updates += 1
         if load_format is not None:
             raise NotImplementedError(f"the double loads load_format=None only, got {load_format!r}")
+        payload = MultiprocessingSerializer.serialize(named_tensors)  # one per TP rank upstream
         if self._session is None:
             return (
                 False,
                 "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()",
             )
         if "weights" in self.offload_tags:
-            self._alive = False
-            raise RuntimeError("CUDA error: an illegal memory access was encountered (weights are released)")
+            self._kill("CUDA error: an illegal memory access was encountered (weights are released)")
         for rank, gpu in enumerate(self.scheduler_gpus):
-            for name, payload in named_tensors:
-                handle = payload.get(rank) if isinstance(payload, LocalSerializedTensor) else payload
-                self.received[rank][name] = Received(self._open(handle, gpu), _source(handle))
-        with torch.no_grad():
-            for name, _ in named_tensors:
-                if name not in self.params:
-                    self._alive = False
-                    raise KeyError(f"{name!r} is not a parameter of {type(self.model).__name__}")
-                self.params[name].copy_(self.received[0][name].tensor)
+            self._load_on_scheduler(rank, gpu, payload)
         self._session.loaded_weights = True
         self._cache_stale = True
         if flush_cache:
             self.flush_cache()
         return True, "Success"
 
-    def _open(self, handle, scheduler_gpu: str) -> torch.Tensor:
-        if not isinstance(handle, _Handle):  # a tensor passed in this process
-            return handle
+    def _load_on_scheduler(self, rank: int, gpu: str, payload: bytes) -> None:
+        """What scheduler `rank` does: deserialize, unwrap its own handle, `model.load_weights`."""
+        from sglang.srt.model_executor.model_runner_components.weight_updater import LocalSerializedTensor
+
+        for name, item in MultiprocessingSerializer.deserialize(payload):
+            handle = item.get(rank) if isinstance(item, LocalSerializedTensor) else item
+            tensor = self._open(handle, gpu)
+            if name not in self.params:
+                logger.warning(f"Parameter {name} not found in params_dict")
+                continue
+            if tensor.shape != self.params[name].shape:
+                self._kill(
+                    f"AssertionError: Attempted to load weight ({tensor.size()}) into parameter "
+                    f"({self.params[name].size()})"
+                )
+            self.received[rank][name] = Received(tensor, handle.source_gpu)
+            if rank == 0:
+                with torch.no_grad():
+                    self.params[name].copy_(tensor)
+                self.undefined_weights.discard(name)
+
+    def _open(self, handle: Handle, scheduler_gpu: str) -> torch.Tensor:
         opened_on = handle.device if handle.by_uuid else self.visible[int(handle.device)]
         if opened_on != handle.source_gpu:
             raise RuntimeError(
@@ -280,32 +394,40 @@ class Engine:
             raise TypeError(
                 f"the double takes input_ids, sampling_params, return_logprob, not {sorted(kwargs)}"
             )
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(input_ids)
+        for p in params:
+            _verify_sampling_params(p)
         if self.offload_tags & {"weights", "kv_cache"}:
-            self._alive = False
-            raise RuntimeError(
-                f"CUDA error: illegal memory access (generate with {sorted(self.offload_tags)} released)"
-            )
+            released = sorted(self.offload_tags)
+            self._kill(f"CUDA error: illegal memory access (generate with {released} released)")
         if self._cache_stale:
             raise AssertionError(
                 "generate after a weight update without flush_cache: the radix cache holds stale KV"
             )
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(input_ids)
-        return [self._generate_one(ids, p, return_logprob) for ids, p in zip(input_ids, params, strict=True)]
+        if self.undefined_weights:
+            raise AssertionError(
+                f"generate from weights resumed without a CPU backup and not reloaded since: "
+                f"{sorted(self.undefined_weights)[:5]} ({len(self.undefined_weights)} tensors)"
+            )
+        self.in_flight += len(input_ids)
+        try:
+            pairs = zip(input_ids, params, strict=True)
+            return [self._generate_one(ids, p, return_logprob) for ids, p in pairs]
+        finally:
+            self.in_flight -= len(input_ids)
 
     @torch.no_grad()
     def _generate_one(self, prompt: list[int], params: dict, return_logprob: bool) -> dict:
-        unknown = sorted(set(params) - SAMPLING_PARAMS)
-        if unknown:
-            raise ValueError(f"unknown sampling params {unknown}")
         eos = self.model.config.eos_token_id
         eos = set(eos if isinstance(eos, list) else [eos])
         gen = torch.Generator()
         if self.deterministic and params.get("sampling_seed") is not None:
-            gen.manual_seed(params["sampling_seed"])
+            gen.manual_seed(params["sampling_seed"] % 2**64)  # torch takes [0, 2**64)
         else:
             gen.seed()
         ids, out, logprobs = list(prompt), [], []
         for _ in range(params["max_new_tokens"]):
+            self._check_alive()
             logits = self.model(torch.tensor([ids])).logits[0, -1].float()
             temperature = params.get("temperature", 1.0)
             log_p = torch.log_softmax(logits / (temperature or 1.0), -1)
@@ -314,23 +436,47 @@ class Engine:
                 if temperature == 0
                 else int(torch.multinomial(log_p.exp(), 1, generator=gen))
             )
+            out.append(token)  # the EOS too: output_ids run through the stop condition
+            logprobs.append((float(log_p[token]), token, None))
             if token in eos:
                 return _output(out, logprobs, {"type": "stop", "matched": token}, return_logprob)
-            out.append(token)
-            logprobs.append((float(log_p[token]), token, None))
             ids.append(token)
         return _output(out, logprobs, {"type": "length", "length": len(out)}, return_logprob)
 
     def shutdown(self):
         self._alive = False
+        self.shut_down = True
+
+    def _kill(self, scheduler_error: str):
+        self._alive = False
+        raise ProcessTreeKilled(
+            f"an SGLang scheduler raised {scheduler_error}; SGLang SIGKILLed the process tree of the engine"
+        )
 
     def _check_alive(self):
         if not self._alive:
-            raise RuntimeError("the SGLang engine's scheduler is dead (an earlier call crashed it)")
+            raise ProcessTreeKilled("the SGLang engine is gone (shut down, or its process tree killed)")
 
 
-def _source(handle) -> str:
-    return handle.source_gpu if isinstance(handle, _Handle) else "caller"
+def _load_model(path: str, load_format: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if load_format == "dummy":
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model.eval()
+
+
+def _verify_sampling_params(params: dict) -> None:
+    unknown = sorted(set(params) - SAMPLING_PARAMS)
+    if unknown:
+        raise ValueError(f"unknown sampling params {unknown}")
+    seed = params.get("sampling_seed")
+    if seed is not None and not isinstance(seed, int):
+        raise ValueError(f"sampling_seed must be an integer, got {type(seed).__name__}.")
+    if seed is not None and not INT64[0] <= seed <= INT64[1]:
+        raise ValueError(f"sampling_seed must be in [-2**63, 2**63 - 1], got {seed}.")
 
 
 def _output(ids: list[int], logprobs: list, finish: dict, return_logprob: bool) -> dict:
