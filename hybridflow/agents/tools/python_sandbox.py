@@ -25,14 +25,17 @@ What is enforced, by layer (`layers=`; all four by default):
                setpgid() fail, so no process leaves the group the timeout kills.
   audit        Python (sys.addaudithook in the code's process): sockets, subprocesses, fork,
                exec, kill, foreign calls through ctypes and file writes, renames and removals
-               outside the directory raise PermissionError. A clear message for the model, and the only layer left where
-               the kernel ones are unavailable; on its own it is not a security boundary.
+               outside the directory raise PermissionError. A clear message for the model, and
+               the only layer left where the kernel ones are unavailable; on its own it is not a
+               security boundary.
 
 The constructor runs an empty program with the chosen layers and raises if one cannot be applied
 here (no user namespaces in a container, a kernel without Landlock), naming it: pass a `layers`
-list without it to run with the others. Not enforced by any layer: a total process count (a fork
-bomb that bypasses the audit hook lives until the timeout) and the total disk use of the
-directory (each file is capped, their number is not).
+list without it to run with the others. Without both namespaces and seccomp, a process the code
+forks can leave the process group with setsid() and outlive the call. Not enforced by any layer:
+a total process count (a fork bomb that bypasses the audit hook lives until the timeout; RLIMIT_NPROC
+is not enforced inside the user namespace) and the total disk use of the directory (each file is
+capped, their number is not).
 """
 
 import asyncio
@@ -46,7 +49,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal, get_args
 
@@ -54,6 +57,7 @@ Layer = Literal["namespaces", "landlock", "seccomp", "audit"]
 ALL_LAYERS: tuple[Layer, ...] = get_args(Layer)
 CHILD_SCRIPT = Path(__file__).with_name("sandbox_child.py")
 GROUP_EXIT_WAIT_S, GROUP_EXIT_POLL_S = 10.0, 0.01
+ESCAPED_OUTPUT_WAIT_S = 2.0
 logger = logging.getLogger(__name__)
 
 
@@ -208,17 +212,47 @@ async def _supervise(
 ) -> SandboxRun:
     """Waits for the launcher to exit (at most timeout_s), then kills its process group whatever
     happened, cancellation included, so that nothing it started outlives the call."""
+    output = _CappedOutput(max_bytes)
     try:
-        reading = asyncio.ensure_future(_read_capped(process.stdout, max_bytes))
+        reading = asyncio.ensure_future(output.read_to_end(process.stdout))
         try:
             exited = await _exits_within(process.pid, timeout_s)
         finally:
             _kill_group(process)
             await _group_gone(process.pid)
-        output, total = await reading
-        return SandboxRun(output, total, not exited, _read_status(status_fd))
+        await _drain(reading)
+        return SandboxRun(bytes(output.kept), output.total, not exited, _read_status(status_fd))
     finally:
         os.close(status_fd)
+
+
+@dataclass
+class _CappedOutput:
+    """The first max_bytes of a pipe and how many bytes it carried in all."""
+
+    max_bytes: int
+    kept: bytearray = field(default_factory=bytearray)
+    total: int = 0
+
+    async def read_to_end(self, pipe) -> None:
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader()
+        transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), pipe)
+        try:
+            while chunk := await reader.read(1 << 16):
+                self.total += len(chunk)
+                self.kept += chunk[: self.max_bytes - len(self.kept)]
+        finally:
+            transport.close()
+
+
+async def _drain(reading: asyncio.Future) -> None:
+    """The pipe ends once the group is gone, unless a process left the group (setsid() without
+    the namespaces and seccomp layers) and holds it: then keep what was read and stop."""
+    done, _ = await asyncio.wait([reading], timeout=ESCAPED_OUTPUT_WAIT_S)
+    if not done:
+        reading.cancel()
+        logger.warning("a process that left the sandbox's process group still holds its output")
 
 
 async def _exits_within(pid: int, timeout_s: float) -> bool:
@@ -234,21 +268,6 @@ async def _exits_within(pid: int, timeout_s: float) -> bool:
     finally:
         loop.remove_reader(pidfd)
         os.close(pidfd)
-
-
-async def _read_capped(pipe, max_bytes: int) -> tuple[bytes, int]:
-    """Reads the pipe to its end, keeping the first max_bytes; returns them and the total count."""
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader()
-    transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), pipe)
-    kept, total = bytearray(), 0
-    try:
-        while chunk := await reader.read(1 << 16):
-            total += len(chunk)
-            kept += chunk[: max_bytes - len(kept)]
-    finally:
-        transport.close()
-    return bytes(kept), total
 
 
 def _kill_group(process: subprocess.Popen) -> None:
