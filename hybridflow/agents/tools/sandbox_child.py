@@ -1,0 +1,279 @@
+"""The child side of the Python sandbox (python_sandbox.py): run as a script,
+
+    python -I -B -u sandbox_child.py CONFIG_JSON
+
+in a fresh working directory holding `main.py`. Standard library only and self-contained: `-I`
+keeps PYTHONPATH and the user site out, so nothing of hybridflow can be imported here.
+
+This process, the *launcher*, confines itself layer by layer (the layers named in the config, in
+this order), then forks the process that runs `main.py`, which inherits every layer:
+  namespaces  new user, network and PID namespaces: no capability on the host, no network
+              interface but a loopback that is down, no host process visible by pid; the code runs
+              as PID 1 of its namespace, so when it exits the kernel kills what it left running.
+  limits      always: RLIMIT_CPU (SIGXCPU at the limit; SIGKILL a second later, for PID 1, which
+              ignores SIGXCPU), RLIMIT_AS, RLIMIT_FSIZE, no core files.
+  landlock    reads only under the Python installation and a few system paths, writes only in the
+              working directory, TCP bind/connect denied (ABI >= 4), signals and abstract unix
+              sockets scoped to the sandbox (ABI >= 6).
+  seccomp     socket(2), socketpair(2) and io_uring_setup(2) fail with EPERM; setsid(2) and
+              setpgid(2) too, so every process stays in the process group the parent kills.
+  audit       (in the code's process, last) a sys.addaudithook hook that refuses sockets,
+              process creation, signals, foreign calls through ctypes (the module itself stays
+              importable: sympy needs its types) and writes outside the working directory.
+The outcome goes to the parent as one JSON line on the status pipe: {"error": ...} when a layer
+cannot be applied, else {"exit_code"|"signal": ..., "cpu_s": ...} once the code has ended.
+"""
+
+import ctypes
+import json
+import os
+import platform
+import resource
+import struct
+import sys
+import traceback
+import types
+
+CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
+PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
+# Landlock's three system calls have the same numbers on every architecture.
+LANDLOCK_CREATE_RULESET, LANDLOCK_ADD_RULE, LANDLOCK_RESTRICT_SELF = 444, 445, 446
+LANDLOCK_CREATE_RULESET_VERSION, LANDLOCK_RULE_PATH_BENEATH = 1, 1
+# Landlock filesystem rights by the ABI version that introduced them (include/uapi/linux/landlock.h).
+FS_EXECUTE, FS_WRITE_FILE, FS_READ_FILE, FS_READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
+FS_RIGHTS_BY_ABI = {1: (1 << 13) - 1, 2: (1 << 14) - 1, 3: (1 << 15) - 1, 5: (1 << 16) - 1}
+FS_FILE_RIGHTS = FS_EXECUTE | FS_WRITE_FILE | FS_READ_FILE | 1 << 14 | 1 << 15  # + truncate, ioctl_dev
+NET_BIND_TCP, NET_CONNECT_TCP = 1 << 0, 1 << 1
+SCOPE_ABSTRACT_UNIX_SOCKET, SCOPE_SIGNAL = 1 << 0, 1 << 1
+READ_RIGHTS = FS_EXECUTE | FS_READ_FILE | FS_READ_DIR
+SYSTEM_READ_PATHS = (
+    "/usr",
+    "/lib",
+    "/lib64",
+    "/bin",
+    "/etc/ld.so.cache",
+    "/etc/localtime",
+    "/etc/passwd",
+    "/etc/group",
+    "/dev/urandom",
+    "/dev/zero",
+    "/proc/cpuinfo",
+    "/proc/meminfo",
+    "/sys/devices/system/cpu",
+)
+# seccomp: (AUDIT_ARCH_*, syscall numbers) from arch/x86/entry/syscalls/syscall_64.tbl and
+# include/uapi/asm-generic/unistd.h; order: socket, socketpair, setsid, setpgid, io_uring_setup.
+SECCOMP_ARCHES = {
+    "x86_64": (0xC000003E, (41, 53, 112, 109, 425)),
+    "aarch64": (0xC00000B7, (198, 199, 157, 154, 425)),
+}
+X32_SYSCALL_BIT = 0x40000000
+BPF_LD_W_ABS, BPF_JEQ_K, BPF_JGE_K, BPF_RET_K = 0x20, 0x15, 0x35, 0x06
+SECCOMP_RET_KILL_PROCESS, SECCOMP_RET_ERRNO, SECCOMP_RET_ALLOW = 0x80000000, 0x00050000, 0x7FFF0000
+EPERM = 1
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+def _checked(result: int, what: str) -> int:
+    if result < 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"{what}: {os.strerror(errno)}")
+    return result
+
+
+def _syscall(number: int, *args) -> int:
+    # syscall(2) is variadic: pass every integer as a full long, never as a 32-bit int.
+    wide = [ctypes.c_long(a) if isinstance(a, int) else a for a in args]
+    return _checked(_libc.syscall(ctypes.c_long(number), *wide), f"syscall {number}")
+
+
+def enter_namespaces(config: dict) -> None:
+    """New user + network + PID namespaces. The user namespace maps our own uid and gid onto
+    themselves, so files keep their owner while every capability on the host is gone."""
+    uid, gid = os.geteuid(), os.getegid()
+    _checked(_libc.unshare(CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWPID), "unshare")
+    for name, line in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+        with open(f"/proc/self/{name}", "w") as file:
+            file.write(line)
+
+
+def set_limits(config: dict) -> None:
+    # SIGXCPU at cpu_s; PID 1 of a namespace ignores it, so SIGKILL one second later
+    resource.setrlimit(resource.RLIMIT_CPU, (config["cpu_s"], config["cpu_s"] + 1))
+    resource.setrlimit(resource.RLIMIT_AS, (config["memory_bytes"],) * 2)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (config["max_file_bytes"],) * 2)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def landlock_abi() -> int:
+    return _syscall(LANDLOCK_CREATE_RULESET, None, 0, LANDLOCK_CREATE_RULESET_VERSION)
+
+
+def _ruleset_attr(abi: int) -> tuple[bytes, int]:
+    fs = FS_RIGHTS_BY_ABI[max(v for v in FS_RIGHTS_BY_ABI if v <= abi)]
+    net = NET_BIND_TCP | NET_CONNECT_TCP if abi >= 4 else 0
+    scoped = SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL if abi >= 6 else 0
+    size = 24 if abi >= 6 else 16 if abi >= 4 else 8  # the struct grew with the ABI
+    return struct.pack("QQQ", fs, net, scoped)[:size], fs
+
+
+def _allow_beneath(ruleset_fd: int, path: str, rights: int) -> None:
+    try:
+        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return  # e.g. no /lib64 on this architecture: nothing there to allow
+    try:
+        if not os.path.isdir(path):
+            rights &= FS_FILE_RIGHTS  # a rule on a file may only carry file rights
+        attr = ctypes.create_string_buffer(struct.pack("=Qi", rights, fd), 12)
+        _syscall(LANDLOCK_ADD_RULE, ruleset_fd, LANDLOCK_RULE_PATH_BENEATH, attr, 0)
+    finally:
+        os.close(fd)
+
+
+def _read_paths() -> list[str]:
+    prefixes = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
+    return sorted(prefixes) + list(SYSTEM_READ_PATHS)
+
+
+def apply_landlock(config: dict) -> None:
+    """Reads under the Python installation and SYSTEM_READ_PATHS, everything in the working
+    directory, /dev/null read-write; nothing else, no TCP."""
+    attr, handled = _ruleset_attr(landlock_abi())
+    ruleset = ctypes.create_string_buffer(attr, len(attr))
+    ruleset_fd = _syscall(LANDLOCK_CREATE_RULESET, ruleset, len(attr), 0)
+    try:
+        for path in _read_paths():
+            _allow_beneath(ruleset_fd, path, READ_RIGHTS & handled)
+        _allow_beneath(ruleset_fd, "/dev/null", FS_FILE_RIGHTS & handled)
+        _allow_beneath(ruleset_fd, config["workdir"], handled)
+        _checked(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
+        _syscall(LANDLOCK_RESTRICT_SELF, ruleset_fd, 0)
+    finally:
+        os.close(ruleset_fd)
+
+
+def _bpf(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
+    return struct.pack("HBBI", code, jt, jf, k)
+
+
+def seccomp_program(machine: str) -> bytes:
+    """Kill a foreign-architecture call; EPERM for the denied calls (and x32 ones); allow the rest."""
+    if machine not in SECCOMP_ARCHES:
+        raise OSError(38, f"no seccomp syscall table for architecture {machine!r}")
+    arch, denied = SECCOMP_ARCHES[machine]
+    program = [_bpf(BPF_LD_W_ABS, 4), _bpf(BPF_JEQ_K, arch, jt=1), _bpf(BPF_RET_K, SECCOMP_RET_KILL_PROCESS)]
+    program.append(_bpf(BPF_LD_W_ABS, 0))
+    if machine == "x86_64":
+        program.append(_bpf(BPF_JGE_K, X32_SYSCALL_BIT, jt=len(denied) + 1))
+    # each jump skips the remaining comparisons and the ALLOW to land on the ERRNO return
+    program += [_bpf(BPF_JEQ_K, nr, jt=len(denied) - i) for i, nr in enumerate(denied)]
+    program += [_bpf(BPF_RET_K, SECCOMP_RET_ALLOW), _bpf(BPF_RET_K, SECCOMP_RET_ERRNO | EPERM)]
+    return b"".join(program)
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = (("len", ctypes.c_ushort), ("filter", ctypes.c_void_p))
+
+
+def apply_seccomp(config: dict) -> None:
+    program = seccomp_program(platform.machine())
+    filters = ctypes.create_string_buffer(program, len(program))
+    fprog = _SockFprog(len(program) // 8, ctypes.addressof(filters))
+    _checked(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
+    _checked(_libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0), "prctl(SECCOMP)")
+
+
+KERNEL_LAYERS = {"namespaces": enter_namespaces, "landlock": apply_landlock, "seccomp": apply_seccomp}
+
+AUDIT_REFUSED = ("socket.", "subprocess.", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork")
+AUDIT_REFUSED += ("os.forkpty", "os.kill", "os.killpg", "pty.", "ctypes.")
+AUDIT_FILE_EVENTS = {"os.remove", "os.rename", "os.mkdir", "os.rmdir", "os.chmod", "os.chown", "os.link"}
+AUDIT_FILE_EVENTS |= {"os.symlink", "os.truncate", "os.utime", "os.setxattr", "os.removexattr"}
+WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
+
+
+def _audit_hook(workdir: str):
+    root = os.path.realpath(workdir)
+
+    def inside(path) -> bool:
+        real = os.path.realpath(os.fsdecode(path))
+        return real in (root, "/dev/null") or real.startswith(root + os.sep)
+
+    def hook(event: str, args: tuple) -> None:
+        if event.startswith(AUDIT_REFUSED):
+            raise PermissionError(f"sandbox: {event} is not allowed")
+        if event == "open" and isinstance(args[0], str | bytes) and args[2] & WRITE_FLAGS:
+            paths = [args[0]]
+        elif event in AUDIT_FILE_EVENTS:
+            paths = [a for a in args if isinstance(a, str | bytes | os.PathLike)]
+        else:
+            return
+        outside = [p for p in paths if not inside(p)]
+        if outside:
+            raise PermissionError(f"sandbox: {event} of {os.fsdecode(outside[0])!r} is outside the sandbox")
+
+    return hook
+
+
+def run_code(config: dict) -> None:
+    """Runs main.py as the __main__ module; a traceback leaves out this file's frames."""
+    sys.argv = ["main.py"]
+    with open("main.py", encoding="utf-8") as file:
+        code = compile(file.read(), "main.py", "exec")
+    if "audit" in config["layers"]:
+        sys.addaudithook(_audit_hook(config["workdir"]))
+    module = types.ModuleType("__main__")
+    module.__file__ = "main.py"
+    sys.modules["__main__"] = module
+    try:
+        exec(code, module.__dict__)
+    except Exception as err:
+        report = traceback.TracebackException.from_exception(err)
+        report.stack = traceback.StackSummary.from_list([f for f in report.stack if f.filename != __file__])
+        print("".join(report.format()), end="", file=sys.stderr)
+        sys.exit(1)
+
+
+def _report(status, **fields) -> None:
+    status.write(json.dumps(fields) + "\n")
+    status.flush()
+
+
+def _wait_and_report(pid: int, status) -> None:
+    _, wait_status, usage = os.wait4(pid, 0)
+    cpu_s = usage.ru_utime + usage.ru_stime
+    if os.WIFSIGNALED(wait_status):
+        _report(status, signal=os.WTERMSIG(wait_status), cpu_s=cpu_s)
+    else:
+        _report(status, exit_code=os.waitstatus_to_exitcode(wait_status), cpu_s=cpu_s)
+
+
+def _confine(config: dict, status) -> None:
+    for layer in ("namespaces", "limits", "landlock", "seccomp"):
+        if layer == "limits":
+            set_limits(config)
+        elif layer in config["layers"]:
+            try:
+                KERNEL_LAYERS[layer](config)
+            except OSError as err:
+                _report(status, error=f"cannot apply sandbox layer {layer!r}: {err}")
+                os._exit(1)
+
+
+def main() -> None:
+    config = json.loads(sys.argv[1])
+    status = os.fdopen(config["status_fd"], "w")
+    _confine(config, status)
+    pid = os.fork()
+    if pid == 0:
+        status.close()  # the code must not be able to forge its own outcome
+        run_code(config)
+        return
+    _wait_and_report(pid, status)
+
+
+if __name__ == "__main__":
+    main()

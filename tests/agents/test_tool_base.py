@@ -1,0 +1,118 @@
+"""The Tool protocol: loading by dotted path with errors that name the path, the function
+schemas for chat templates, and argument checks against a tool's JSON schema."""
+
+import asyncio
+from typing import Any, ClassVar
+
+import pytest
+
+from hybridflow.agents.tools import Calculator, ToolError, load_tool, tool_schemas, validate_arguments
+
+
+class EchoTool:
+    name = "echo"
+    description = "Repeats its text."
+    parameters: ClassVar[dict[str, Any]] = {
+        "type": "object",
+        "properties": {"text": {"type": "string"}, "times": {"type": "integer", "minimum": 1}},
+        "required": ["text"],
+        "additionalProperties": False,
+    }
+
+    def __init__(self, separator: str = " "):
+        self.separator = separator
+
+    async def call(self, arguments: dict[str, Any]) -> str:
+        return self.separator.join([arguments["text"]] * arguments.get("times", 1))
+
+
+class SyncCallTool(EchoTool):
+    def call(self, arguments):
+        return arguments["text"]
+
+
+class BadNameTool(EchoTool):
+    name = "echo tool"
+
+
+class BadSchemaTool(EchoTool):
+    parameters: ClassVar[dict[str, Any]] = {"type": "object", "properties": {"text": {"type": "strin"}}}
+
+
+class ArraySchemaTool(EchoTool):
+    parameters: ClassVar[dict[str, Any]] = {"type": "array"}
+
+
+ECHO_INSTANCE = EchoTool()
+
+
+def test_load_tool_builds_a_class_with_kwargs_and_takes_an_instance():
+    tool = load_tool(f"{__name__}.EchoTool", separator="-")
+    assert asyncio.run(tool.call({"text": "ab", "times": 3})) == "ab-ab-ab"
+    assert load_tool(f"{__name__}.ECHO_INSTANCE") is ECHO_INSTANCE
+    assert isinstance(load_tool("hybridflow.agents.tools.calculator.Calculator"), Calculator)
+
+
+@pytest.mark.parametrize(
+    ("path", "kwargs", "error", "message"),
+    [
+        ("calculator", {}, ValueError, "must be a dotted path"),
+        ("no_such_package.Tool", {}, ValueError, "'no_such_package.Tool' cannot be imported"),
+        (f"{__name__}.NoSuchTool", {}, ValueError, "NoSuchTool' cannot be imported"),
+        ("json.JSONDecoder", {}, TypeError, "'json.JSONDecoder' is not a Tool: it has no"),
+        (f"{__name__}.SyncCallTool", {}, TypeError, "call must be `async def"),
+        (f"{__name__}.BadNameTool", {}, ValueError, "name 'echo tool' must be"),
+        (f"{__name__}.BadSchemaTool", {}, ValueError, "not a valid JSON schema"),
+        (f"{__name__}.ArraySchemaTool", {}, ValueError, "of type 'object'"),
+        (f"{__name__}.ECHO_INSTANCE", {"separator": "-"}, TypeError, "is an instance, not a class"),
+        (f"{__name__}.EchoTool", {"sep": "-"}, TypeError, "unexpected keyword argument 'sep'"),
+    ],
+)
+def test_load_tool_errors_name_the_path_and_the_problem(path, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        load_tool(path, **kwargs)
+
+
+def test_tool_schemas_are_openai_function_schemas():
+    echo = EchoTool()
+    assert tool_schemas([Calculator(), echo]) == [
+        {
+            "type": "function",
+            "function": {
+                "name": "calculator",
+                "description": Calculator.description,
+                "parameters": Calculator.parameters,
+            },
+        },
+        {
+            "type": "function",
+            "function": {"name": "echo", "description": "Repeats its text.", "parameters": echo.parameters},
+        },
+    ]
+
+
+def test_tool_schemas_refuse_two_tools_of_one_name():
+    with pytest.raises(ValueError, match=r"\['echo'\] appear more than once"):
+        tool_schemas([EchoTool(), Calculator(), EchoTool()])
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({}, "'text' is a required property"),
+        ({"text": 3}, "3 is not of type 'string' \\(at 'text'\\)"),
+        ({"text": "a", "times": 0}, "0 is less than the minimum of 1 \\(at 'times'\\)"),
+        (
+            {"text": "a", "colour": "red"},
+            "Additional properties are not allowed \\('colour' was unexpected\\)",
+        ),
+        (["a"], r"\['a'\] is not of type 'object'"),
+    ],
+)
+def test_validate_arguments_explains_the_mismatch(arguments, message):
+    with pytest.raises(ToolError, match=f"invalid arguments for echo: {message}"):
+        validate_arguments(EchoTool(), arguments)
+
+
+def test_validate_arguments_accepts_matching_arguments():
+    validate_arguments(EchoTool(), {"text": "a", "times": 2})
