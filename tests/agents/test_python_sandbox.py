@@ -69,6 +69,9 @@ def test_an_error_shows_the_code_traceback_and_the_exit_code():
     assert output.endswith("ZeroDivisionError: division by zero\n[exit code 1]")
     assert "sandbox_child" not in output
     assert run_code("import sys\nsys.exit(3)") == "[exit code 3]"
+    assert run_code("x = (1,") == (
+        "  File \"main.py\", line 1\n    x = (1,\n        ^\nSyntaxError: '(' was never closed\n[exit code 1]"
+    )
 
 
 def test_long_output_is_truncated():
@@ -149,15 +152,19 @@ def test_cannot_write_or_remove_outside_its_directory(layers, tmp_path):
     target, existing = tmp_path / "written_by_sandbox.txt", tmp_path / "owned_by_test.txt"
     existing.write_text("keep me")
     code = textwrap.dedent(f"""
-        import os
-        for action in (lambda: open({str(target)!r}, "w").write("x"), lambda: os.remove({str(existing)!r})):
+        import os, pathlib
+        for action in (
+            lambda: open({str(target)!r}, "w").write("x"),
+            lambda: pathlib.Path({str(target)!r}).write_text("x"),
+            lambda: os.remove({str(existing)!r}),
+        ):
             try:
                 action()
                 print("DONE")
             except OSError as err:
                 print(type(err).__name__)
     """)
-    assert run_code(code, layers=layers).splitlines() == ["PermissionError", "PermissionError"]
+    assert run_code(code, layers=layers).splitlines() == ["PermissionError"] * 3
     assert not target.exists()
     assert existing.read_text() == "keep me"
 

@@ -2,11 +2,15 @@
 schemas for chat templates, and argument checks against a tool's JSON schema."""
 
 import asyncio
+import re
+from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
 
+from hybridflow.agents.tool_parser import parse_tool_calls, run_tool_calls
 from hybridflow.agents.tools import Calculator, ToolError, load_tool, tool_schemas, validate_arguments
+from hybridflow.agents.tools.base import check_tool
 
 
 class EchoTool:
@@ -116,3 +120,21 @@ def test_validate_arguments_explains_the_mismatch(arguments, message):
 
 def test_validate_arguments_accepts_matching_arguments():
     validate_arguments(EchoTool(), {"text": "a", "times": 2})
+
+
+def test_the_example_tool_of_docs_agents_md_works():
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "agents.md").read_text()
+    [example] = re.findall(r"```python\n(.*?)```", docs, flags=re.DOTALL)
+    namespace: dict[str, Any] = {}
+    exec(example, namespace)
+    reverse = namespace["Reverse"](max_chars=5)
+    check_tool(reverse, "docs/agents.md")
+    calls = parse_tool_calls(
+        '<tool_call>\n{"name": "reverse", "arguments": {"text": "stressed"}}\n</tool_call>'
+        '<tool_call>\n{"name": "reverse", "arguments": {"text": "abc"}}\n</tool_call>'
+    )
+    results = asyncio.run(run_tool_calls(calls, [reverse], timeout_s=60))
+    assert [(r.text, r.error_kind) for r in results] == [
+        ("Error: reverse: the text has 8 characters; at most 5", "tool_error"),
+        ("cba", None),
+    ]

@@ -191,6 +191,8 @@ class PythonSandbox:
             return f"[killed: CPU time limit of {self.cpu_s} s reached]"
         if "signal" in status:
             return f"[killed by signal {signal.Signals(status['signal']).name}]"
+        if not status:  # the launcher was killed, by the code when no layer hides it
+            return "[ended without an exit status]"
         return f"[exit code {status['exit_code']}]" if status.get("exit_code") else ""
 
 
@@ -293,9 +295,13 @@ async def _group_gone(pgid: int) -> None:
 
 
 def _read_status(status_fd: int) -> dict[str, Any]:
-    """The launcher's one-line JSON report; {} when it was killed before writing one."""
+    """The launcher's one-line JSON report; {} when it was killed before writing one. Read without
+    blocking: the group is gone, so what it wrote is in the pipe, and an unrelated fork of this
+    process holding the write end must not stall the event loop."""
+    os.set_blocking(status_fd, False)
     chunks = []
-    while chunk := os.read(status_fd, 1 << 16):
-        chunks.append(chunk)
+    with contextlib.suppress(BlockingIOError):
+        while chunk := os.read(status_fd, 1 << 16):
+            chunks.append(chunk)
     data = b"".join(chunks).strip()
     return json.loads(data) if data else {}

@@ -205,7 +205,7 @@ def _audit_hook(workdir: str):
     def hook(event: str, args: tuple) -> None:
         if event.startswith(AUDIT_REFUSED):
             raise PermissionError(f"sandbox: {event} is not allowed")
-        if event == "open" and isinstance(args[0], str | bytes) and args[2] & WRITE_FLAGS:
+        if event == "open" and isinstance(args[0], str | bytes | os.PathLike) and args[2] & WRITE_FLAGS:
             paths = [args[0]]
         elif event in AUDIT_FILE_EVENTS:
             paths = [a for a in args if isinstance(a, str | bytes | os.PathLike)]
@@ -221,15 +221,14 @@ def _audit_hook(workdir: str):
 def run_code(config: dict) -> None:
     """Runs main.py as the __main__ module; a traceback leaves out this file's frames."""
     sys.argv = ["main.py"]
-    with open("main.py", encoding="utf-8") as file:
-        code = compile(file.read(), "main.py", "exec")
     if "audit" in config["layers"]:
         sys.addaudithook(_audit_hook(config["workdir"]))
     module = types.ModuleType("__main__")
     module.__file__ = "main.py"
     sys.modules["__main__"] = module
     try:
-        exec(code, module.__dict__)
+        with open("main.py", encoding="utf-8") as file:
+            exec(compile(file.read(), "main.py", "exec"), module.__dict__)
     except Exception as err:
         report = traceback.TracebackException.from_exception(err)
         report.stack = traceback.StackSummary.from_list([f for f in report.stack if f.filename != __file__])
@@ -252,15 +251,16 @@ def _wait_and_report(pid: int, status) -> None:
 
 
 def _confine(config: dict, status) -> None:
-    for layer in ("namespaces", "limits", "landlock", "seccomp"):
-        if layer == "limits":
-            set_limits(config)
-        elif layer in config["layers"]:
-            try:
-                KERNEL_LAYERS[layer](config)
-            except OSError as err:
-                _report(status, error=f"cannot apply sandbox layer {layer!r}: {err}")
-                os._exit(1)
+    steps = {"limits": set_limits} | {
+        layer: KERNEL_LAYERS[layer] for layer in config["layers"] if layer in KERNEL_LAYERS
+    }
+    for name in ("namespaces", "limits", "landlock", "seccomp"):
+        try:
+            if name in steps:
+                steps[name](config)
+        except (OSError, ValueError) as err:
+            _report(status, error=f"cannot apply sandbox layer {name!r}: {err}")
+            os._exit(1)
 
 
 def main() -> None:
