@@ -16,6 +16,8 @@ from engines.rollout.vllm_engine_args import ENGINE_ARGS_FIELDS, VLLM_VERSION
 # hf: transformers generate (CPU or CUDA) | vllm: vLLM (CPU build or CUDA) | sglang: CUDA only
 RolloutName = Literal["hf", "vllm", "sglang"]
 RolloutDtype = Literal["float32", "bfloat16", "float16"]
+# single_turn: the engine's batch generation | tool: multi-turn tool use (hybridflow/agents/loop.py)
+AgentLoopName = Literal["single_turn", "tool"]
 LoadFormat = Literal["dummy", "auto"]  # dummy: random init, weights arrive with the first sync
 ROLLOUT_ENGINES = get_args(RolloutName)
 ROLLOUT_DTYPES = get_args(RolloutDtype)
@@ -84,6 +86,29 @@ class SamplingConfig:
 
 
 @dataclass
+class AgentConfig:
+    """How each prompt's trajectory is produced (docs/agents.md)."""
+
+    loop: AgentLoopName = "single_turn"
+    tools: list[str] = field(default_factory=list)  # dotted paths of Tool classes, for loop: tool
+    max_turns: int = 4  # sampled turns per trajectory (tool responses between them)
+    tool_timeout_s: float = 30.0  # per tool call; a call that takes longer answers with an error
+
+    def __post_init__(self) -> None:
+        loops = get_args(AgentLoopName)
+        if self.loop not in loops:
+            raise ValueError(f"rollout.agent.loop must be one of {loops}, got {self.loop!r}")
+        if self.max_turns < 1:
+            raise ValueError(f"rollout.agent.max_turns must be >= 1, got {self.max_turns}")
+        if self.tool_timeout_s <= 0:
+            raise ValueError(f"rollout.agent.tool_timeout_s must be > 0, got {self.tool_timeout_s}")
+        if self.loop == "tool" and not self.tools:
+            raise ValueError("rollout.agent.loop=tool needs rollout.agent.tools (dotted paths of tools)")
+        if self.tools and self.loop != "tool":
+            raise ValueError(f"rollout.agent.tools is set but rollout.agent.loop={self.loop!r}; use tool")
+
+
+@dataclass
 class RolloutConfig:
     """Which engine generates, and how weights reach it."""
 
@@ -114,6 +139,7 @@ class RolloutConfig:
     # e.g. {max_model_len: 2048, enforce_eager: false}. On CPU the KV cache is
     # kv_cache_memory_bytes (default 1 GiB there); on CUDA gpu_memory_utilization decides.
     vllm: dict[str, Any] = field(default_factory=dict)
+    agent: AgentConfig = field(default_factory=AgentConfig)
 
     def __post_init__(self) -> None:
         if self.name not in ROLLOUT_ENGINES:
@@ -150,6 +176,12 @@ class RolloutConfig:
             raise ValueError(
                 "rollout.verify_weight_sync needs rollout.name=hf or vllm: SGLang exposes no read-back "
                 "of its (fused, TP-sharded) parameters"
+            )
+        if self.agent.loop != "single_turn" and (self.name != "vllm" or self.tensor_model_parallel_size != 1):
+            raise ValueError(
+                f"rollout.agent.loop={self.agent.loop!r} runs requests one by one through vLLM: set "
+                f"rollout.name=vllm and rollout.tensor_model_parallel_size=1 (got {self.name!r}, "
+                f"{self.tensor_model_parallel_size})"
             )
         for engine in ("sglang", "vllm"):
             if getattr(self, engine) and self.name != engine:

@@ -12,6 +12,13 @@ def compute_response_mask(responses: torch.Tensor, attention_mask: torch.Tensor)
     return attention_mask[:, -response_length:]
 
 
+def last_token_lengths(response_mask: torch.Tensor) -> torch.Tensor:
+    """Positions up to and including each row's last masked token: the response's length, also
+    when tool output inside it is masked out (agent loops); the mask's sum otherwise. (B, R) -> (B,)"""
+    positions = torch.arange(1, response_mask.size(-1) + 1, device=response_mask.device)  # (R,)
+    return (response_mask.long() * positions).max(dim=-1).values
+
+
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Sum of `values` where `mask` is 1, over `dim` (all dims when None)."""
     masked = values * mask

@@ -79,9 +79,23 @@ def validate_recipe(cfg: RecipeConfig, cuda_available: bool | None = None) -> La
         if layout is not None:
             errors += _check_batch_sizes(cfg, layout)
     errors += _check_token_budgets(cfg)
+    errors += _check_agent_tools(cfg)
     if errors:
         raise RecipeError(errors)
     return layout
+
+
+def _check_agent_tools(cfg: RecipeConfig) -> list[str]:
+    """Each `rollout.agent.tools` entry must load as a tool (before any worker starts)."""
+    from hybridflow.agents.tools.base import load_tool
+
+    errors = []
+    for index, path in enumerate(cfg.rollout.agent.tools):
+        try:
+            load_tool(path)
+        except (ImportError, AttributeError, TypeError, ValueError) as err:
+            errors.append(f"rollout.agent.tools[{index}]={path!r}: {err}")
+    return errors
 
 
 def _get(cfg: RecipeConfig, key_path: str):
@@ -146,6 +160,7 @@ def _engine_validators(cfg: RecipeConfig) -> dict:
         "rollout": cfg.rollout.__post_init__,  # re-run: the recipe may have been changed after loading
         "rollout.sampling": cfg.rollout.sampling.__post_init__,
         "rollout.val_sampling": cfg.rollout.val_sampling.__post_init__,
+        "rollout.agent": cfg.rollout.agent.__post_init__,
     }
     for role in _megatron_roles(cfg):  # the Megatron-Core settings passed through by name
         checks[f"{role}.megatron"] = getattr(cfg, role).megatron.__post_init__

@@ -67,7 +67,9 @@ class PromptDataset(torch.utils.data.Dataset):
         max_prompt_length: int,
         prompt_key: str = "prompt",
         max_samples: int | None = None,
+        tools: list[dict] | None = None,
     ):
+        """`tools`: function schemas the chat template renders into every prompt (agent loops)."""
         located = read_located_rows(files, (prompt_key, *REQUIRED_COLUMNS))
         if max_samples is not None:
             located = located[:max_samples]
@@ -77,7 +79,7 @@ class PromptDataset(torch.utils.data.Dataset):
         self.rows, self.token_ids = [], []
         for where, row in located:
             check_chat_prompt(row[prompt_key], where, prompt_key)
-            ids = tokenize_chat(tokenizer, row[prompt_key])
+            ids = tokenize_chat(tokenizer, row[prompt_key], tools)
             if len(ids) <= max_prompt_length:
                 self.rows.append(row)
                 self.token_ids.append(ids)
@@ -112,10 +114,10 @@ class PromptDataset(torch.utils.data.Dataset):
         }
 
 
-def tokenize_chat(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of `messages` rendered by the tokenizer's chat template, ending with the
-    assistant prefix (where the response starts)."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+def tokenize_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """Token ids of `messages` rendered by the tokenizer's chat template (with the `tools`' schemas,
+    when given), ending with the assistant prefix (where the response starts)."""
+    text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     # The template already wrote any BOS/role tokens; adding special tokens again would double them.
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 

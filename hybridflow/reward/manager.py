@@ -9,6 +9,7 @@ import numbers
 
 import torch
 
+from hybridflow.algorithms.masked import last_token_lengths
 from hybridflow.protocol import DataProto
 from hybridflow.reward.registry import RewardFn
 from hybridflow.utils.nonfinite import NonFiniteError
@@ -37,7 +38,7 @@ def sequence_scores(batch: DataProto, tokenizer, reward_fn: RewardFn) -> torch.T
     """One float per response: `reward_fn(data_source, decoded response, ground truth, extra_info)`;
     a NaN / inf score raises `NonFiniteError` naming the function and the data_source."""
     responses = batch.batch["responses"]  # (B, R)
-    lengths = batch.batch["response_mask"].sum(dim=-1).long()  # (B,)
+    lengths = last_token_lengths(batch.batch["response_mask"])  # (B,): tool responses inside included
     texts = tokenizer.batch_decode(
         [row[:n].tolist() for row, n in zip(responses, lengths, strict=True)], skip_special_tokens=True
     )
@@ -55,7 +56,7 @@ def sequence_scores(batch: DataProto, tokenizer, reward_fn: RewardFn) -> torch.T
 def place_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """(B,) sequence scores -> (B, R) token-level scores, nonzero only at each last valid token."""
     token_scores = torch.zeros(response_mask.shape, dtype=torch.float32)  # (B, R)
-    last = (response_mask.sum(dim=-1).long() - 1).clamp(min=0)  # (B,)
+    last = (last_token_lengths(response_mask) - 1).clamp(min=0)  # (B,)
     token_scores[torch.arange(len(scores)), last] = scores
     return token_scores
 

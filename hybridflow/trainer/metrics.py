@@ -34,7 +34,8 @@ def batch_metrics(batch: DataProto) -> dict[str, float]:
     tensors = batch.batch
     response_mask = tensors["response_mask"].float()  # (B, R)
     response_length = response_mask.sum(dim=-1)  # (B,)
-    prompt_length = tensors["attention_mask"].sum(dim=-1).float() - response_length  # (B,)
+    # tool-response tokens (agent loops) sit in the response with response_mask 0
+    prompt_length = tensors["attention_mask"][:, : -response_mask.size(1)].sum(dim=-1).float()  # (B,)
     scores = tensors["token_level_scores"].sum(dim=-1)  # (B,)
     metrics = {
         "reward/mean": scores.mean().item(),
@@ -52,7 +53,16 @@ def batch_metrics(batch: DataProto) -> dict[str, float]:
         metrics["critic/returns_mean"] = masked_mean(tensors["returns"], response_mask).item()
     if "ref_log_prob" in tensors:
         metrics["kl/mean"] = policy_ref_kl(tensors["old_log_probs"], tensors["ref_log_prob"], response_mask)
-    return metrics
+    return metrics | agent_metrics(batch)
+
+
+def agent_metrics(batch: DataProto) -> dict[str, float]:
+    """Per-trajectory means of agent loops' counts (turns, tool calls, tool errors, tool tokens)."""
+    return {
+        f"agent/{key.removeprefix('agent_')}/mean": float(np.mean(values))
+        for key, values in batch.non_tensor_batch.items()
+        if key.startswith("agent_")
+    }
 
 
 def policy_ref_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, response_mask: torch.Tensor) -> float:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from hybridflow.agents.tools.base import prompt_tools
 from hybridflow.config.loader import to_dict
 from hybridflow.config.schema import RecipeConfig
 from hybridflow.data.dataloader import ResumableDataLoader
@@ -56,7 +57,10 @@ class PPOTrainer:
 
     def _loader(self, files: list[str], max_samples: int | None, train: bool = False) -> ResumableDataLoader:
         data = self.cfg.data
-        dataset = PromptDataset(files, self.tokenizer, data.max_prompt_length, data.prompt_key, max_samples)
+        tools = prompt_tools(self.cfg.rollout.agent)
+        dataset = PromptDataset(
+            files, self.tokenizer, data.max_prompt_length, data.prompt_key, max_samples, tools
+        )
         batch_size = data.train_batch_size if train else (data.val_batch_size or len(dataset))
         return ResumableDataLoader(
             dataset,

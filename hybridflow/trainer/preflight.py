@@ -14,6 +14,7 @@ from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 
+from hybridflow.agents.tools.base import prompt_tools
 from hybridflow.config.schema import RecipeConfig
 from hybridflow.config.validate import model_dirs
 from hybridflow.data.prompt_dataset import (
@@ -113,7 +114,8 @@ def check_data(cfg: RecipeConfig, tokenizer) -> None:
 def _prompt_dataset(cfg: RecipeConfig, tokenizer, files: list[str], max_samples: int | None) -> PromptDataset:
     """The dataset the trainer builds (it checks every prompt), and the rows' reward inputs."""
     data = cfg.data
-    dataset = PromptDataset(files, tokenizer, data.max_prompt_length, data.prompt_key, max_samples)
+    tools = prompt_tools(cfg.rollout.agent)
+    dataset = PromptDataset(files, tokenizer, data.max_prompt_length, data.prompt_key, max_samples, tools)
     check_reward_inputs(read_located_rows(files, REQUIRED_COLUMNS)[:max_samples], cfg.reward.custom_fn)
     return dataset
 

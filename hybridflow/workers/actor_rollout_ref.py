@@ -59,6 +59,12 @@ class ActorRolloutRefWorker(Worker):
         )
         self.actor = MegatronActor(self.actor_chunks, self.optimizer, self.scheduler, cfg.actor.update)
         self.rollout = self._build_rollout_engine()
+        self.generator = self.rollout  # what generates: the engine, or agent loops over it
+        if cfg.rollout.agent.loop != "single_turn":
+            from hybridflow.agents.rollout import build_agent_rollout
+
+            tokenizer_dir = cfg.model.tokenizer_path or cfg.model.path
+            self.generator = build_agent_rollout(self.rollout, cfg.rollout, tokenizer_dir)
         hooks = actor_offload_hooks(cfg.actor.megatron, self.actor_chunks, self.optimizer)
         self.hf_config = unwrap_model(self.actor_chunks[0]).hf_config
         self.sharding_manager = MegatronRolloutShardingManager(
@@ -90,7 +96,7 @@ class ActorRolloutRefWorker(Worker):
         """Responses for a chunk of prompts, with the actor's current weights synced in first."""
         with self.sharding_manager:
             piece = self.sharding_manager.preprocess_data(prompts)
-            output = self.rollout.generate_sequences(piece) if self.rollout is not None else None
+            output = self.generator.generate_sequences(piece) if self.rollout is not None else None
             return self.sharding_manager.postprocess_data(output)
 
     def _log_prob_meta(self, data: DataProto, role) -> DataProto:
@@ -137,7 +143,8 @@ class ActorRolloutRefWorker(Worker):
         if self.rollout is not None:
             rollout_dir = Path(path) / "rollout"
             rollout_dir.mkdir(exist_ok=True)
-            torch.save(self.rollout.get_rng_state(), rollout_dir / f"rank_{torch.distributed.get_rank()}.pt")
+            rank = torch.distributed.get_rank()
+            torch.save(self.generator.get_rng_state(), rollout_dir / f"rank_{rank}.pt")
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> None:
@@ -146,7 +153,7 @@ class ActorRolloutRefWorker(Worker):
         load_checkpoint(self.actor_chunks, self.optimizer, self.scheduler, path)
         rollout_state = Path(path) / "rollout" / f"rank_{torch.distributed.get_rank()}.pt"
         if self.rollout is not None and rollout_state.is_file():  # absent after a layout change
-            self.rollout.set_rng_state(torch.load(rollout_state, weights_only=True))
+            self.generator.set_rng_state(torch.load(rollout_state, weights_only=True))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def export_hf(self, out_dir: str) -> None:

@@ -107,3 +107,11 @@ def validate_arguments(tool: Tool, arguments: Any) -> None:
         raise ToolError(
             f"invalid arguments for {tool.name}: {error.message}" + (f" (at '{where}')" if where else "")
         )
+
+
+def prompt_tools(agent_cfg) -> list[dict[str, Any]] | None:
+    """The function schemas a recipe's prompts carry: those of `rollout.agent.tools` (loaded by
+    dotted path), or None without a tool loop."""
+    if not agent_cfg.tools:
+        return None
+    return tool_schemas([load_tool(path) for path in agent_cfg.tools])

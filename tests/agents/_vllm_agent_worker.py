@@ -1,0 +1,155 @@
+"""Worker for test_agent_vllm.py: the tool agent loop on the real vLLM engine (CPU build), in a
+process of its own (vLLM changes process-wide torch state).
+
+    python tests/agents/_vllm_agent_worker.py OUT_DIR
+
+A tiny model is first fitted to chat transcripts (tool_model.py): one 3-turn calculator
+conversation and eight turns with malformed tool calls. Then `build_agent_rollout` runs greedy
+trajectories for their prompts, and each check prints "OK <check>":
+  three-turns        the first trajectory has 3 sampled turns, 2 calculator calls, and a last turn
+                     that calls no tool and starts the answer;
+  ids-are-replayed   its ids, replayed independently, are exactly: each sampled run = vLLM's own
+                     greedy continuation of everything before it, each tool run = the tool
+                     responses rendered by the chat template; response_mask is 0 exactly on the
+                     tool runs; log-probs and versions exist on sampled ids only;
+  malformed-calls    each of the eight malformed calls became a tool-error turn (no exception).
+"""
+
+import asyncio
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tool_model import make_tool_model
+
+from engines.rollout.config import AgentConfig, RolloutConfig, SamplingConfig
+from engines.rollout.vllm_rollout import VLLMRolloutEngine
+from hybridflow.agents.rollout import build_agent_rollout
+from hybridflow.agents.tool_parser import parse_tool_calls, run_tool_calls
+from hybridflow.agents.tools.calculator import Calculator
+from hybridflow.protocol import DataProto
+
+CALCULATOR = "hybridflow.agents.tools.calculator.Calculator"
+CALL = '<tool_call>\n{"name": "calculator", "arguments": %s}\n</tool_call>'
+MALFORMED = [
+    '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1+"}\n</tool_call>',  # bad JSON
+    '<tool_call>\n{"arguments": {"expression": "1+1"}}\n</tool_call>',  # no name
+    CALL % '"2*3"',  # arguments not an object
+    '<tool_call>\n{"name": "search", "arguments": {"q": "x"}}\n</tool_call>',  # unknown tool
+    CALL % '{"expression": 7}',  # wrong argument type
+    CALL % "{}",  # missing required argument
+    CALL % '{"expression": "9**99999"}',  # the tool refuses it
+    '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1"}}',  # unclosed tag
+]
+RESPONSE_LENGTH = 200
+
+
+def tool_text(call_text: str) -> str:
+    return asyncio.run(run_tool_calls(parse_tool_calls(call_text), [Calculator()], 10.0))[0].text
+
+
+def transcripts(tokenizer) -> tuple[list[list[dict]], list[str]]:
+    """The conversations the model learns, and their texts as the chat template renders them."""
+    first, second = CALL % '{"expression": "12*34"}', CALL % '{"expression": "408+1"}'
+    three_turns = [
+        {"role": "user", "content": "What is 12*34+1?"},
+        {"role": "assistant", "content": first},
+        {"role": "tool", "content": tool_text(first)},
+        {"role": "assistant", "content": second},
+        {"role": "tool", "content": tool_text(second)},
+        {"role": "assistant", "content": "#### 409"},
+    ]
+    conversations = [three_turns] + [
+        [{"role": "user", "content": f"Case {k}"}, {"role": "assistant", "content": bad}]
+        for k, bad in enumerate(MALFORMED)
+    ]
+    return conversations, [tokenizer.apply_chat_template(c, tokenize=False) for c in conversations]
+
+
+def prompt_batch(tokenizer, conversations: list[list[dict]]) -> DataProto:
+    rows = [
+        tokenizer.apply_chat_template(c[:1], add_generation_prompt=True)["input_ids"] for c in conversations
+    ]
+    width = max(map(len, rows))
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    return DataProto.from_dict(
+        {"input_ids": ids, "attention_mask": mask, "position_ids": positions}, meta_info={"validate": True}
+    )
+
+
+def runs(mask: list[int]) -> list[tuple[int, int, int]]:
+    """(start, end, value) of each run of equal values in `mask`."""
+    bounds = [0] + [i for i in range(1, len(mask)) if mask[i] != mask[i - 1]] + [len(mask)]
+    return [(a, b, mask[a]) for a, b in itertools.pairwise(bounds)]
+
+
+def check_replay(engine: VLLMRolloutEngine, tokenizer, out: DataProto) -> None:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from hybridflow.agents.loop import tool_response_renderer
+
+    render = tool_response_renderer(tokenizer)
+    length = int(out.batch["attention_mask"][0, out.batch["prompts"].shape[1] :].sum())
+    ids = out.batch["responses"][0, :length].tolist()
+    mask = out.batch["response_mask"][0, :length].tolist()
+    prompt = out.batch["prompts"][0][out.batch["prompts"][0] != 0].tolist()
+    for start, end, sampled in runs(mask):
+        if sampled:
+            greedy = SamplingParams(
+                max_tokens=end - start, temperature=0.0, stop_token_ids=engine.eos_token_ids
+            )
+            replay = engine.llm.generate([TokensPrompt(prompt_token_ids=prompt + ids[:start])], greedy)
+            assert list(replay[0].outputs[0].token_ids) == ids[start:end], (start, end)
+        else:
+            turn = tokenizer.decode(prompt + ids[:start])
+            last_turn = turn[turn.rindex("<|assistant|>") + len("<|assistant|>") :]
+            assert ids[start:end] == render([tool_text(last_turn)]), (start, end)
+    log_probs = out.batch["rollout_log_probs"][0, :length]
+    versions = out.batch["rollout_versions"][0, :length]
+    tool = torch.tensor(mask) == 0
+    assert bool((log_probs[tool] == 0).all()) and bool((versions[tool] == -1).all())
+    assert bool((versions[~tool] == 0).all()) and bool((log_probs[~tool] < 0).all())
+    print("OK ids-are-replayed", flush=True)
+
+
+def main(out_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from hybridflow.utils.tiny_model import build_tokenizer
+
+    conversations, texts = transcripts(build_tokenizer())
+    model_dir = make_tool_model(out_dir / "model", texts)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    greedy = SamplingConfig(do_sample=False, temperature=0.0)
+    agent = AgentConfig(loop="tool", tools=[CALCULATOR], max_turns=4)
+    cfg = RolloutConfig(
+        name="vllm", load_format="auto", response_length=RESPONSE_LENGTH, val_sampling=greedy, agent=agent
+    )
+    engine = VLLMRolloutEngine(model_dir, cfg)
+    out = build_agent_rollout(engine, cfg, str(model_dir)).generate_sequences(
+        prompt_batch(tokenizer, conversations)
+    )
+    metrics = {
+        key: out.non_tensor_batch[f"agent_{key}"].tolist() for key in ("turns", "tool_calls", "tool_errors")
+    }
+    answer = tokenizer.decode(out.batch["responses"][0][out.batch["response_mask"][0].bool()].tolist())
+    assert (metrics["turns"][0], metrics["tool_calls"][0], metrics["tool_errors"][0]) == (3, 2, 0), metrics
+    assert answer.count("<tool_call>") == 2 and "####" in answer.rsplit("</tool_call>", 1)[1], answer
+    print("OK three-turns", flush=True)
+    check_replay(engine, tokenizer, out)
+    assert all(errors >= 1 for errors in metrics["tool_errors"][1:]), metrics
+    for row in range(1, len(conversations)):
+        text = tokenizer.decode(out.batch["responses"][row][out.batch["response_mask"][row] == 0].tolist())
+        assert "<|tool|>Error: " in text, (row, text)
+    print("OK malformed-calls", flush=True)
+    engine.shutdown()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
