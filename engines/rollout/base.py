@@ -92,12 +92,7 @@ class SeededGenerationMixin:
         raise NotImplementedError
 
     def generate_sequences(self, prompts: DataProto) -> DataProto:
-        check_prompts(prompts)
-        sampling, n = select_sampling(self.cfg, prompts.meta_info)
-        seed = call_seed(prompts.meta_info, self.cfg.seed, self._calls)
-        self._calls += 1
-        if n > 1:
-            prompts = prompts.repeat(n, interleave=True)
+        prompts, sampling, seed = self.start_call(prompts)
         responses, log_probs = self._generate(prompts, sampling, seed)
         return assemble_rollout_output(
             prompts,
@@ -109,6 +104,17 @@ class SeededGenerationMixin:
             tokenizer=self.tokenizer,
             log_probs=log_probs,
         )
+
+    def start_call(self, prompts: DataProto) -> tuple[DataProto, SamplingConfig, int]:
+        """Check the prompts and pick this call's sampling and seed (counting the call); the rows
+        repeated n times when the sampling asks for n samples each."""
+        check_prompts(prompts)
+        sampling, n = select_sampling(self.cfg, prompts.meta_info)
+        seed = call_seed(prompts.meta_info, self.cfg.seed, self._calls)
+        self._calls += 1
+        if n > 1:
+            prompts = prompts.repeat(n, interleave=True)
+        return prompts, sampling, seed
 
     def get_rng_state(self) -> dict[str, Any]:
         return {"calls": self._calls}

@@ -18,7 +18,7 @@ import asyncio
 import numpy as np
 import torch
 
-from engines.rollout.base import SeededGenerationMixin, call_seed, check_prompts, row_seed, select_sampling
+from engines.rollout.base import SeededGenerationMixin, row_seed
 from hybridflow.agents.loop import TOOL_VERSION, Trajectory
 from hybridflow.protocol import DataProto
 
@@ -88,12 +88,7 @@ class AgentRollout(SeededGenerationMixin):
         self._calls = 0
 
     def generate_sequences(self, prompts: DataProto) -> DataProto:
-        check_prompts(prompts)
-        sampling, n = select_sampling(self.cfg, prompts.meta_info)
-        seed = call_seed(prompts.meta_info, self.cfg.seed, self._calls)
-        self._calls += 1
-        if n > 1:
-            prompts = prompts.repeat(n, interleave=True)
+        prompts, sampling, seed = self.start_call(prompts)
         loop = self.make_loop(sampling)
         trajectories = asyncio.run(run_loops(loop, unpadded_prompts(prompts), seed))
         return trajectories_to_batch(prompts, trajectories, self.cfg.response_length, self.pad_token_id)

@@ -1,10 +1,10 @@
 """Worker for test_agent_vllm.py: the tool agent loop on the real vLLM engine (CPU build), in a
 process of its own (vLLM changes process-wide torch state).
 
-    python tests/agents/_vllm_agent_worker.py OUT_DIR
+    python tests/agents/_vllm_agent_worker.py MODEL_DIR
 
-A tiny model is first fitted to chat transcripts (tool_model.py): one 3-turn calculator
-conversation and eight turns with malformed tool calls. Then `build_agent_rollout` runs greedy
+MODEL_DIR is the tiny model fitted to tool_model.py's conversations: one 3-turn calculator
+conversation and eight turns with malformed tool calls. `build_agent_rollout` runs greedy
 trajectories for their prompts, and each check prints "OK <check>":
   three-turns        the first trajectory has 3 sampled turns, 2 calculator calls, and a last turn
                      that calls no tool and starts the answer;
@@ -15,7 +15,6 @@ trajectories for their prompts, and each check prints "OK <check>":
   malformed-calls    each of the eight malformed calls became a tool-error turn (no exception).
 """
 
-import asyncio
 import itertools
 import sys
 from pathlib import Path
@@ -23,50 +22,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tool_model import make_tool_model
+from tool_model import conversations, tool_text
 
 from engines.rollout.config import AgentConfig, RolloutConfig, SamplingConfig
 from engines.rollout.vllm_rollout import VLLMRolloutEngine
 from hybridflow.agents.rollout import build_agent_rollout
-from hybridflow.agents.tool_parser import parse_tool_calls, run_tool_calls
-from hybridflow.agents.tools.calculator import Calculator
 from hybridflow.protocol import DataProto
 
 CALCULATOR = "hybridflow.agents.tools.calculator.Calculator"
-CALL = '<tool_call>\n{"name": "calculator", "arguments": %s}\n</tool_call>'
-MALFORMED = [
-    '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1+"}\n</tool_call>',  # bad JSON
-    '<tool_call>\n{"arguments": {"expression": "1+1"}}\n</tool_call>',  # no name
-    CALL % '"2*3"',  # arguments not an object
-    '<tool_call>\n{"name": "search", "arguments": {"q": "x"}}\n</tool_call>',  # unknown tool
-    CALL % '{"expression": 7}',  # wrong argument type
-    CALL % "{}",  # missing required argument
-    CALL % '{"expression": "9**99999"}',  # the tool refuses it
-    '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1"}}',  # unclosed tag
-]
 RESPONSE_LENGTH = 200
-
-
-def tool_text(call_text: str) -> str:
-    return asyncio.run(run_tool_calls(parse_tool_calls(call_text), [Calculator()], 10.0))[0].text
-
-
-def transcripts(tokenizer) -> tuple[list[list[dict]], list[str]]:
-    """The conversations the model learns, and their texts as the chat template renders them."""
-    first, second = CALL % '{"expression": "12*34"}', CALL % '{"expression": "408+1"}'
-    three_turns = [
-        {"role": "user", "content": "What is 12*34+1?"},
-        {"role": "assistant", "content": first},
-        {"role": "tool", "content": tool_text(first)},
-        {"role": "assistant", "content": second},
-        {"role": "tool", "content": tool_text(second)},
-        {"role": "assistant", "content": "#### 409"},
-    ]
-    conversations = [three_turns] + [
-        [{"role": "user", "content": f"Case {k}"}, {"role": "assistant", "content": bad}]
-        for k, bad in enumerate(MALFORMED)
-    ]
-    return conversations, [tokenizer.apply_chat_template(c, tokenize=False) for c in conversations]
 
 
 def prompt_batch(tokenizer, conversations: list[list[dict]]) -> DataProto:
@@ -118,13 +82,10 @@ def check_replay(engine: VLLMRolloutEngine, tokenizer, out: DataProto) -> None:
     print("OK ids-are-replayed", flush=True)
 
 
-def main(out_dir: Path) -> None:
+def main(model_dir: Path) -> None:
     from transformers import AutoTokenizer
 
-    from hybridflow.utils.tiny_model import build_tokenizer
-
-    conversations, texts = transcripts(build_tokenizer())
-    model_dir = make_tool_model(out_dir / "model", texts)
+    chats = conversations()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     greedy = SamplingConfig(do_sample=False, temperature=0.0)
     agent = AgentConfig(loop="tool", tools=[CALCULATOR], max_turns=4)
@@ -132,9 +93,7 @@ def main(out_dir: Path) -> None:
         name="vllm", load_format="auto", response_length=RESPONSE_LENGTH, val_sampling=greedy, agent=agent
     )
     engine = VLLMRolloutEngine(model_dir, cfg)
-    out = build_agent_rollout(engine, cfg, str(model_dir)).generate_sequences(
-        prompt_batch(tokenizer, conversations)
-    )
+    out = build_agent_rollout(engine, cfg, str(model_dir)).generate_sequences(prompt_batch(tokenizer, chats))
     metrics = {
         key: out.non_tensor_batch[f"agent_{key}"].tolist() for key in ("turns", "tool_calls", "tool_errors")
     }
@@ -144,7 +103,7 @@ def main(out_dir: Path) -> None:
     print("OK three-turns", flush=True)
     check_replay(engine, tokenizer, out)
     assert all(errors >= 1 for errors in metrics["tool_errors"][1:]), metrics
-    for row in range(1, len(conversations)):
+    for row in range(1, len(chats)):
         text = tokenizer.decode(out.batch["responses"][row][out.batch["response_mask"][row] == 0].tolist())
         assert "<|tool|>Error: " in text, (row, text)
     print("OK malformed-calls", flush=True)

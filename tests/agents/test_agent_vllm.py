@@ -14,9 +14,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-def test_tool_agent_loop_on_vllm_is_token_in_token_out(tmp_path):
+def test_tool_agent_loop_on_vllm_is_token_in_token_out(tool_model):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
-    done = run_in_own_session([sys.executable, str(WORKER), str(tmp_path)], cwd=ROOT, env=env, timeout=900)
+    done = run_in_own_session([sys.executable, str(WORKER), str(tool_model)], cwd=ROOT, env=env, timeout=900)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-6000:]
     for check in ("three-turns", "ids-are-replayed", "malformed-calls"):

@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "doubles"))
 import numpy as np
 import torch
 import torch.distributed as dist
+from actor_noise import perturb
 
 from engines.megatron.config import MegatronConfig
 from engines.megatron.model import build_model, unwrap_model
@@ -63,20 +64,6 @@ def rollout_cfg(**overrides) -> RolloutConfig:
     greedy = SamplingConfig(do_sample=False, temperature=0.0)
     fields = dict(response_length=MAX_NEW, val_sampling=greedy, weight_sync_bucket_mb=1)
     return RolloutConfig(**{**fields, **overrides})
-
-
-@torch.no_grad()
-def perturb(chunks) -> None:
-    """Noise on every actor parameter, identical on the TP ranks that replicate a parameter."""
-    from megatron.core import parallel_state
-
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    for name, param in unwrap_model(chunks[0]).named_parameters():
-        split = getattr(param, "tensor_model_parallel", False)
-        seed = (sum(map(ord, name)) * 31 + pp_rank) * 7 + (tp_rank if split else 0)
-        noise = torch.randn(param.shape, generator=torch.Generator().manual_seed(seed))
-        param.add_(0.05 * noise.to(param.dtype))
 
 
 def make_prompts(rows: int = 6, width: int = 5) -> DataProto:

@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from actor_noise import perturb
 
 from engines.megatron import weights as megatron_weights
 from engines.megatron.actor import MegatronActor
@@ -55,20 +56,6 @@ TIE = 1e-4
 LOG_PROB_TOLERANCE = 1e-4
 TEMPERATURE = 0.8
 STOP = ["q", "Z"]  # one-character tokens of the shared tokenizer
-
-
-@torch.no_grad()
-def perturb(chunks) -> None:
-    """Noise on every actor parameter, identical on the TP ranks that replicate a parameter."""
-    from megatron.core import parallel_state
-
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    for name, param in unwrap_model(chunks[0]).named_parameters():
-        split = getattr(param, "tensor_model_parallel", False)
-        seed = (sum(map(ord, name)) * 31 + pp_rank) * 7 + (tp_rank if split else 0)
-        noise = torch.randn(param.shape, generator=torch.Generator().manual_seed(seed))
-        param.add_(0.05 * noise.to(param.dtype))
 
 
 def with_frequent_eos(chunks, hf_config, hf_dir: Path, out_dir: Path) -> Path:
