@@ -4,6 +4,9 @@
 - SIGKILL of the driver: the script still removes everything the driver started;
 - in both cases no process of the run is left the moment the script returns (each process of the
   run carries a marker in its environment, inherited from the script);
+- the same holds for a process of the run in a process group of its own that ignores SIGTERM (as
+  Ray's workers have their own groups), and a process the script cannot stop is named after a
+  bounded wait instead of hanging it (scripts/lib/session.sh);
 - SIGINT or SIGTERM sent to scripts/quickstart.sh alone (as a job scheduler or `timeout` sends it)
   reaches the stage it is running, and the script returns after that stage's teardown;
 - a NaN reward stops the run at step 1 with an error naming the step, the reward function and the
@@ -14,6 +17,7 @@
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -218,3 +222,76 @@ def test_a_signal_to_the_quickstart_script_stops_its_running_stage(tmp_path, sig
         assert not (checkout / "outputs/quickstart/sft/hf").exists()
     finally:
         cleanup(proc, marker)
+
+
+# A stand-in driver for scripts/run_recipe.sh: starts a "worker" in a process group of its own
+# (as Ray's raylet starts each worker) that ignores SIGTERM, writes its PID, and exits with 3.
+FAKE_DRIVER = """
+import signal, subprocess, sys
+worker = subprocess.Popen(
+    [sys.executable, "-c", "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+     "print('ready', flush=True); time.sleep(3600)"],
+    process_group=0, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+)
+worker.stdout.readline()
+open(sys.argv[1], "w").write(str(worker.pid))
+sys.exit(3)
+"""
+
+
+def fake_checkout(tmp_path: Path) -> Path:
+    """A checkout whose `python -m hybridflow.trainer.main` is FAKE_DRIVER; scripts are this one's."""
+    checkout = tmp_path / "checkout"
+    (checkout / "hybridflow" / "trainer").mkdir(parents=True)
+    for package in ("hybridflow", "hybridflow/trainer"):
+        (checkout / package / "__init__.py").write_text("")
+    (checkout / "hybridflow" / "trainer" / "main.py").write_text(FAKE_DRIVER)
+    (checkout / "scripts").symlink_to(ROOT / "scripts")
+    if (ROOT / ".venv").exists():
+        (checkout / ".venv").symlink_to(ROOT / ".venv")
+    return checkout
+
+
+def test_the_script_returns_only_after_a_worker_in_its_own_group_is_gone(tmp_path):
+    pid_file, checkout = tmp_path / "worker.pid", fake_checkout(tmp_path)
+    done = run_in_own_session(  # cwd: `python -m` imports from the working directory first
+        ["bash", checkout / "scripts/run_recipe.sh", pid_file], cwd=checkout,
+        env={**os.environ, "HYBRIDFLOW_STOP_GRACE_S": "1"}, timeout=300,
+    )  # fmt: skip
+    worker = int(pid_file.read_text())
+    try:
+        assert done.returncode == 3, done.stderr
+        assert not running(worker)
+        assert "still running" not in done.stderr
+    finally:
+        if running(worker):
+            os.kill(worker, signal.SIGKILL)
+
+
+def running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv")
+def test_a_process_that_outlives_sigkill_is_named_after_a_bounded_wait(tmp_path):
+    """A process the stopping shell may not signal (root's, stopped by user nobody) stands in for
+    one in uninterruptible sleep: stop_session gives up after its bound and names it."""
+    sleeper = subprocess.Popen(["setsid", "sleep", "3600"])  # setsid execs: the PID is the session
+    try:
+        stop = (
+            f"source {ROOT / 'scripts/lib/session.sh'}; stop_session {sleeper.pid} 1 run_recipe.sh; "
+            "echo returned $?"
+        )
+        done = subprocess.run(
+            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "bash", "-c", stop],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.stdout.strip() == "returned 1", done.stderr
+        assert "run_recipe.sh: these processes of the run are still running 1s after SIGKILL" in done.stderr
+        assert f"{sleeper.pid}" in done.stderr and "sleep 3600" in done.stderr
+    finally:
+        sleeper.kill()
+        sleeper.wait()
