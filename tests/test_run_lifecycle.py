@@ -33,7 +33,7 @@ from safetensors.torch import load_file
 
 from hybridflow.data.arith import ArithConfig, write_arith_parquet
 from hybridflow.utils.tiny_model import make_tiny_model
-from hybridflow.utils.tracking import read_metrics
+from hybridflow.utils.tracking import read_metrics, records_up_to
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -91,9 +91,14 @@ def start_and_wait_for_step_1(local: dict, output_dir: Path, marker: str) -> tup
             command(local, output_dir, "trainer.total_training_steps=1000"), env=environment(local, marker),
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
-    wait_for(lambda: read_metrics(output_dir / "metrics.jsonl") or proc.poll() is not None, 900, "step 1")
+    wait_for(lambda: step_1_logged(output_dir) or proc.poll() is not None, 900, "step 1")
     assert proc.poll() is None, log.read_text()[-3000:]
     return proc, log
+
+
+def step_1_logged(output_dir: Path) -> bool:
+    """metrics.jsonl holds step 1's whole line (the trainer may be writing it right now)."""
+    return bool(records_up_to(output_dir / "metrics.jsonl", 1)[0])
 
 
 def cleanup(proc: subprocess.Popen, marker: str) -> None:
