@@ -30,12 +30,10 @@ import torch
 from multinode_helpers import processes_with_env
 from process_group import run_in_own_session
 from safetensors.torch import load_file
+from tiny_run import ROOT, command, environment, tiny_run_inputs
 
-from hybridflow.data.arith import ArithConfig, write_arith_parquet
-from hybridflow.utils.tiny_model import make_tiny_model
 from hybridflow.utils.tracking import read_metrics, records_up_to
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 NAN_REWARD = """
@@ -48,33 +46,7 @@ def always_nan(data_source, solution_str, ground_truth, extra_info):
 def local(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("lifecycle")
     (root / "nan_reward.py").write_text(NAN_REWARD)
-    data = write_arith_parquet(root / "data", ArithConfig(num_train=32, num_test=8, seed=3))
-    return {"root": root, "model": make_tiny_model(root / "tiny", num_layers=2), "data": data}
-
-
-def command(local: dict, output_dir: Path, *overrides: str) -> list[str]:
-    return [
-        "bash", str(ROOT / "scripts/run_recipe.sh"), str(ROOT / "recipes/quickstart.yaml"),
-        f"model.path={local['model']}",
-        f"data.train_files=[{local['data']['train']}]",
-        f"data.val_files=[{local['data']['test']}]",
-        "data.train_batch_size=4", "rollout.sampling.n=2", "rollout.response_length=8",
-        "actor.update.ppo_mini_batch_size=8", "actor.update.ppo_micro_batch_size=4",
-        "actor.log_prob_micro_batch_size=8",
-        "trainer.val_before_train=false", "trainer.test_freq=0", "trainer.logger=[console]",
-        f"trainer.output_dir={output_dir}", *overrides,
-    ]  # fmt: skip
-
-
-def environment(local: dict, marker: str) -> dict:
-    return {
-        **os.environ,
-        "RAY_ADDRESS": "local",
-        "OMP_NUM_THREADS": "1",
-        "PYTHONWARNINGS": "ignore",
-        "PYTHONPATH": str(local["root"]),
-        "HYBRIDFLOW_TEST_RUN": marker,
-    }
+    return tiny_run_inputs(root)
 
 
 def wait_for(condition, timeout: float, what: str) -> None:

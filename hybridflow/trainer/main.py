@@ -6,23 +6,31 @@
 The recipe is loaded and checked before anything starts: `validate_recipe` (every key, the engine
 validators, each model's config.json) and `check_run_inputs` (weights headers, tokenizer, prompt
 data, resume point). A bad recipe or input exits with status 2 and one line per problem, no
-traceback. Then the resolved recipe goes to <output_dir>/config.yaml, and the trainer
-joins a Ray cluster (RAY_ADDRESS, or one already running on this machine; RAY_ADDRESS=local
-forces a fresh one) or starts a local one sized to the machine, and runs.
+traceback. Then the resolved recipe goes to <output_dir>/config.yaml, an earlier run's unfinished
+checkpoint save is removed (said so on the console), and the trainer joins a Ray cluster
+(RAY_ADDRESS, or one already running on this machine; RAY_ADDRESS=local forces a fresh one) or
+starts a local one sized to the machine, and runs. A run that stops on a non-finite number, a
+refused update or a failed checkpoint save ends with one `error:` line and status 1.
 """
 
 import argparse
 import os
 import signal
 import sys
+from pathlib import Path
 
 from hybridflow.config.loader import load_recipe, write_resolved_recipe
 from hybridflow.config.schema import RecipeConfig
 from hybridflow.config.validate import Layout, validate_recipe
+from hybridflow.trainer.checkpoint import CheckpointManager, CheckpointSaveError
 from hybridflow.trainer.preflight import check_run_inputs
 from hybridflow.trainer.resume import ResumePlan, plan_resume
 from hybridflow.utils.hub import resolve_recipe_models
 from hybridflow.utils.nonfinite import NonFiniteError
+from hybridflow.utils.teardown import closing_after
+
+# Errors a run stops with whose message says everything (step, cause, what to do): one line, status 1.
+RUN_STOPPING_ERRORS = (NonFiniteError, CheckpointSaveError)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -43,6 +51,10 @@ def connect_ray(cfg: RecipeConfig) -> None:
 
     if ray.is_initialized():
         return
+    # A failed worker-group call raises its first rank's error here (one `error:` line); the other
+    # ranks' errors of that call, never fetched, would otherwise be dumped by Ray as "Unhandled
+    # error" tracebacks after it, when the process exits.
+    os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
     address = os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, include_dashboard=False, configure_logging=False)
@@ -66,7 +78,14 @@ def prepare(argv: list[str] | None) -> tuple[RecipeConfig, Layout]:
     layout = validate_recipe(cfg)
     check_run_inputs(cfg)
     write_resolved_recipe(cfg, cfg.trainer.output_dir)
+    remove_partial_saves(cfg)
     return cfg, layout
+
+
+def remove_partial_saves(cfg: RecipeConfig) -> None:
+    """An earlier run's unfinished checkpoint save (never resumed from) goes, with a line saying so."""
+    for path in CheckpointManager(Path(cfg.trainer.output_dir) / "checkpoints").remove_partial_saves():
+        print(f"removed {path}: a checkpoint save that did not finish (an earlier run stopped during it)")
 
 
 def connect_and_check_cluster(cfg: RecipeConfig) -> None:
@@ -86,10 +105,8 @@ def run(cfg: RecipeConfig, layout: Layout, resume_plan: ResumePlan | None) -> No
     else:
         from hybridflow.trainer.ppo_trainer import PPOTrainer as Trainer
     roles = start_roles(cfg)
-    try:
+    with closing_after("stopping the workers", roles.shutdown):
         Trainer(cfg, roles, actor_dp=layout.actor_dp).fit(resume_plan)
-    finally:
-        roles.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         run(cfg, layout, resume_plan)
     except KeyboardInterrupt:
         return interrupted()
-    except NonFiniteError as err:
+    except RUN_STOPPING_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     return 0

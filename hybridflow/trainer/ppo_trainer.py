@@ -18,14 +18,22 @@ from hybridflow.data.prompt_dataset import PromptDataset, collate_prompts
 from hybridflow.protocol import DataProto, DataProtoConfig
 from hybridflow.reward.manager import compute_rewards, sequence_scores
 from hybridflow.reward.registry import load_reward_fn, rule_reward_fn
+from hybridflow.single_controller.errors import WorkerError
 from hybridflow.trainer import core, metrics
 from hybridflow.trainer.balance import balanced_order
-from hybridflow.trainer.checkpoint import CheckpointManager, restore_rng_state, save_trainer_state
+from hybridflow.trainer.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    restore_rng_state,
+    save_trainer_state,
+)
 from hybridflow.trainer.dynamic_sampling import collect_varied_groups
+from hybridflow.trainer.preflight import checkpoint_size_estimate
 from hybridflow.trainer.resume import ResumePlan, plan_resume
 from hybridflow.trainer.roles import RoleGroups, uses_reference
 from hybridflow.trainer.validation import PROMPT_KEYS, run_validation
 from hybridflow.utils.nonfinite import NonFiniteError, nonfinite_update
+from hybridflow.utils.teardown import closing_after
 from hybridflow.utils.tracking import Tracking
 
 FROM_RECIPE = "from_recipe"
@@ -50,7 +58,9 @@ class PPOTrainer:
             cfg.trainer.total_training_steps or len(self.train_loader) * cfg.trainer.total_epochs
         )
         self.output_dir = Path(cfg.trainer.output_dir)
-        self.checkpoints = CheckpointManager(self.output_dir / "checkpoints", cfg.trainer.max_ckpt_to_keep)
+        self.checkpoints = CheckpointManager(
+            self.output_dir / "checkpoints", cfg.trainer.max_ckpt_to_keep, checkpoint_size_estimate(cfg)
+        )
         self.global_step = 0
         self.skipped_steps = 0  # steps whose update was dropped for a NaN / inf (policy "skip")
 
@@ -80,14 +90,12 @@ class PPOTrainer:
             total_steps=self.total_steps,
             resume_step=resumed_step,
         )
-        try:
+        with closing_after("closing the tracker (metrics files, plots)", tracker.close):
             if self.cfg.trainer.val_before_train and self.global_step == 0:
                 tracker.log(self.validate(), step=0)
             self.train(tracker)
             if self.cfg.trainer.export_hf:
                 self.roles.actor_rollout.export_hf(str(self.output_dir / "hf"))
-        finally:
-            tracker.close()
 
     def train(self, tracker: Tracking) -> None:
         """Steps until total_steps, over as many epochs of the data as that takes."""
@@ -252,7 +260,10 @@ class PPOTrainer:
                 extra={"kl_coef": self.kl_ctrl.value, "nonfinite_skipped_steps": self.skipped_steps},
             )
 
-        return self.checkpoints.save(self.global_step, write, parts)
+        try:
+            return self.checkpoints.save(self.global_step, write, parts)
+        except (OSError, WorkerError, CheckpointError) as err:
+            raise self.checkpoints.save_failed(self.global_step, err) from err
 
     def resume(self, plan: ResumePlan | None) -> int | None:
         """Loads the checkpoint of `plan` (see resume.plan_resume) into the workers and the driver;
