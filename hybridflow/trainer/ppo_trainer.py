@@ -32,7 +32,13 @@ from hybridflow.trainer.preflight import checkpoint_size_estimate
 from hybridflow.trainer.resume import ResumePlan, plan_resume
 from hybridflow.trainer.roles import RoleGroups, uses_reference
 from hybridflow.trainer.validation import PROMPT_KEYS, run_validation
-from hybridflow.utils.nonfinite import NonFiniteError, nonfinite_update
+from hybridflow.utils.nonfinite import (
+    NonFiniteError,
+    StepRefusedError,
+    UpdateTooLargeError,
+    nonfinite_update,
+    refused_updates,
+)
 from hybridflow.utils.teardown import closing_after
 from hybridflow.utils.tracking import Tracking
 
@@ -115,8 +121,9 @@ class PPOTrainer:
         return batch_dict if batch_dict is not None else next(iter(self.train_loader))
 
     def finite_step(self, batch_dict: dict) -> dict[str, float]:
-        """`step()`, stopped by a NaN / inf reward, loss or grad norm (the workers apply no update
-        whose grad norm is not finite), or with trainer.nonfinite_policy skip, counted instead."""
+        """`step()`, stopped by a NaN / inf reward, loss or grad norm, or by an update beyond
+        max_update_ratio (the workers apply no such optimizer step), or with
+        trainer.nonfinite_policy skip, counted instead."""
         try:
             step_metrics = self.step(batch_dict)
             problems = nonfinite_update(step_metrics)
@@ -124,9 +131,15 @@ class PPOTrainer:
                 raise NonFiniteError(
                     f"{', '.join(problems)} (no optimizer step with a non-finite grad norm was applied)"
                 )
-        except NonFiniteError as err:
+            refused = refused_updates(step_metrics, self.cfg)
+            if refused:
+                raise UpdateTooLargeError(
+                    f"{', '.join(refused)}: an optimizer step would move the weights by that fraction of "
+                    "their norm, a collapse (check the lr); no such step was applied"
+                )
+        except StepRefusedError as err:
             if self.cfg.trainer.nonfinite_policy == "error":
-                raise NonFiniteError(
+                raise type(err)(
                     f"step {self.global_step}: {err}; the run stops with no checkpoint or export of "
                     "this state (trainer.nonfinite_policy=skip skips such steps instead)"
                 ) from None
