@@ -149,6 +149,10 @@ def broken_recipes_and_checkpoints(root: Path) -> dict[str, Path]:
     (files["garbage_latest"] / "checkpoints" / "latest").write_text("\x00\x17garbage")
     files["unfinished_ckpt"] = root / "ckpt" / "global_step_3"  # no manifest.json
     (files["unfinished_ckpt"] / "actor").mkdir(parents=True)
+    files["a_file"] = root / "a_file.txt"  # where a directory setting expects a directory
+    files["a_file"].write_text("not a directory\n")
+    files["a_dir"] = root / "a_dir"  # where a parquet file is expected
+    files["a_dir"].mkdir()
     return files
 
 

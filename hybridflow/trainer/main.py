@@ -10,7 +10,8 @@ traceback. Then the resolved recipe goes to <output_dir>/config.yaml, an earlier
 checkpoint save is removed (said so on the console), and the trainer joins a Ray cluster
 (RAY_ADDRESS, or one already running on this machine; RAY_ADDRESS=local forces a fresh one) or
 starts a local one sized to the machine, and runs. A run that stops on a non-finite number, a
-refused update or a failed checkpoint save ends with one `error:` line and status 1.
+refused update, a failing reward function or a failed checkpoint save ends with one `error:`
+line and status 1.
 """
 
 import argparse
@@ -22,15 +23,17 @@ from pathlib import Path
 from hybridflow.config.loader import load_recipe, write_resolved_recipe
 from hybridflow.config.schema import RecipeConfig
 from hybridflow.config.validate import Layout, validate_recipe
+from hybridflow.reward.manager import RewardFunctionError
 from hybridflow.trainer.checkpoint import CheckpointManager, CheckpointSaveError
 from hybridflow.trainer.preflight import check_run_inputs
 from hybridflow.trainer.resume import ResumePlan, plan_resume
+from hybridflow.utils import warning_filters
 from hybridflow.utils.hub import resolve_recipe_models
 from hybridflow.utils.nonfinite import StepRefusedError
 from hybridflow.utils.teardown import closing_after
 
 # Errors a run stops with whose message says everything (step, cause, what to do): one line, status 1.
-RUN_STOPPING_ERRORS = (StepRefusedError, CheckpointSaveError)
+RUN_STOPPING_ERRORS = (StepRefusedError, CheckpointSaveError, RewardFunctionError)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -110,6 +113,7 @@ def run(cfg: RecipeConfig, layout: Layout, resume_plan: ResumePlan | None) -> No
 
 
 def main(argv: list[str] | None = None) -> int:
+    warning_filters.install()
     try:
         cfg, layout = prepare(argv)
         resume_plan = plan_resume(cfg)  # a bad checkpoint or refused recipe change fails before Ray
@@ -124,9 +128,18 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return interrupted()
     except RUN_STOPPING_ERRORS as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+        return stopped(err)
     return 0
+
+
+def stopped(err: Exception) -> int:
+    """One `error:` line, after the user's own traceback when their reward function raised (theirs
+    to debug; hybridflow's frames around it are not shown); status 1."""
+    user_traceback = getattr(err, "user_traceback", "")
+    if user_traceback:
+        print(user_traceback, end="", file=sys.stderr)
+    print(f"error: {err}", file=sys.stderr)
+    return 1
 
 
 def interrupted() -> int:
