@@ -68,7 +68,7 @@ class PPOTrainer:
             self.output_dir / "checkpoints", cfg.trainer.max_ckpt_to_keep, checkpoint_size_estimate(cfg)
         )
         self.global_step = 0
-        self.skipped_steps = 0  # steps whose update was dropped for a NaN / inf (policy "skip")
+        self.skipped_steps = 0  # steps dropped for a NaN / inf or a too large update (policy "skip")
 
     def _loader(self, files: list[str], max_samples: int | None, train: bool = False) -> ResumableDataLoader:
         data = self.cfg.data
