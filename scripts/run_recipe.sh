@@ -3,7 +3,7 @@
 #
 # Joins the Ray cluster named by RAY_ADDRESS (or one already running here; RAY_ADDRESS=local
 # starts a fresh one), otherwise starts a local cluster sized to the machine. Exits non-zero with
-# the error when the recipe is invalid or the run fails; 130 after Ctrl-C (SIGINT).
+# the error when the recipe is invalid or the run fails; 130 after Ctrl-C (SIGINT), 143 after SIGTERM.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 if [[ $# -lt 1 || "$1" == "-h" || "$1" == "--help" ]]; then

@@ -96,6 +96,7 @@ def connect_and_check_cluster(cfg: RecipeConfig) -> None:
     from hybridflow.launch.cluster import check_cluster_resources
 
     connect_ray(cfg)
+    stop_cleanly_on_sigterm()  # again: ray.init replaced the handler
     check_cluster_resources(cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, cfg.trainer.use_gpu)
 
 
@@ -121,12 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        return interrupted()
+    except (KeyboardInterrupt, Terminated) as stop:
+        return interrupted(stop)
     try:
         run(cfg, layout, resume_plan)
-    except KeyboardInterrupt:
-        return interrupted()
+    except (KeyboardInterrupt, Terminated) as stop:
+        return interrupted(stop)
     except RUN_STOPPING_ERRORS as err:
         return stopped(err)
     return 0
@@ -142,13 +143,32 @@ def stopped(err: Exception) -> int:
     return 1
 
 
-def interrupted() -> int:
-    """SIGINT: one line and the shell's status for it; the last complete checkpoint stays."""
-    print("interrupted (SIGINT): rerun the same command to resume from the last checkpoint", file=sys.stderr)
-    return 130
+class Terminated(BaseException):
+    """SIGTERM, raised in the driver's main thread as Ctrl-C raises KeyboardInterrupt (a
+    BaseException, so that no `except Exception` on the way swallows it)."""
+
+
+def raise_terminated(signum, frame) -> None:
+    raise Terminated
+
+
+def stop_cleanly_on_sigterm() -> None:
+    """SIGTERM (a scheduler's or `timeout`'s stop) ends the run as Ctrl-C does: the teardown, one
+    line, the shell's status for it. Installed again after ray.init, which sets a handler of its
+    own (sys.exit(15)) and whose core worker adds a crash handler that prints a native stack dump
+    for SIGTERM and sometimes aborts the process."""
+    signal.signal(signal.SIGTERM, raise_terminated)
+
+
+def interrupted(stop: BaseException) -> int:
+    """SIGINT / SIGTERM: one line and the shell's status for it; the last complete checkpoint stays."""
+    name, status = ("SIGTERM", 128 + signal.SIGTERM) if isinstance(stop, Terminated) else ("SIGINT", 130)
+    print(f"interrupted ({name}): rerun the same command to resume from the last checkpoint", file=sys.stderr)
+    return status
 
 
 if __name__ == "__main__":
     # run_recipe.sh starts the driver as a background job, which begins with SIGINT ignored
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    stop_cleanly_on_sigterm()
     sys.exit(main())
