@@ -115,22 +115,42 @@ def run(cfg: RecipeConfig, layout: Layout, resume_plan: ResumePlan | None) -> No
 
 def main(argv: list[str] | None = None) -> int:
     warning_filters.install()
+    # a connection the caller made (an in-process call) is the caller's to close
+    disconnect = disconnect_ray if not ray_is_connected() else lambda: None
     try:
         cfg, layout = prepare(argv)
         resume_plan = plan_resume(cfg)  # a bad checkpoint or refused recipe change fails before Ray
         connect_and_check_cluster(cfg)
     except (ValueError, TypeError, OSError) as err:
+        disconnect()
         print(f"error: {err}", file=sys.stderr)
         return 2
     except (KeyboardInterrupt, Terminated) as stop:
+        disconnect()
         return interrupted(stop)
     try:
-        run(cfg, layout, resume_plan)
+        with closing_after("disconnecting from Ray", disconnect):
+            run(cfg, layout, resume_plan)
     except (KeyboardInterrupt, Terminated) as stop:
         return interrupted(stop)
     except RUN_STOPPING_ERRORS as err:
         return stopped(err)
     return 0
+
+
+def ray_is_connected() -> bool:
+    ray = sys.modules.get("ray")  # not imported: not connected (and no import just to ask)
+    return ray is not None and ray.is_initialized()
+
+
+def disconnect_ray() -> None:
+    """ray.shutdown() now, before the run's last line: Ray forwards its daemons' log lines to the
+    driver until it disconnects (e.g. the GCS failing to reach actors being killed), and at exit
+    they would come after that line."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
 
 
 def stopped(err: Exception) -> int:
