@@ -96,7 +96,7 @@ def connect_and_check_cluster(cfg: RecipeConfig) -> None:
     from hybridflow.launch.cluster import check_cluster_resources
 
     connect_ray(cfg)
-    stop_cleanly_on_sigterm()  # again: ray.init replaced the handler
+    install_stop_handlers()  # again: ray.init replaced the SIGTERM handler
     check_cluster_resources(cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, cfg.trainer.use_gpu)
 
 
@@ -125,14 +125,14 @@ def main(argv: list[str] | None = None) -> int:
         disconnect()
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except (KeyboardInterrupt, Terminated) as stop:
+    except KeyboardInterrupt:
         disconnect()
-        return interrupted(stop)
+        return interrupted()
     try:
         with closing_after("disconnecting from Ray", disconnect):
             run(cfg, layout, resume_plan)
-    except (KeyboardInterrupt, Terminated) as stop:
-        return interrupted(stop)
+    except KeyboardInterrupt:
+        return interrupted()
     except RUN_STOPPING_ERRORS as err:
         return stopped(err)
     return 0
@@ -163,32 +163,39 @@ def stopped(err: Exception) -> int:
     return 1
 
 
-class Terminated(BaseException):
-    """SIGTERM, raised in the driver's main thread as Ctrl-C raises KeyboardInterrupt (a
-    BaseException, so that no `except Exception` on the way swallows it)."""
+class StopSignal:
+    """The signal that stopped the run. The handler raises KeyboardInterrupt for SIGTERM too: Ray's
+    waits turn a KeyboardInterrupt raised inside them into their own plain one, and any other
+    exception into a SystemError, so the exception alone cannot say which signal it was."""
+
+    received = signal.SIGINT
 
 
-def raise_terminated(signum, frame) -> None:
-    raise Terminated
+def stop_like_ctrl_c(signum: int, frame) -> None:
+    StopSignal.received = signal.Signals(signum)
+    raise KeyboardInterrupt
 
 
-def stop_cleanly_on_sigterm() -> None:
-    """SIGTERM (a scheduler's or `timeout`'s stop) ends the run as Ctrl-C does: the teardown, one
-    line, the shell's status for it. Installed again after ray.init, which sets a handler of its
-    own (sys.exit(15)) and whose core worker adds a crash handler that prints a native stack dump
-    for SIGTERM and sometimes aborts the process."""
-    signal.signal(signal.SIGTERM, raise_terminated)
+def install_stop_handlers() -> None:
+    """SIGINT and SIGTERM (a scheduler's or `timeout`'s stop) end the run alike: the teardown, one
+    line, the shell's status for the signal. Installed again after ray.init, which sets a SIGTERM
+    handler of its own (sys.exit(15)) and whose core worker adds a crash handler that prints a
+    native stack dump for SIGTERM and sometimes aborts the process."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop_like_ctrl_c)
 
 
-def interrupted(stop: BaseException) -> int:
+def interrupted() -> int:
     """SIGINT / SIGTERM: one line and the shell's status for it; the last complete checkpoint stays."""
-    name, status = ("SIGTERM", 128 + signal.SIGTERM) if isinstance(stop, Terminated) else ("SIGINT", 130)
-    print(f"interrupted ({name}): rerun the same command to resume from the last checkpoint", file=sys.stderr)
-    return status
+    sig = StopSignal.received
+    print(
+        f"interrupted ({sig.name}): rerun the same command to resume from the last checkpoint",
+        file=sys.stderr,
+    )
+    return 128 + sig
 
 
 if __name__ == "__main__":
     # run_recipe.sh starts the driver as a background job, which begins with SIGINT ignored
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    stop_cleanly_on_sigterm()
+    install_stop_handlers()
     sys.exit(main())
