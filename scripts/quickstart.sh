@@ -18,8 +18,6 @@ PY="$ROOT/.venv/bin/python"
 [[ -x "$PY" ]] || PY=python3
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-# Megatron-Core warns about every fused kernel it cannot use on CPU; the run is the same.
-export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore}"
 # A fresh Ray instance for this run, not one another job left running on the machine.
 export RAY_ADDRESS="${RAY_ADDRESS:-local}"
 

@@ -3,7 +3,7 @@
 #
 # Joins the Ray cluster named by RAY_ADDRESS (or one already running here; RAY_ADDRESS=local
 # starts a fresh one), otherwise starts a local cluster sized to the machine. Exits non-zero with
-# the error when the recipe is invalid or the run fails; 130 after Ctrl-C (SIGINT).
+# the error when the recipe is invalid or the run fails; 130 after Ctrl-C (SIGINT), 143 after SIGTERM.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 if [[ $# -lt 1 || "$1" == "-h" || "$1" == "--help" ]]; then
@@ -16,10 +16,13 @@ PYTHON="$ROOT/.venv/bin/python"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export TOKENIZERS_PARALLELISM="${TOKENIZERS_PARALLELISM:-false}"
-# The driver runs in its own session, so its process group holds everything it starts (a local
-# Ray cluster with its agents, the workers). SIGINT / SIGTERM are passed on to the driver; when it
-# ends, however it ends (SIGKILL included), what is left of its group gets SIGTERM and, after
-# HYBRIDFLOW_STOP_GRACE_S (default 10) seconds, SIGKILL. The script exits once the group is gone.
+# The driver runs in its own session, which holds everything it starts (a local Ray cluster with
+# its agents, the workers, each in a process group of its own). SIGINT / SIGTERM are passed on to
+# the driver; when it ends, however it ends (SIGKILL included), what is left of its session gets
+# SIGTERM and, after HYBRIDFLOW_STOP_GRACE_S (default 10) seconds, SIGKILL (scripts/lib/session.sh).
+# The script exits once the session is empty, or HYBRIDFLOW_STOP_GRACE_S seconds after the SIGKILL
+# with the processes still running named on stderr.
+source "$ROOT/scripts/lib/session.sh"
 grace_s="${HYBRIDFLOW_STOP_GRACE_S:-10}"
 setsid "$PYTHON" -m hybridflow.trainer.main "$@" & # no job control: setsid execs in place, $! is the driver
 driver=$!
@@ -30,14 +33,5 @@ while true; do
   wait "$driver" && status=0 || status=$?
   kill -0 "$driver" 2>/dev/null || break # wait also returns when a trapped signal arrives
 done
-group_alive() { kill -0 -- "-$driver" 2>/dev/null; }
-if group_alive; then
-  kill -TERM -- "-$driver" 2>/dev/null || true
-  for ((tenths = 0; tenths < grace_s * 10; tenths++)); do
-    group_alive || break
-    sleep 0.1
-  done
-  kill -KILL -- "-$driver" 2>/dev/null || true
-  while group_alive; do sleep 0.1; done
-fi
+stop_session "$driver" "$grace_s" run_recipe.sh || true
 exit "$status"

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -76,10 +77,20 @@ def write_rows(path: Path, rows: list[dict]) -> Path:
     return path
 
 
+def config_with(model: Path, **changes) -> dict[str, bytes]:
+    """`model`'s config.json with some values changed, as model_copy's `write` argument."""
+    return {
+        "config.json": json.dumps({**json.loads((model / "config.json").read_text()), **changes}).encode()
+    }
+
+
 def broken_models(tiny: Path, root: Path) -> dict[str, Path]:
-    """Copies of the tiny model with a broken config.json, weights or tokenizer."""
+    """Copies of the tiny model with a broken config.json, weights or tokenizer; a config.json that
+    disagrees with the weights in one count each (the tiny model: vocabulary 263, hidden 128, 4
+    layers, 2 KV heads; the tiny MoE: 4 experts)."""
     config = json.loads((tiny / "config.json").read_text())
     headless = json.dumps({k: v for k, v in config.items() if k != "num_attention_heads"}).encode()
+    moe = make_tiny_model(root / "tiny_moe", arch="qwen3_moe", num_layers=2, num_experts=4)
     weights = (tiny / "model.safetensors").read_bytes()
     with safe_open(tiny / "model.safetensors", framework="pt") as handle:
         names = list(handle.keys())
@@ -95,8 +106,17 @@ def broken_models(tiny: Path, root: Path) -> dict[str, Path]:
         "sharded": {"write": {INDEX: json.dumps(index).encode()}},  # valid: an export's layout
         "shard_missing": {"write": {INDEX: json.dumps(shard_missing).encode()}},
         "tokenizer_absent": {"drop": tokenizer},
+        "vocab_mismatch": {"write": config_with(tiny, vocab_size=200)},
+        "hidden_mismatch": {"write": config_with(tiny, hidden_size=64)},
+        "kv_heads_mismatch": {"write": config_with(tiny, num_key_value_heads=1)},
+        "layers_fewer_in_config": {"write": config_with(tiny, num_hidden_layers=2)},
+        "layers_more_in_config": {"write": config_with(tiny, num_hidden_layers=6)},
     }
-    return {name: model_copy(tiny, root / name, **how) for name, how in variants.items()}
+    models = {name: model_copy(tiny, root / name, **how) for name, how in variants.items()}
+    models["experts_mismatch"] = model_copy(
+        moe, root / "experts_mismatch", write=config_with(moe, num_experts=2)
+    )
+    return models
 
 
 def broken_parquets(rows: list[dict], out: Path) -> dict[str, Path]:
@@ -129,6 +149,10 @@ def broken_recipes_and_checkpoints(root: Path) -> dict[str, Path]:
     (files["garbage_latest"] / "checkpoints" / "latest").write_text("\x00\x17garbage")
     files["unfinished_ckpt"] = root / "ckpt" / "global_step_3"  # no manifest.json
     (files["unfinished_ckpt"] / "actor").mkdir(parents=True)
+    files["a_file"] = root / "a_file.txt"  # where a directory setting expects a directory
+    files["a_file"].write_text("not a directory\n")
+    files["a_dir"] = root / "a_dir"  # where a parquet file is expected
+    files["a_dir"].mkdir()
     return files
 
 
@@ -234,3 +258,32 @@ def test_missing_ground_truths_are_an_error_for_the_rule_reward_and_a_warning_fo
     caplog.clear()
     check_reward_inputs(none, custom_fn="my_rewards.score")
     assert "ground_truth is null in 2 of 2 rows" in caplog.text
+
+
+def test_an_output_filesystem_smaller_than_one_checkpoint_is_warned_about_before_ray(
+    files, tmp_path, monkeypatch, capsys, caplog
+):
+    """A 4 MiB tmpfs; one checkpoint of the tiny model (4 layers, ~1 M parameters x 12 bytes of
+    fp32 weights and Adam moments) takes about 12 MiB. A warning, not an error: space may be freed
+    before the first save."""
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount_point)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        argv = [str(files["recipe"]), f"trainer.output_dir={mount_point / 'run'}"]
+        with pytest.raises(RayStarted):
+            run_in_process([*argv, "trainer.save_freq=0"], monkeypatch, capsys)
+        assert "one checkpoint" not in caplog.text  # nothing is saved: nothing to warn about
+        with pytest.raises(RayStarted):
+            run_in_process([*argv, "trainer.save_freq=5"], monkeypatch, capsys)
+        assert (
+            f"trainer.output_dir={mount_point / 'run'} has 4.0 MiB free, but one checkpoint "
+            "(trainer.save_freq=5) needs about 12." in caplog.text
+        )
+        assert "the first save will fail with 'No space left on device'" in caplog.text
+    finally:
+        subprocess.run(["umount", "--lazy", str(mount_point)], check=False)

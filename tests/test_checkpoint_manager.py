@@ -198,3 +198,58 @@ def test_trainer_state_with_another_version_is_refused(tmp_path):
     torch.save({"version": 99}, tmp_path / "trainer_state.pt")
     with pytest.raises(CheckpointError, match="trainer-state version 99"):
         load_trainer_state(tmp_path / "trainer_state.pt")
+
+
+def test_a_partial_save_left_by_an_earlier_run_is_removed_and_reported(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, writer(1), PARTS)
+    (tmp_path / ".tmp_global_step_2" / "actor").mkdir(parents=True)
+    assert manager.remove_partial_saves() == [tmp_path / ".tmp_global_step_2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step_1", "latest"]
+    assert manager.remove_partial_saves() == []
+
+
+def test_a_save_that_hits_enospc_names_the_step_the_space_and_the_checkpoint_to_resume(tmp_path):
+    """/dev/full raises a real ENOSPC on write: a stand-in for a full filesystem."""
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, writer(1), PARTS)
+
+    def fill(directory):
+        writer(2)(directory)
+        with open("/dev/full", "wb") as full:
+            full.write(b"x")
+
+    with pytest.raises(OSError) as raised:
+        manager.save(2, fill, PARTS)
+    message = str(manager.save_failed(2, raised.value))
+    partial, last = tmp_path / ".tmp_global_step_2", tmp_path / "global_step_1"
+    assert message.startswith(
+        f"step 2: saving the checkpoint into {partial} failed: No space left on device ("
+    )
+    assert " free of " in message
+    assert f"the last complete checkpoint is {last}, which a rerun resumes from" in message
+
+
+def test_a_save_failure_without_enospc_is_out_of_space_when_a_checkpoint_no_longer_fits(tmp_path):
+    """A rank's writer may fail with another error on a full disk (torch's zip writer: 'unexpected
+    pos'); less free space than one checkpoint takes then names the cause."""
+    err = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    fits = str(CheckpointManager(tmp_path, expected_bytes=1).save_failed(1, err))
+    assert "failed: RuntimeError: [enforce fail at inline_container.cc:672]" in fits
+    assert "there is no complete checkpoint yet, so a rerun starts from the beginning" in fits
+    too_big = CheckpointManager(tmp_path, expected_bytes=shutil.disk_usage(tmp_path).free + 2**30)
+    assert "failed: No space left on device (" in str(too_big.save_failed(1, err))
+
+
+def test_a_worker_error_is_reported_by_its_cause_in_one_line(tmp_path):
+    """The driver's WorkerError carries the worker's traceback after its first line."""
+    from ray.exceptions import RayTaskError
+
+    from hybridflow.single_controller.errors import worker_error
+
+    cause = ValueError("bad shard")
+    err = worker_error(
+        RayTaskError("save_checkpoint", "Traceback (most recent call last): ...", cause), 0, "save"
+    )
+    message = str(CheckpointManager(tmp_path).save_failed(3, err))
+    assert "failed: ValueError: bad shard;" in message and "Traceback" not in message

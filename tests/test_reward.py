@@ -10,7 +10,12 @@ import torch
 
 from hybridflow.protocol import DataProto
 from hybridflow.reward import gsm8k
-from hybridflow.reward.manager import compute_rewards, place_on_last_token, sequence_scores
+from hybridflow.reward.manager import (
+    RewardFunctionError,
+    compute_rewards,
+    place_on_last_token,
+    sequence_scores,
+)
 from hybridflow.reward.registry import REWARD_FN_PARAMETERS, load_reward_fn, rule_reward_fn
 from hybridflow.utils.nonfinite import NonFiniteError
 from hybridflow.utils.tiny_model import build_tokenizer
@@ -149,8 +154,16 @@ def failing_reward(data_source, solution_str, ground_truth, extra_info):
             NonFiniteError,
             r"test_reward\.inf_reward on response 0 \(data_source 'openai/gsm8k'\) returned -inf",
         ),
-        (text_reward, TypeError, r"test_reward\.text_reward on response 0 .* returned '1\.0' \(str\)"),
-        (failing_reward, RuntimeError, r"test_reward\.failing_reward on response 0 .* raised KeyError"),
+        (
+            text_reward,
+            RewardFunctionError,
+            r"test_reward\.text_reward on response 0 .* returned '1\.0' \(str\)",
+        ),
+        (
+            failing_reward,
+            RewardFunctionError,
+            r"test_reward\.failing_reward on response 0 .* raised KeyError",
+        ),
     ],
 )
 def test_bad_reward_values_name_the_function_response_and_data_source(reward_fn, error, message):
@@ -158,3 +171,31 @@ def test_bad_reward_values_name_the_function_response_and_data_source(reward_fn,
     batch = _response_batch(tokenizer, ["#### 4", "#### 5"], ["4", "4"])
     with pytest.raises(error, match=message):
         sequence_scores(batch, tokenizer, reward_fn)
+
+
+def none_reward(data_source, solution_str, ground_truth, extra_info):
+    return None
+
+
+def test_a_failing_reward_function_keeps_its_own_traceback_and_nothing_of_hybridflow():
+    tokenizer = build_tokenizer()
+    batch = _response_batch(tokenizer, ["#### 4"], ["4"])
+    with pytest.raises(RewardFunctionError) as raised:
+        sequence_scores(batch, tokenizer, failing_reward)
+    frames = raised.value.user_traceback
+    assert frames.startswith("Traceback (most recent call last):\n")
+    assert frames.count(f'File "{__file__}"') == 1 and 'raise KeyError("answer")' in frames
+    assert "reward/manager.py" not in frames and frames.rstrip().endswith("KeyError: 'answer'")
+
+
+def test_a_reward_function_returning_none_is_named_with_where_it_is_defined():
+    tokenizer = build_tokenizer()
+    batch = _response_batch(tokenizer, ["#### 4"], ["4"])
+    with pytest.raises(RewardFunctionError) as raised:
+        sequence_scores(batch, tokenizer, none_reward)
+    line = none_reward.__code__.co_firstlineno
+    assert str(raised.value) == (
+        "reward function test_reward.none_reward on response 0 (data_source 'openai/gsm8k') returned None "
+        f"(NoneType); it must return a float (the function is at {__file__}:{line})"
+    )
+    assert raised.value.user_traceback == ""

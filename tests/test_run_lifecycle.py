@@ -4,8 +4,12 @@
 - SIGKILL of the driver: the script still removes everything the driver started;
 - in both cases no process of the run is left the moment the script returns (each process of the
   run carries a marker in its environment, inherited from the script);
+- the same holds for a process of the run in a process group of its own that ignores SIGTERM (as
+  Ray's workers have their own groups), and a process the script cannot stop is named after a
+  bounded wait instead of hanging it (scripts/lib/session.sh);
 - SIGINT or SIGTERM sent to scripts/quickstart.sh alone (as a job scheduler or `timeout` sends it)
-  reaches the stage it is running, and the script returns after that stage's teardown;
+  reaches the stage it is running, and the script returns after that stage's teardown, with the
+  shell's status for the signal (130, 143) and one line (no native stack dump from Ray);
 - a NaN reward stops the run at step 1 with an error naming the step, the reward function and the
   data_source, and nothing is published (no checkpoint, no `latest`, no HF export);
 - with trainer.nonfinite_policy=skip the same run completes, counts the skipped steps, and
@@ -14,6 +18,7 @@
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -26,12 +31,10 @@ import torch
 from multinode_helpers import processes_with_env
 from process_group import run_in_own_session
 from safetensors.torch import load_file
+from tiny_run import ROOT, command, environment, tiny_run_inputs
 
-from hybridflow.data.arith import ArithConfig, write_arith_parquet
-from hybridflow.utils.tiny_model import make_tiny_model
-from hybridflow.utils.tracking import read_metrics
+from hybridflow.utils.tracking import read_metrics, records_up_to
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 NAN_REWARD = """
@@ -44,33 +47,7 @@ def always_nan(data_source, solution_str, ground_truth, extra_info):
 def local(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("lifecycle")
     (root / "nan_reward.py").write_text(NAN_REWARD)
-    data = write_arith_parquet(root / "data", ArithConfig(num_train=32, num_test=8, seed=3))
-    return {"root": root, "model": make_tiny_model(root / "tiny", num_layers=2), "data": data}
-
-
-def command(local: dict, output_dir: Path, *overrides: str) -> list[str]:
-    return [
-        "bash", str(ROOT / "scripts/run_recipe.sh"), str(ROOT / "recipes/quickstart.yaml"),
-        f"model.path={local['model']}",
-        f"data.train_files=[{local['data']['train']}]",
-        f"data.val_files=[{local['data']['test']}]",
-        "data.train_batch_size=4", "rollout.sampling.n=2", "rollout.response_length=8",
-        "actor.update.ppo_mini_batch_size=8", "actor.update.ppo_micro_batch_size=4",
-        "actor.log_prob_micro_batch_size=8",
-        "trainer.val_before_train=false", "trainer.test_freq=0", "trainer.logger=[console]",
-        f"trainer.output_dir={output_dir}", *overrides,
-    ]  # fmt: skip
-
-
-def environment(local: dict, marker: str) -> dict:
-    return {
-        **os.environ,
-        "RAY_ADDRESS": "local",
-        "OMP_NUM_THREADS": "1",
-        "PYTHONWARNINGS": "ignore",
-        "PYTHONPATH": str(local["root"]),
-        "HYBRIDFLOW_TEST_RUN": marker,
-    }
+    return tiny_run_inputs(root)
 
 
 def wait_for(condition, timeout: float, what: str) -> None:
@@ -85,11 +62,23 @@ def start_and_wait_for_step_1(local: dict, output_dir: Path, marker: str) -> tup
     with open(log, "w") as out:
         proc = subprocess.Popen(
             command(local, output_dir, "trainer.total_training_steps=1000"), env=environment(local, marker),
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=as_from_a_terminal,
         )  # fmt: skip
-    wait_for(lambda: read_metrics(output_dir / "metrics.jsonl") or proc.poll() is not None, 900, "step 1")
+    wait_for(lambda: step_1_logged(output_dir) or proc.poll() is not None, 900, "step 1")
     assert proc.poll() is None, log.read_text()[-3000:]
     return proc, log
+
+
+def as_from_a_terminal() -> None:
+    """In the child before exec: SIGINT at its default, as a shell leaves it for a command it runs
+    in the foreground. Tests started in the background (`pytest ... &` in a script) inherit SIGINT
+    ignored, and a shell script cannot trap a signal that was ignored when it started."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def step_1_logged(output_dir: Path) -> bool:
+    """metrics.jsonl holds step 1's whole line (the trainer may be writing it right now)."""
+    return bool(records_up_to(output_dir / "metrics.jsonl", 1)[0])
 
 
 def cleanup(proc: subprocess.Popen, marker: str) -> None:
@@ -186,11 +175,12 @@ def quickstart_checkout(tmp_path: Path) -> Path:
 
 
 def training_started(marker: str) -> bool:
-    """A driver of the run has a Ray cluster and workers below it."""
+    """A worker of the run is up (the driver is past connecting to Ray: its signal handlers are
+    the run's own)."""
     for process in psutil.process_iter():
         with contextlib.suppress(psutil.Error):
-            if marker_in(process, marker) and "hybridflow.trainer.main" in " ".join(process.cmdline()):
-                return len(process.children(recursive=True)) > 1
+            if marker_in(process, marker) and " ".join(process.cmdline()).startswith("ray::ActorRolloutRef"):
+                return True
     return False
 
 
@@ -203,7 +193,7 @@ def test_a_signal_to_the_quickstart_script_stops_its_running_stage(tmp_path, sig
     with open(log, "w") as out:
         proc = subprocess.Popen(
             ["bash", checkout / "scripts/quickstart.sh"], cwd=checkout, env=env,
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=as_from_a_terminal,
         )  # fmt: skip
     try:
         wait_for(lambda: training_started(marker) or proc.poll() is not None, 900, "SFT stage's workers")
@@ -211,10 +201,87 @@ def test_a_signal_to_the_quickstart_script_stops_its_running_stage(tmp_path, sig
         proc.send_signal(sig)  # to the script alone, not its process group
         status = proc.wait(timeout=600)
         assert processes_with_env(f"HYBRIDFLOW_TEST_RUN={marker}") == []
-        if sig == signal.SIGINT:
-            assert status == 130 and "Traceback" not in log.read_text(), log.read_text()[-3000:]
-        else:  # Ray's driver turns SIGTERM into sys.exit(15)
-            assert status == signal.SIGTERM, log.read_text()[-3000:]
+        output = log.read_text()
+        assert status == 128 + sig, output[-3000:]
+        assert "Traceback" not in output and "SIGTERM received" not in output, output[
+            -3000:
+        ]  # no native dump
+        assert output.rstrip().splitlines()[-1] == (
+            f"interrupted ({sig.name}): rerun the same command to resume from the last checkpoint"
+        )
         assert not (checkout / "outputs/quickstart/sft/hf").exists()
     finally:
         cleanup(proc, marker)
+
+
+# A stand-in driver for scripts/run_recipe.sh: starts a "worker" in a process group of its own
+# (as Ray's raylet starts each worker) that ignores SIGTERM, writes its PID, and exits with 3.
+FAKE_DRIVER = """
+import signal, subprocess, sys
+worker = subprocess.Popen(
+    [sys.executable, "-c", "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+     "print('ready', flush=True); time.sleep(3600)"],
+    process_group=0, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+)
+worker.stdout.readline()
+open(sys.argv[1], "w").write(str(worker.pid))
+sys.exit(3)
+"""
+
+
+def fake_checkout(tmp_path: Path) -> Path:
+    """A checkout whose `python -m hybridflow.trainer.main` is FAKE_DRIVER; scripts are this one's."""
+    checkout = tmp_path / "checkout"
+    (checkout / "hybridflow" / "trainer").mkdir(parents=True)
+    for package in ("hybridflow", "hybridflow/trainer"):
+        (checkout / package / "__init__.py").write_text("")
+    (checkout / "hybridflow" / "trainer" / "main.py").write_text(FAKE_DRIVER)
+    (checkout / "scripts").symlink_to(ROOT / "scripts")
+    if (ROOT / ".venv").exists():
+        (checkout / ".venv").symlink_to(ROOT / ".venv")
+    return checkout
+
+
+def test_the_script_returns_only_after_a_worker_in_its_own_group_is_gone(tmp_path):
+    pid_file, checkout = tmp_path / "worker.pid", fake_checkout(tmp_path)
+    done = run_in_own_session(  # cwd: `python -m` imports from the working directory first
+        ["bash", checkout / "scripts/run_recipe.sh", pid_file], cwd=checkout,
+        env={**os.environ, "HYBRIDFLOW_STOP_GRACE_S": "1"}, timeout=300,
+    )  # fmt: skip
+    worker = int(pid_file.read_text())
+    try:
+        assert done.returncode == 3, done.stderr
+        assert not running(worker)
+        assert "still running" not in done.stderr
+    finally:
+        if running(worker):
+            os.kill(worker, signal.SIGKILL)
+
+
+def running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv")
+def test_a_process_that_outlives_sigkill_is_named_after_a_bounded_wait(tmp_path):
+    """A process the stopping shell may not signal (root's, stopped by user nobody) stands in for
+    one in uninterruptible sleep: stop_session gives up after its bound and names it."""
+    sleeper = subprocess.Popen(["setsid", "sleep", "3600"])  # setsid execs: the PID is the session
+    try:
+        stop = (
+            f"source {ROOT / 'scripts/lib/session.sh'}; stop_session {sleeper.pid} 1 run_recipe.sh; "
+            "echo returned $?"
+        )
+        done = subprocess.run(
+            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "bash", "-c", stop],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.stdout.strip() == "returned 1", done.stderr
+        assert "run_recipe.sh: these processes of the run are still running 1s after SIGKILL" in done.stderr
+        assert f"{sleeper.pid}" in done.stderr and "sleep 3600" in done.stderr
+    finally:
+        sleeper.kill()
+        sleeper.wait()

@@ -161,7 +161,9 @@ class MegatronActor:
         data = data.select(batch_keys=list(MODEL_KEYS))
         counts = global_counts(data.batch["response_mask"])
         loss_fn = partial(self._sft_loss, counts[0], loss_scale(len(data) // micro))
-        return train_step(self.chunks, self.optimizer, self.scheduler, data, micro, loss_fn)
+        return train_step(
+            self.chunks, self.optimizer, self.scheduler, data, micro, loss_fn, self.cfg.max_update_ratio
+        )
 
     def _sft_loss(self, tokens, scale, logits, micro_batch):
         mask = micro_batch["response_mask"]

@@ -25,8 +25,6 @@ its pipe close and exits too).
 import multiprocessing
 import os
 import random
-import threading
-import time
 from multiprocessing.managers import SyncManager
 from pathlib import Path
 
@@ -39,6 +37,7 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 from engines.megatron import cpu_compat
 from engines.megatron.model import unwrap_model
+from engines.megatron.orphan_exit import exit_when_orphaned
 from engines.megatron.parallel import parallel_ranks
 
 
@@ -93,25 +92,12 @@ def _sharded_state_dict(chunks, optimizer, scheduler, *, is_loading: bool, with_
     return state
 
 
-def _exit_when_orphaned(parent_pid: int) -> None:
-    """Runs in the Manager server: exit once `parent_pid` is gone (the server is re-parented).
-    A watch thread rather than PR_SET_PDEATHSIG, which fires when the *thread* that started the
-    server ends, and a worker may save from a short-lived thread."""
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(0.5)
-        os._exit(0)
-
-    threading.Thread(target=watch, daemon=True, name="exit-when-orphaned").start()
-
-
 def _provide_write_results_queue() -> None:
     """Gives megatron-core's writer its results queue from a Manager that dies with this process
     (see the module docstring); upstream would create an immortal one on the first save."""
     if filesystem_async._results_queue is None:
         manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-        manager.start(initializer=_exit_when_orphaned, initargs=(os.getpid(),))
+        manager.start(initializer=exit_when_orphaned, initargs=(os.getpid(),))
         filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
 
 

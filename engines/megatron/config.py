@@ -20,6 +20,11 @@ LossAggMode = Literal[LOSS_AGG_MODES]
 KlPenaltyKind = Literal[KL_PENALTY_KINDS]
 PolicyLoss = Literal[POLICY_LOSSES]
 MoeTokenDispatcher = Literal["allgather", "alltoall"]
+# ||dw|| / ||w|| of one optimizer step above which the step is refused. An Adam step moves each
+# weight by about lr, so the ratio is about lr / rms(w): ~5e-5 for RL at lr 1e-6 on weights of rms
+# 0.02; the quickstart's SFT warm start (lr 1e-3, tiny model) peaks at 0.007 (measured). A step
+# that moves the weights by a quarter of their norm is a collapse, not learning.
+MAX_UPDATE_RATIO = 0.25
 
 
 @dataclass
@@ -74,6 +79,9 @@ class OptimConfig:
     lr_warmup_iters: int = 0
     lr_decay_iters: int | None = None  # None: no decay
     lr_decay_style: LrDecayStyle = "constant"
+    # [lowest, highest] lr a recipe may set: one outside them (a typo such as 1e30, which trains to
+    # garbage without any NaN) is refused when the recipe loads; widen them for a deliberate run.
+    lr_limits: list[float] = field(default_factory=lambda: [1e-9, 1e-2])
 
 
 @dataclass
@@ -104,6 +112,10 @@ class ActorUpdateConfig:
     # log-prob and the reference's forward to packed micro-batches of their own budgets.
     use_dynamic_bsz: bool = False
     max_token_len_per_gpu: int = 8192  # tokens (prompt + response) per packed micro-batch, per rank
+    # Collapse guard: an optimizer step that would change the weights by more than this fraction of
+    # their norm (||dw|| / ||w||, predicted before the step) is not applied, and the run stops or
+    # skips the step as trainer.nonfinite_policy says; null: not measured.
+    max_update_ratio: float | None = MAX_UPDATE_RATIO
 
 
 @dataclass
@@ -118,3 +130,4 @@ class CriticUpdateConfig:
     # Sequence packing + token-budget micro-batches for the update and the values (docs/packing.md).
     use_dynamic_bsz: bool = False
     max_token_len_per_gpu: int = 8192  # tokens (prompt + response) per packed micro-batch, per rank
+    max_update_ratio: float | None = MAX_UPDATE_RATIO  # the collapse guard, as ActorUpdateConfig's

@@ -10,6 +10,8 @@ Megatron-Core's `OptimizerParamScheduler` for LR warmup / decay, so a CPU step a
 step apply the same update.
 """
 
+import math
+
 import torch
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer import _get_param_groups as megatron_param_groups
@@ -35,6 +37,7 @@ def validate_optim_config(optim: OptimConfig) -> None:
         )
     if not 0.0 <= optim.min_lr <= optim.lr:
         raise ValueError(f"optim.min_lr ({optim.min_lr}) must lie in [0, optim.lr ({optim.lr})]")
+    validate_lr_limits(optim)
     if optim.clip_grad < 0 or optim.lr_warmup_iters < 0 or optim.weight_decay < 0:
         raise ValueError("optim.clip_grad, optim.lr_warmup_iters and optim.weight_decay must be >= 0")
     if optim.lr_decay_style != "constant" and (
@@ -43,6 +46,21 @@ def validate_optim_config(optim: OptimConfig) -> None:
         raise ValueError(
             f"optim.lr_decay_style={optim.lr_decay_style!r} needs optim.lr_decay_iters greater than "
             f"optim.lr_warmup_iters ({optim.lr_warmup_iters}), got {optim.lr_decay_iters}"
+        )
+
+
+def validate_lr_limits(optim: OptimConfig) -> None:
+    """optim.lr within optim.lr_limits, which must be [low, high] with 0 < low <= high."""
+    limits = list(optim.lr_limits)
+    if len(limits) != 2 or not 0 < limits[0] <= limits[1]:
+        raise ValueError(
+            f"optim.lr_limits must be [lowest, highest] with 0 < lowest <= highest, got {limits}"
+        )
+    low, high = limits
+    if not low <= optim.lr <= high:
+        raise ValueError(
+            f"optim.lr={optim.lr:g} is outside optim.lr_limits [{low:g}, {high:g}]: an lr beyond them "
+            "diverges or learns nothing (a typo?); set optim.lr_limits to allow it"
         )
 
 
@@ -161,6 +179,81 @@ def build_optimizer(chunks: list, optim: OptimConfig, cfg: MegatronConfig):
     else:
         optimizer = _build_cpu_optimizer(chunks, config)
     return optimizer, build_scheduler(optimizer, optim)
+
+
+# Elements handled at once when predicting an update: bounds the temporaries for a large tensor
+# (an embedding of 150k x 8k) to a few of these instead of a few copies of the tensor.
+UPDATE_CHUNK = 1 << 24
+
+
+def adamw_delta(param, grad, exp_avg, exp_avg_sq, step: int, group: dict) -> torch.Tensor:
+    """The change AdamW's next step makes to `param` (flat, chunk-sized tensors of one parameter),
+    without touching them: torch.optim.AdamW's update (decoupled weight decay, bias correction)
+    with the moments this step would leave. `step`: steps taken so far."""
+    beta1, beta2 = group["betas"]
+    lr, eps, t = group["lr"], group["eps"], step + 1
+    exp_avg = torch.lerp(exp_avg, grad, 1 - beta1)  # (n,)
+    exp_avg_sq = exp_avg_sq * beta2 + grad * grad * (1 - beta2)  # (n,)
+    denom = exp_avg_sq.sqrt() / (1 - beta2**t) ** 0.5 + eps  # (n,)
+    return -lr * group["weight_decay"] * param - lr / (1 - beta1**t) * exp_avg / denom  # (n,)
+
+
+def _steps_taken(state: dict) -> int:
+    step = state.get("step", 0)
+    return int(step.item() if torch.is_tensor(step) else step)
+
+
+def _counted_parameters(optimizer):
+    """(param, its group) for the parameters Megatron-Core counts in the grad norm: with a
+    gradient, not shared, not a tensor-parallel duplicate (each element counted once)."""
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate as not_duplicate
+    from megatron.core.transformer.module import param_is_not_shared
+
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.grad is not None and param_is_not_shared(param) and not_duplicate(param):
+                yield param, group
+
+
+def _update_squares(param, group: dict, state: dict, grad_scale: float) -> torch.Tensor:
+    """(||dw||^2, ||w||^2) of one parameter's predicted AdamW step, in float64, chunk by chunk."""
+    zero = torch.zeros_like(param)
+    tensors = (param, param.grad, state.get("exp_avg", zero), state.get("exp_avg_sq", zero))
+    chunks = [t.reshape(-1).split(UPDATE_CHUNK) for t in tensors]
+    steps = _steps_taken(state)
+    squares = torch.zeros(2, dtype=torch.float64, device=param.device)
+    for w, g, m, v in zip(*chunks, strict=True):
+        delta = adamw_delta(w.float(), g.float() * grad_scale, m.float(), v.float(), steps, group)  # (n,)
+        squares += torch.stack([delta.double().square().sum(), w.double().square().sum()])
+    return squares
+
+
+def _reduced_squares(optimizer, grad_scale: float) -> torch.Tensor:
+    """`_update_squares` summed over one Megatron optimizer's counted parameters on every rank."""
+    state = optimizer.optimizer.state
+    parts = [_update_squares(p, g, state[p], grad_scale) for p, g in _counted_parameters(optimizer)]
+    squares = torch.stack(parts).sum(dim=0) if parts else torch.zeros(2, dtype=torch.float64)
+    if torch.cuda.is_available():  # NCCL reduces device tensors only
+        squares = squares.cuda()
+    torch.distributed.all_reduce(squares, group=optimizer.get_grad_stats_parallel_group())
+    return squares.cpu()
+
+
+@torch.no_grad()
+def update_to_weight_ratio(optimizer, grad_norm: float) -> float:
+    """||dw|| / ||w|| of the step `optimizer.step()` is about to take, predicted from the
+    gradients (after prepare_grads), the Adam moments and each group's lr and weight decay, with
+    the clipping the step applies (`clip_grad / (grad_norm + 1e-6)` when below one, as Megatron-
+    Core clips). Summed like the grad norm: each rank's counted parameters, all-reduced over each
+    optimizer's grad-stats group (a ChainedOptimizer's parts: dense and expert parameters), so
+    every rank decides the same. Nothing is changed."""
+    clip = optimizer.config.clip_grad
+    scale = min(1.0, clip / (grad_norm + 1.0e-6)) if clip > 0 else 1.0
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    delta_sq, weight_sq = sum(_reduced_squares(part, scale) for part in parts).tolist()
+    if weight_sq == 0:
+        return math.inf if delta_sq > 0 else 0.0
+    return math.sqrt(delta_sq / weight_sq)
 
 
 def current_lr(optimizer) -> float:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from engines.megatron import forward
-from engines.megatron.optimizer import current_lr
+from engines.megatron.optimizer import current_lr, update_to_weight_ratio
 from hybridflow.algorithms import LOSS_AGG_MODES
 from hybridflow.protocol import DataProto
 
@@ -32,6 +32,10 @@ def validate_update_sizes(cfg, role: str) -> None:
     for key in ("ppo_mini_batch_size", "ppo_micro_batch_size", "ppo_epochs", "max_token_len_per_gpu"):
         if getattr(cfg, key) < 1:
             raise ValueError(f"{role} update {key} must be >= 1, got {getattr(cfg, key)}")
+    if cfg.max_update_ratio is not None and not cfg.max_update_ratio > 0:
+        raise ValueError(
+            f"{role} update max_update_ratio must be > 0 (or null: not measured), got {cfg.max_update_ratio}"
+        )
     if cfg.loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(
             f"{role} update loss_agg_mode must be one of {LOSS_AGG_MODES}, got {cfg.loss_agg_mode!r}"
@@ -71,7 +75,8 @@ def update_epochs(chunks, optimizer, scheduler, data: DataProto, cfg, role: str,
         num_micro = local_size // micro if isinstance(micro, int) else len(micro)
         num_micro_batches += num_micro
         scale = loss_scale(num_micro)
-        step = train_step(chunks, optimizer, scheduler, mini_batch, micro, partial(loss_fn, counts, scale))
+        loss = partial(loss_fn, counts, scale)
+        step = train_step(chunks, optimizer, scheduler, mini_batch, micro, loss, cfg.max_update_ratio)
         for key, value in step.items():
             metrics.setdefault(key, []).append(value)
     return metrics, num_micro_batches
@@ -122,35 +127,53 @@ def loss_scale(num_micro_batches: int) -> float:
     return float(num_micro_batches * parallel_state.get_data_parallel_world_size())
 
 
-def train_step(chunks, optimizer, scheduler, batch: DataProto, micro_batches, loss_fn) -> dict[str, float]:
-    """Zero grads, forward/backward every micro-batch, one optimizer step; the step's metrics.
-    `micro_batches`: rows per padded micro-batch, or packed row groups (forward.run_micro_batches)."""
+def train_step(
+    chunks,
+    optimizer,
+    scheduler,
+    batch: DataProto,
+    micro_batches,
+    loss_fn,
+    max_update_ratio: float | None = None,
+) -> dict[str, float]:
+    """Zero grads, forward/backward every micro-batch, one optimizer step (refused beyond
+    `max_update_ratio`, see optimizer_step); the step's metrics. `micro_batches`: rows per padded
+    micro-batch, or packed row groups (forward.run_micro_batches)."""
     for chunk in chunks:
         chunk.train()
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     per_micro = forward.run_micro_batches(chunks, batch, micro_batches, loss_fn, forward_only=False)
-    step = optimizer_step(optimizer, scheduler)
+    step = optimizer_step(optimizer, scheduler, max_update_ratio)
     return {**(sum_over_data_parallel(per_micro) if per_micro else {}), **step}
 
 
-def optimizer_step(optimizer, scheduler) -> dict[str, float]:
+def optimizer_step(optimizer, scheduler, max_update_ratio: float | None = None) -> dict[str, float]:
     """Clip, step, advance the LR schedule; the grad norm (before clipping) and the LR used.
 
-    The norm is checked before the step: when it is NaN / inf the update is not applied (weights,
-    optimizer moments and LR schedule stay as they were) and `nonfinite_skipped` is 1, for the
-    driver to stop the run or count the skip. The norm is all-reduced over the model-parallel
-    group and the gradients over the data-parallel group, so every rank decides the same."""
+    Two guards run before the step, and a refused step is not applied (weights, optimizer moments
+    and LR schedule stay as they were), for the driver to stop the run or count the skip:
+    - a NaN / inf grad norm: `nonfinite_skipped` is 1;
+    - with `max_update_ratio`, a step whose predicted ||dw|| / ||w|| (`update_to_weight_ratio`)
+      exceeds it: `update_refused` is 1. `update_ratio_max` reports that ratio either way.
+    The norms are all-reduced over the model-parallel group and the gradients over the
+    data-parallel group, so every rank decides the same."""
     lr = current_lr(optimizer)
     # prepare_grads (the main-grad copy) runs again inside step(): harmless, as it is a plain copy
     # when there is no grad scaler, and megatron_optimizer_config sets neither fp16 nor loss_scale.
     optimizer.prepare_grads()
     grad_norm = float(optimizer.get_grad_norm())
-    if not math.isfinite(grad_norm):
-        return {"grad_norm": grad_norm, "lr": lr, "nonfinite_skipped": 1.0}
+    metrics = {"grad_norm": grad_norm, "lr": lr, "nonfinite_skipped": float(not math.isfinite(grad_norm))}
+    if metrics["nonfinite_skipped"]:
+        return metrics
+    if max_update_ratio is not None:
+        ratio = update_to_weight_ratio(optimizer, grad_norm)
+        metrics.update(update_ratio_max=ratio, update_refused=float(not ratio <= max_update_ratio))
+        if metrics["update_refused"]:
+            return metrics
     optimizer.step()
     scheduler.step(1)
-    return {"grad_norm": grad_norm, "lr": lr, "nonfinite_skipped": 0.0}
+    return metrics
 
 
 def sum_over_data_parallel(per_micro_batch: list[dict[str, torch.Tensor]]) -> dict[str, float]:

@@ -307,6 +307,17 @@ def hf_shapes(hf: HFModelConfig, plan: TensorPlan) -> list[tuple[int, ...]]:
     return [plan.full_shape]
 
 
+def hf_tensor_shapes(hf: HFModelConfig, value_head: bool = False) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor `load_hf_weights` reads from a Hugging Face checkpoint of this
+    config (the causal-LM head, or with `value_head` the score head), from the same plan."""
+    layout = ModelLayout(tp=1, pp=1, padded_vocab=hf.vocab_size, value_head=value_head, fused_norms=False)
+    return {
+        name: shape
+        for plan in weight_plan(hf, layout)
+        for name, shape in zip(plan.hf_names, hf_shapes(hf, plan), strict=True)
+    }
+
+
 def read_shard(
     reader: SafetensorsReader, hf: HFModelConfig, plan: TensorPlan, rank: int, tp: int
 ) -> torch.Tensor:
@@ -441,7 +452,7 @@ def _to_hf(full: torch.Tensor, plan: TensorPlan, hf: HFModelConfig, tp: int) -> 
     return [full]
 
 
-def hf_tensor_shapes(chunks, hf_config: HFModelConfig) -> dict[str, tuple[int, ...]]:
+def stream_tensor_shapes(chunks, hf_config: HFModelConfig) -> dict[str, tuple[int, ...]]:
     """The (HF name, shape) pairs `iter_hf_tensors` yields, in its order, without moving a tensor."""
     layout = model_layout(unwrap_model(chunks[0]))
     return {

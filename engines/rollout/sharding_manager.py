@@ -188,12 +188,12 @@ class MegatronRolloutShardingManager:
     def _check_weight_stream(self) -> None:
         """Collective: a WeightSyncError on every rank, naming the tensor, when the actor's stream
         has a name or shape the rollout model does not take (see the module docstring)."""
-        from engines.megatron.weights import hf_tensor_shapes
+        from engines.megatron.weights import stream_tensor_shapes
 
         model_dir = self.hf_config.source_dir
         expected, required = expected_hf_tensor_shapes(model_dir)
         problem = weight_stream_problem(
-            hf_tensor_shapes(self.actor_chunks, self.hf_config), expected, required
+            stream_tensor_shapes(self.actor_chunks, self.hf_config), expected, required
         )
         _raise_on_every_rank(problem and f"{problem} (rollout model {model_dir})", "weight sync check")
 

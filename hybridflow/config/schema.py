@@ -186,8 +186,9 @@ class TrainerConfig:
     logger: list[LoggerBackend] = field(default_factory=lambda: ["console", "progress"])
     balance_batch: bool = True  # reorder each batch so every DP rank gets a similar token count
     export_hf: bool = False  # write the final actor as a Hugging Face checkpoint to <output_dir>/hf
-    # NaN / inf reward, loss or grad norm: "error" stops the run before the optimizer step (no
-    # checkpoint, no export) | "skip" drops the step's update and counts it (nonfinite/skipped_steps)
+    # NaN / inf reward, loss or grad norm, or an update over <role>.update.max_update_ratio: "error"
+    # stops the run before the optimizer step (no checkpoint, no export) | "skip" drops the step's
+    # update and counts it (nonfinite/skipped_steps)
     nonfinite_policy: Literal["error", "skip"] = "error"
     # recipe keys that may differ from the resumed checkpoint's although they move the data
     # position or change the update (hybridflow.trainer.resume.POSITION_AND_UPDATE_KEYS)

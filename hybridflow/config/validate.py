@@ -10,13 +10,13 @@ schema, checked when the recipe loads.
 """
 
 import importlib.util
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 from hybridflow.config.schema import RecipeConfig
 from hybridflow.reward.registry import load_reward_fn
 from hybridflow.utils.hub import HOW_TO_FETCH
+from hybridflow.utils.warning_filters import known_warnings_ignored
 
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
 UPDATE_SIZES = ("ppo_mini_batch_size", "ppo_micro_batch_size", "ppo_epochs")
@@ -148,8 +148,7 @@ def _check_ranges(cfg: RecipeConfig) -> list[str]:
 
 def _engine_validators(cfg: RecipeConfig) -> dict:
     """Section key -> the engine's own check of that section (each raises ValueError)."""
-    with warnings.catch_warnings():  # Megatron-Core warns at import when Apex / TE are absent
-        warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+    with known_warnings_ignored():  # Megatron-Core warns at import when Apex / TE are absent
         from engines.megatron.actor import validate_actor_update_config
         from engines.megatron.critic import validate_critic_update_config
         from engines.megatron.optimizer import validate_optim_config
@@ -184,6 +183,18 @@ def _check_engine_settings(cfg: RecipeConfig, range_errors: list[str]) -> list[s
     return errors
 
 
+def _not_a_directory(key: str, path: str | None, what: str) -> str | None:
+    """The error for a directory setting whose path (or a parent of it) is a file, else None."""
+    if path is None:
+        return None
+    blocking = next((p for p in (Path(path), *Path(path).parents) if p.exists()), None)
+    if blocking is None or blocking.is_dir():
+        return None
+    if blocking == Path(path):
+        return f"{key}={path} is a file; it must be a directory ({what})"
+    return f"{key}={path}: {blocking} is a file, so there can be no directory there ({what})"
+
+
 def _check_paths(cfg: RecipeConfig) -> list[str]:
     errors = []
     models = {"model.path": cfg.model.path, "model.tokenizer_path": cfg.model.tokenizer_path}
@@ -194,15 +205,24 @@ def _check_paths(cfg: RecipeConfig) -> list[str]:
             errors.append("reward_model.enable=true needs reward_model.path (a Hugging Face model directory)")
         models["reward_model.path"] = cfg.reward_model.path
     for key, path in models.items():
-        if path is not None and not (Path(path) / "config.json").is_file():
+        if file_error := _not_a_directory(key, path, "a Hugging Face model directory"):
+            errors.append(file_error)
+        elif path is not None and not (Path(path) / "config.json").is_file():
             errors.append(
                 f"{key}={path} is not a Hugging Face model directory (no config.json there); {HOW_TO_FETCH}"
             )
+    output_dirs = {
+        "trainer.output_dir": (cfg.trainer.output_dir, "where the run writes its outputs"),
+        "trainer.resume_from_path": (cfg.trainer.resume_from_path, "a checkpoints/global_step_N directory"),
+    }
+    errors += [e for key, (path, what) in output_dirs.items() if (e := _not_a_directory(key, path, what))]
     if not cfg.data.train_files:
         errors.append("data.train_files is empty; list the training parquet files")
     for key in ("data.train_files", "data.val_files"):
         errors += [
-            f"{key} has {f}, which does not exist; fix the path"
+            f"{key} has {f}, which is a directory; list the parquet files in it"
+            if Path(f).is_dir()
+            else f"{key} has {f}, which does not exist; fix the path"
             for f in _get(cfg, key)
             if not Path(f).is_file()
         ]

@@ -1,11 +1,18 @@
 """Scores a batch of responses: decode each response, score it, put the score on its last token.
 
+A reward function that raises, or returns something other than a number, stops the run with a
+`RewardFunctionError` naming the function, the response and its data_source (and what it returned
+or raised, with the function's own traceback); a NaN / inf score is a `NonFiniteError`, which
+trainer.nonfinite_policy may skip.
+
 Shapes: B responses, R response positions (right-padded; `response_mask` is 1 up to and
 including EOS).
 """
 
+import inspect
 import math
 import numbers
+import traceback
 
 import torch
 
@@ -15,8 +22,26 @@ from hybridflow.reward.registry import RewardFn
 from hybridflow.utils.nonfinite import NonFiniteError
 
 
+class RewardFunctionError(RuntimeError):
+    """A reward function that raised or returned something other than a number; the message names
+    the function, the response and its data_source. `user_traceback`: the traceback of what the
+    function raised, its own frames only ("" when it returned a wrong value)."""
+
+    def __init__(self, message: str, user_traceback: str = ""):
+        super().__init__(message)
+        self.user_traceback = user_traceback
+
+
 def reward_fn_name(reward_fn: RewardFn) -> str:
     return f"{reward_fn.__module__}.{reward_fn.__qualname__}"
+
+
+def defined_at(fn) -> str:
+    """'file.py:12' where `fn` is defined, or '' when Python cannot tell (a builtin, a C function)."""
+    try:
+        return f"{inspect.getsourcefile(fn)}:{inspect.getsourcelines(fn)[1]}"
+    except (OSError, TypeError):
+        return ""
 
 
 def score_one(reward_fn: RewardFn, row: int, source: str, text: str, ground_truth, extra: dict) -> float:
@@ -26,9 +51,15 @@ def score_one(reward_fn: RewardFn, row: int, source: str, text: str, ground_trut
     try:
         score = reward_fn(source, text, ground_truth, extra)
     except Exception as err:
-        raise RuntimeError(f"{where} raised {type(err).__name__}: {err}") from err
+        # tb_next: from the function's own frame on; this frame is hybridflow's, not the user's
+        user_frames = "".join(traceback.format_exception(type(err), err, err.__traceback__.tb_next))
+        raise RewardFunctionError(f"{where} raised {type(err).__name__}: {err}", user_frames) from err
     if not isinstance(score, numbers.Real):
-        raise TypeError(f"{where} returned {score!r} ({type(score).__name__}); it must return a float")
+        at = defined_at(reward_fn)
+        raise RewardFunctionError(
+            f"{where} returned {score!r} ({type(score).__name__}); it must return a float"
+            + (f" (the function is at {at})" if at else "")
+        )
     if not math.isfinite(score):
         raise NonFiniteError(f"{where} returned {score}; rewards must be finite numbers")
     return float(score)

@@ -33,6 +33,7 @@ from hybridflow.single_controller.errors import worker_error
 from hybridflow.single_controller.resource_pool import RayResourcePool
 from hybridflow.single_controller.worker import RayClassWithInitArgs, free_port, overrides_teardown
 from hybridflow.single_controller.worker_group import WorkerGroup
+from hybridflow.utils import warning_filters
 
 # Arguments worth one object-store copy shared by every rank that reads them.
 _SHARED_TYPES = (DataProto, torch.Tensor, np.ndarray)
@@ -189,7 +190,9 @@ def _start_actors(pool: RayResourcePool, cls_with_init: RayClassWithInitArgs) ->
 
 
 def _with_spmd_env(cls: type) -> type:
-    """`cls` whose constructor first sets the SPMD environment it is given.
+    """`cls` whose constructor first sets the SPMD environment it is given, and silences the
+    third-party warnings known to be harmless (hybridflow.utils.warning_filters) before any role
+    imports an engine.
 
     Passing the environment as a constructor argument, rather than as a per-actor Ray
     runtime_env, lets actors start in Ray's already-running idle worker processes.
@@ -197,6 +200,7 @@ def _with_spmd_env(cls: type) -> type:
 
     def __init__(self, spmd_env: dict[str, str], *args, **kwargs):
         os.environ.update(spmd_env)
+        warning_filters.install()
         cls.__init__(self, *args, **kwargs)
 
     return type(cls.__name__, (cls,), {"__init__": __init__, "__doc__": cls.__doc__})

@@ -12,7 +12,10 @@ Layout under `<output_dir>/checkpoints/`:
 A save writes into `.tmp_global_step_N`, checks that every expected part is there, writes the
 manifest, renames the directory to `global_step_N` (atomic on one filesystem) and then replaces
 `latest` (write a temporary file + os.replace). A crash at any point leaves either the previous
-checkpoint as `latest` or the new one complete. On resume every file is checked against the
+checkpoint as `latest` or the new one complete. A save that fails (a full disk, a worker's error)
+becomes one `CheckpointSaveError` naming the step, the directory, the cause and the checkpoint a
+rerun resumes from; the partial `.tmp_global_step_N` it leaves is removed when the next run
+starts (`remove_partial_saves`). On resume every file is checked against the
 manifest (size and SHA-256, so a file zeroed in place is caught too): in `auto` mode a checkpoint
 that does not match is reported by name and skipped in favour of the previous valid one (or a
 fresh start, said so); a checkpoint named explicitly is refused with a `CheckpointError`.
@@ -32,18 +35,26 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hybridflow.utils.disk import NO_SPACE, free_bytes, free_space_text, human_bytes, is_disk_full
+from hybridflow.utils.teardown import one_line
+
 logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
 TRAINER_STATE = "trainer_state.pt"
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
+PARTIAL_SAVE = ".tmp_global_step_*"
 TRAINER_STATE_VERSION = 1
 MANIFEST_VERSION = 2  # 2: size and SHA-256 of every file (1 had sizes only)
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used, with what is wrong with it."""
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint save that failed: the step, the directory, the cause, and where a rerun resumes."""
 
 
 @dataclass(frozen=True)
@@ -111,14 +122,18 @@ class CheckpointManager:
     """Saves checkpoints atomically under `checkpoint_dir` and finds the one to resume from.
 
     max_to_keep: how many complete checkpoints to keep (oldest deleted first); None keeps all.
+    expected_bytes: about what one checkpoint takes (preflight.checkpoint_size_estimate), to tell a
+    failed save that ran out of space when no error says so (a rank's writer may fail with
+    "unexpected pos" rather than ENOSPC, and the driver sees one rank's error).
     The directory must be on a filesystem every worker writes to (shared storage on several nodes).
     """
 
-    def __init__(self, checkpoint_dir: str | Path, max_to_keep: int | None = None):
+    def __init__(self, checkpoint_dir: str | Path, max_to_keep: int | None = None, expected_bytes: int = 0):
         if max_to_keep is not None and max_to_keep < 1:
             raise ValueError(f"trainer.max_ckpt_to_keep must be >= 1 or null (keep all), got {max_to_keep}")
         self.root = Path(checkpoint_dir)
         self.max_to_keep = max_to_keep
+        self.expected_bytes = expected_bytes
 
     def save(self, step: int, write_fn: Callable[[Path], None], parts: list[str]) -> Path:
         """Calls `write_fn(directory)`, which must create each of `parts` (files or folders named
@@ -140,6 +155,41 @@ class CheckpointManager:
         self._write_latest(final.name)
         self._prune()
         return final
+
+    def save_failed(self, step: int, err: BaseException) -> CheckpointSaveError:
+        """The one-line error for a save of `step` that raised `err` (a worker's error: its cause).
+        Out of space: `err` says so, or the filesystem has less free than a checkpoint takes."""
+        latest = self.latest_step()
+        needed = max(self.expected_bytes, self._size(latest))
+        if is_disk_full(err) or free_bytes(self.root) < needed:
+            space = f"{free_space_text(self.root)} there, a checkpoint needs about {human_bytes(needed)}"
+            reason = f"{NO_SPACE} ({space})"
+        else:
+            reason = one_line(getattr(err, "cause", None) or err)
+        resume = (
+            f"the last complete checkpoint is {self.root / step_dir_name(latest)}, which a rerun resumes from"
+            if latest is not None
+            else "there is no complete checkpoint yet, so a rerun starts from the beginning"
+        )
+        return CheckpointSaveError(
+            f"step {step}: saving the checkpoint into {self.root / f'.tmp_{step_dir_name(step)}'} failed: "
+            f"{reason}; {resume} (trainer.resume_mode=auto, the default)"
+        )
+
+    def _size(self, step: int | None) -> int:
+        """Bytes of the complete checkpoint of `step` (its manifest's sizes); 0 when there is none."""
+        manifest = self.root / step_dir_name(step) / MANIFEST if step is not None else None
+        if manifest is None or not manifest.is_file():
+            return 0
+        return sum(entry["size"] for entry in json.loads(manifest.read_text())["files"].values())
+
+    def remove_partial_saves(self) -> list[Path]:
+        """Deletes the `.tmp_global_step_N` directories of saves that never finished (a crash, a
+        full disk); returns them. Never resumed from, they only hold space."""
+        partial = sorted(self.root.glob(PARTIAL_SAVE)) if self.root.is_dir() else []
+        for path in partial:
+            shutil.rmtree(path)
+        return partial
 
     def _write_latest(self, name: str) -> None:
         tmp = self.root / f".{LATEST}.tmp"

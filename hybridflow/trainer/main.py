@@ -6,23 +6,34 @@
 The recipe is loaded and checked before anything starts: `validate_recipe` (every key, the engine
 validators, each model's config.json) and `check_run_inputs` (weights headers, tokenizer, prompt
 data, resume point). A bad recipe or input exits with status 2 and one line per problem, no
-traceback. Then the resolved recipe goes to <output_dir>/config.yaml, and the trainer
-joins a Ray cluster (RAY_ADDRESS, or one already running on this machine; RAY_ADDRESS=local
-forces a fresh one) or starts a local one sized to the machine, and runs.
+traceback. Then the resolved recipe goes to <output_dir>/config.yaml, an earlier run's unfinished
+checkpoint save is removed (said so on the console), and the trainer joins a Ray cluster
+(RAY_ADDRESS, or one already running on this machine; RAY_ADDRESS=local forces a fresh one) or
+starts a local one sized to the machine, and runs. A run that stops on a non-finite number, a
+refused update, a failing reward function or a failed checkpoint save ends with one `error:`
+line and status 1.
 """
 
 import argparse
 import os
 import signal
 import sys
+from pathlib import Path
 
 from hybridflow.config.loader import load_recipe, write_resolved_recipe
 from hybridflow.config.schema import RecipeConfig
 from hybridflow.config.validate import Layout, validate_recipe
+from hybridflow.reward.manager import RewardFunctionError
+from hybridflow.trainer.checkpoint import CheckpointManager, CheckpointSaveError
 from hybridflow.trainer.preflight import check_run_inputs
 from hybridflow.trainer.resume import ResumePlan, plan_resume
+from hybridflow.utils import warning_filters
 from hybridflow.utils.hub import resolve_recipe_models
-from hybridflow.utils.nonfinite import NonFiniteError
+from hybridflow.utils.nonfinite import StepRefusedError
+from hybridflow.utils.teardown import closing_after
+
+# Errors a run stops with whose message says everything (step, cause, what to do): one line, status 1.
+RUN_STOPPING_ERRORS = (StepRefusedError, CheckpointSaveError, RewardFunctionError)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -43,6 +54,10 @@ def connect_ray(cfg: RecipeConfig) -> None:
 
     if ray.is_initialized():
         return
+    # A failed worker-group call raises its first rank's error here (one `error:` line); the other
+    # ranks' errors of that call, never fetched, would otherwise be dumped by Ray as "Unhandled
+    # error" tracebacks after it, when the process exits.
+    os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
     address = os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, include_dashboard=False, configure_logging=False)
@@ -66,7 +81,14 @@ def prepare(argv: list[str] | None) -> tuple[RecipeConfig, Layout]:
     layout = validate_recipe(cfg)
     check_run_inputs(cfg)
     write_resolved_recipe(cfg, cfg.trainer.output_dir)
+    remove_partial_saves(cfg)
     return cfg, layout
+
+
+def remove_partial_saves(cfg: RecipeConfig) -> None:
+    """An earlier run's unfinished checkpoint save (never resumed from) goes, with a line saying so."""
+    for path in CheckpointManager(Path(cfg.trainer.output_dir) / "checkpoints").remove_partial_saves():
+        print(f"removed {path}: a checkpoint save that did not finish (an earlier run stopped during it)")
 
 
 def connect_and_check_cluster(cfg: RecipeConfig) -> None:
@@ -74,6 +96,7 @@ def connect_and_check_cluster(cfg: RecipeConfig) -> None:
     from hybridflow.launch.cluster import check_cluster_resources
 
     connect_ray(cfg)
+    install_stop_handlers()  # again: ray.init replaced the SIGTERM handler
     check_cluster_resources(cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, cfg.trainer.use_gpu)
 
 
@@ -86,39 +109,93 @@ def run(cfg: RecipeConfig, layout: Layout, resume_plan: ResumePlan | None) -> No
     else:
         from hybridflow.trainer.ppo_trainer import PPOTrainer as Trainer
     roles = start_roles(cfg)
-    try:
+    with closing_after("stopping the workers", roles.shutdown):
         Trainer(cfg, roles, actor_dp=layout.actor_dp).fit(resume_plan)
-    finally:
-        roles.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:
+    warning_filters.install()
+    # a connection the caller made (an in-process call) is the caller's to close
+    disconnect = disconnect_ray if not ray_is_connected() else lambda: None
     try:
         cfg, layout = prepare(argv)
         resume_plan = plan_resume(cfg)  # a bad checkpoint or refused recipe change fails before Ray
         connect_and_check_cluster(cfg)
     except (ValueError, TypeError, OSError) as err:
+        disconnect()
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        disconnect()
         return interrupted()
     try:
-        run(cfg, layout, resume_plan)
+        with closing_after("disconnecting from Ray", disconnect):
+            run(cfg, layout, resume_plan)
     except KeyboardInterrupt:
         return interrupted()
-    except NonFiniteError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+    except RUN_STOPPING_ERRORS as err:
+        return stopped(err)
     return 0
 
 
+def ray_is_connected() -> bool:
+    ray = sys.modules.get("ray")  # not imported: not connected (and no import just to ask)
+    return ray is not None and ray.is_initialized()
+
+
+def disconnect_ray() -> None:
+    """ray.shutdown() now, before the run's last line: Ray forwards its daemons' log lines to the
+    driver until it disconnects (e.g. the GCS failing to reach actors being killed), and at exit
+    they would come after that line."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def stopped(err: Exception) -> int:
+    """One `error:` line, after the user's own traceback when their reward function raised (theirs
+    to debug; hybridflow's frames around it are not shown); status 1."""
+    user_traceback = getattr(err, "user_traceback", "")
+    if user_traceback:
+        print(user_traceback, end="", file=sys.stderr)
+    print(f"error: {err}", file=sys.stderr)
+    return 1
+
+
+class StopSignal:
+    """The signal that stopped the run. The handler raises KeyboardInterrupt for SIGTERM too: Ray's
+    waits turn a KeyboardInterrupt raised inside them into their own plain one, and any other
+    exception into a SystemError, so the exception alone cannot say which signal it was."""
+
+    received = signal.SIGINT
+
+
+def stop_like_ctrl_c(signum: int, frame) -> None:
+    StopSignal.received = signal.Signals(signum)
+    raise KeyboardInterrupt
+
+
+def install_stop_handlers() -> None:
+    """SIGINT and SIGTERM (a scheduler's or `timeout`'s stop) end the run alike: the teardown, one
+    line, the shell's status for the signal. Installed again after ray.init, which sets a SIGTERM
+    handler of its own (sys.exit(15)) and whose core worker adds a crash handler that prints a
+    native stack dump for SIGTERM and sometimes aborts the process."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop_like_ctrl_c)
+
+
 def interrupted() -> int:
-    """SIGINT: one line and the shell's status for it; the last complete checkpoint stays."""
-    print("interrupted (SIGINT): rerun the same command to resume from the last checkpoint", file=sys.stderr)
-    return 130
+    """SIGINT / SIGTERM: one line and the shell's status for it; the last complete checkpoint stays."""
+    sig = StopSignal.received
+    print(
+        f"interrupted ({sig.name}): rerun the same command to resume from the last checkpoint",
+        file=sys.stderr,
+    )
+    return 128 + sig
 
 
 if __name__ == "__main__":
     # run_recipe.sh starts the driver as a background job, which begins with SIGINT ignored
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    install_stop_handlers()
     sys.exit(main())

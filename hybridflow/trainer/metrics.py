@@ -25,8 +25,12 @@ def timer(stage: str, timings: dict[str, float]) -> Iterator[None]:
 
 
 def mean_worker_metrics(output: DataProto) -> dict[str, float]:
-    """The mean of each metric a worker call reported (one value per micro-batch and rank)."""
-    return {key: float(np.mean(values)) for key, values in output.meta_info.get("metrics", {}).items()}
+    """The mean of each metric a worker call reported (one value per micro-batch and rank); the
+    largest value for a metric named `..._max` (e.g. update_ratio_max)."""
+    return {
+        key: float(np.max(values) if key.endswith("_max") else np.mean(values))
+        for key, values in output.meta_info.get("metrics", {}).items()
+    }
 
 
 def batch_metrics(batch: DataProto) -> dict[str, float]:

@@ -19,14 +19,28 @@ from hybridflow.data.prompt_dataset import PromptDataset, collate_prompts
 from hybridflow.protocol import DataProto, DataProtoConfig
 from hybridflow.reward.manager import compute_rewards, sequence_scores
 from hybridflow.reward.registry import load_reward_fn, rule_reward_fn
+from hybridflow.single_controller.errors import WorkerError
 from hybridflow.trainer import core, metrics
 from hybridflow.trainer.balance import balanced_order
-from hybridflow.trainer.checkpoint import CheckpointManager, restore_rng_state, save_trainer_state
+from hybridflow.trainer.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    restore_rng_state,
+    save_trainer_state,
+)
 from hybridflow.trainer.dynamic_sampling import collect_varied_groups
+from hybridflow.trainer.preflight import checkpoint_size_estimate
 from hybridflow.trainer.resume import ResumePlan, plan_resume
 from hybridflow.trainer.roles import RoleGroups, uses_reference
 from hybridflow.trainer.validation import PROMPT_KEYS, run_validation
-from hybridflow.utils.nonfinite import NonFiniteError, nonfinite_update
+from hybridflow.utils.nonfinite import (
+    NonFiniteError,
+    StepRefusedError,
+    UpdateTooLargeError,
+    nonfinite_update,
+    refused_updates,
+)
+from hybridflow.utils.teardown import closing_after
 from hybridflow.utils.tracking import Tracking
 
 FROM_RECIPE = "from_recipe"
@@ -51,9 +65,11 @@ class PPOTrainer:
             cfg.trainer.total_training_steps or len(self.train_loader) * cfg.trainer.total_epochs
         )
         self.output_dir = Path(cfg.trainer.output_dir)
-        self.checkpoints = CheckpointManager(self.output_dir / "checkpoints", cfg.trainer.max_ckpt_to_keep)
+        self.checkpoints = CheckpointManager(
+            self.output_dir / "checkpoints", cfg.trainer.max_ckpt_to_keep, checkpoint_size_estimate(cfg)
+        )
         self.global_step = 0
-        self.skipped_steps = 0  # steps whose update was dropped for a NaN / inf (policy "skip")
+        self.skipped_steps = 0  # steps dropped for a NaN / inf or a too large update (policy "skip")
 
     def _loader(self, files: list[str], max_samples: int | None, train: bool = False) -> ResumableDataLoader:
         data = self.cfg.data
@@ -84,14 +100,12 @@ class PPOTrainer:
             total_steps=self.total_steps,
             resume_step=resumed_step,
         )
-        try:
+        with closing_after("closing the tracker (metrics files, plots)", tracker.close):
             if self.cfg.trainer.val_before_train and self.global_step == 0:
                 tracker.log(self.validate(), step=0)
             self.train(tracker)
             if self.cfg.trainer.export_hf:
                 self.roles.actor_rollout.export_hf(str(self.output_dir / "hf"))
-        finally:
-            tracker.close()
 
     def train(self, tracker: Tracking) -> None:
         """Steps until total_steps, over as many epochs of the data as that takes."""
@@ -111,8 +125,9 @@ class PPOTrainer:
         return batch_dict if batch_dict is not None else next(iter(self.train_loader))
 
     def finite_step(self, batch_dict: dict) -> dict[str, float]:
-        """`step()`, stopped by a NaN / inf reward, loss or grad norm (the workers apply no update
-        whose grad norm is not finite), or with trainer.nonfinite_policy skip, counted instead."""
+        """`step()`, stopped by a NaN / inf reward, loss or grad norm, or by an update beyond
+        max_update_ratio (the workers apply no such optimizer step), or with
+        trainer.nonfinite_policy skip, counted instead."""
         try:
             step_metrics = self.step(batch_dict)
             problems = nonfinite_update(step_metrics)
@@ -120,9 +135,15 @@ class PPOTrainer:
                 raise NonFiniteError(
                     f"{', '.join(problems)} (no optimizer step with a non-finite grad norm was applied)"
                 )
-        except NonFiniteError as err:
+            refused = refused_updates(step_metrics, self.cfg)
+            if refused:
+                raise UpdateTooLargeError(
+                    f"{', '.join(refused)}: an optimizer step would move the weights by that fraction of "
+                    "their norm, a collapse (check the lr); no such step was applied"
+                )
+        except StepRefusedError as err:
             if self.cfg.trainer.nonfinite_policy == "error":
-                raise NonFiniteError(
+                raise type(err)(
                     f"step {self.global_step}: {err}; the run stops with no checkpoint or export of "
                     "this state (trainer.nonfinite_policy=skip skips such steps instead)"
                 ) from None
@@ -256,7 +277,10 @@ class PPOTrainer:
                 extra={"kl_coef": self.kl_ctrl.value, "nonfinite_skipped_steps": self.skipped_steps},
             )
 
-        return self.checkpoints.save(self.global_step, write, parts)
+        try:
+            return self.checkpoints.save(self.global_step, write, parts)
+        except (OSError, WorkerError, CheckpointError) as err:
+            raise self.checkpoints.save_failed(self.global_step, err) from err
 
     def resume(self, plan: ResumePlan | None) -> int | None:
         """Loads the checkpoint of `plan` (see resume.plan_resume) into the workers and the driver;

@@ -1,11 +1,13 @@
 """Driver-side checks of the files a recipe names, after `validate_recipe` and before Ray starts.
 
 `check_run_inputs(cfg)` reads what the workers would otherwise discover only after Ray and
-Megatron have started: each model's safetensors headers (no tensor is loaded), the tokenizer,
-the prompt data (columns, every prompt, the reward inputs, enough rows for a batch) and the
-checkpoint a resume would start from. Each problem raises ValueError / FileNotFoundError naming
-the file (and row) and the fix. The prompt data is tokenized here once more than the trainer
-does it; that costs seconds, a failure in the workers costs minutes.
+Megatron have started: each model's safetensors headers (no tensor is loaded) and every tensor
+shape in them against config.json, the tokenizer, the prompt data (columns, every prompt, the
+reward inputs, enough rows for a batch) and the checkpoint a resume would start from; it warns
+when trainer.output_dir has less free space than one checkpoint needs. Each problem raises
+ValueError / FileNotFoundError naming the file (and row) and the fix. The prompt data is
+tokenized here once more than the trainer does it; that costs seconds, a failure in the workers
+costs minutes.
 """
 
 import json
@@ -25,6 +27,8 @@ from hybridflow.data.prompt_dataset import (
 )
 from hybridflow.reward.registry import RULE_SCORES
 from hybridflow.trainer.checkpoint import LATEST, MANIFEST, STEP_DIR
+from hybridflow.trainer.weight_shapes import Headers, check_weight_shapes, checkpoint_bytes, parameter_count
+from hybridflow.utils.disk import NO_SPACE, free_bytes, human_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -32,15 +36,53 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 
 def check_run_inputs(cfg: RecipeConfig) -> None:
-    for path, key in {path: key for _, key, path in model_dirs(cfg)}.items():  # each directory once
-        check_safetensors(key, Path(path))
+    parameters = check_weights(cfg)
     tokenizer = load_tokenizer(cfg)
     check_data(cfg, tokenizer)
     check_resume_point(cfg)
+    warn_if_a_checkpoint_does_not_fit(cfg, parameters)
 
 
-def check_safetensors(key: str, model_dir: Path) -> None:
-    """Every safetensors file of the model directory exists and has a whole, readable header."""
+def check_weights(cfg: RecipeConfig) -> dict[str, int]:
+    """Each model directory's safetensors headers (read once per directory), and their shapes
+    against its config.json; returns each Megatron role's parameter count."""
+    roles_of: dict[str, tuple[str, list[str]]] = {}  # directory -> (its first key, roles built from it)
+    for role, key, path in model_dirs(cfg):
+        roles_of.setdefault(path, (key, []))[1].append(role)
+    parameters = {}
+    for path, (key, roles) in roles_of.items():
+        headers = check_safetensors(key, Path(path))
+        check_weight_shapes(key, Path(path), headers, value_head="actor" not in roles)
+        parameters.update(dict.fromkeys(roles, parameter_count(headers)))
+    return parameters
+
+
+def checkpoint_size_estimate(cfg: RecipeConfig) -> int:
+    """Bytes one checkpoint of this run takes, about (see weight_shapes.checkpoint_bytes)."""
+    counts = {
+        role: parameter_count(check_safetensors(key, Path(path))) for role, key, path in model_dirs(cfg)
+    }
+    return checkpoint_bytes(cfg, counts)
+
+
+def warn_if_a_checkpoint_does_not_fit(cfg: RecipeConfig, parameters: dict[str, int]) -> None:
+    """A warning when trainer.output_dir's filesystem has less free space than one checkpoint needs."""
+    trainer = cfg.trainer
+    if trainer.save_freq <= 0:
+        return
+    needed, free = checkpoint_bytes(cfg, parameters), free_bytes(trainer.output_dir)
+    if free < needed:
+        logger.warning(
+            "trainer.output_dir=%s has %s free, but one checkpoint (trainer.save_freq=%d) needs about %s "
+            "(parameters of the trained models x their weight and Adam state bytes): the first save will "
+            "fail with '%s'; free space there or choose another trainer.output_dir",
+            trainer.output_dir, human_bytes(free), trainer.save_freq, human_bytes(needed), NO_SPACE,
+        )  # fmt: skip
+
+
+def check_safetensors(key: str, model_dir: Path) -> Headers:
+    """Every safetensors file of the model directory exists and has a whole, readable header;
+    returns each tensor's shape and file (from the headers: no tensor is read)."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -54,15 +96,18 @@ def check_safetensors(key: str, model_dir: Path) -> None:
             f"{key}={model_dir} has neither model.safetensors nor model.safetensors.index.json; the "
             "model's weights must be there"
         )
+    headers = {}
     for name in files:
         file = model_dir / name
         if not file.is_file():
             raise FileNotFoundError(f"{key}: {file}, listed in {index.name}, does not exist")
         try:
             with safe_open(file, framework="pt") as weights:
-                weights.keys()
+                for tensor in weights.keys():  # noqa: SIM118 (safe_open is not iterable)
+                    headers[tensor] = (tuple(weights.get_slice(tensor).get_shape()), name)
         except SafetensorError as err:
             raise ValueError(f"{key}: {file} is not a complete safetensors file ({err})") from None
+    return headers
 
 
 def load_tokenizer(cfg: RecipeConfig):

@@ -6,16 +6,18 @@
 #
 # Devices come from the Slurm step: SLURM_CPUS_ON_NODE CPUs, SLURM_GPUS_ON_NODE GPUs (0 when the
 # allocation has none). The node is labelled slurm-node=<Slurm node name> so the launcher can name
-# nodes that failed to join. `ray start --block` runs in its own session, so its process group
-# holds every Ray process of this node (GCS, raylet, dashboard and runtime-env agents, workers).
-# On SIGTERM / SIGINT (srun's teardown) or when `ray start` ends, it gets SIGTERM to stop what it
-# started, then whatever of its group is still there after HYBRIDFLOW_RAY_STOP_GRACE_S (default
-# 10) seconds is killed: agents that would otherwise wait a minute to notice their raylet is gone.
-# The script exits only once the group is empty.
+# nodes that failed to join. `ray start --block` runs in its own session, which holds every Ray
+# process of this node (GCS, raylet, dashboard and runtime-env agents, and the workers, each in a
+# process group of its own). On SIGTERM / SIGINT (srun's teardown) or when `ray start` ends, it
+# gets SIGTERM to stop what it started, then whatever of its session is still there after
+# HYBRIDFLOW_RAY_STOP_GRACE_S (default 10) seconds is killed: agents and workers that would
+# otherwise wait to notice their raylet is gone. The script exits only once the session is empty,
+# or that many seconds after the SIGKILL, naming what is still running (scripts/lib/session.sh).
 set -euo pipefail
 
 role="$1" head_ip="$2" port="$3" temp_dir="$4"
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+source "$here/../lib/session.sh"
 node_address_py="$here/../../hybridflow/launch/node_address.py"
 
 if [[ $role == head ]]; then
@@ -50,27 +52,19 @@ case "$role" in
     ;;
 esac
 
-group_alive() { kill -0 -- "-$ray_pid" 2>/dev/null; }
-stop_group() {  # SIGTERM to `ray start`, then SIGKILL to the group after the grace period
+stop_ray() {  # SIGTERM to `ray start`, which stops what it started; then the rest of its session
   kill -TERM "$ray_pid" 2>/dev/null || true
-  local waited=0
-  while group_alive && ((waited < grace_s * 10)); do
-    sleep 0.1
-    waited=$((waited + 1))
-  done
-  if group_alive; then
-    echo "[ray_node] killing the Ray processes still running after ${grace_s}s" >&2
-    kill -KILL -- "-$ray_pid" 2>/dev/null || true
-  fi
-  while group_alive; do sleep 0.1; done  # killed processes are gone once reaped
+  session_gone_within "$ray_pid" "$grace_s" && return 0
+  echo "[ray_node] killing the Ray processes still running after ${grace_s}s" >&2
+  kill_and_wait_session "$ray_pid" "$grace_s" "[ray_node]" || true
 }
 # Not a process-group leader (no job control here), so setsid execs in place: $! is `ray start`,
-# and its PID is the new session's and group's ID.
+# and its PID is the new session's ID.
 setsid "$HYBRIDFLOW_RAY" "${args[@]}" &
 ray_pid=$!
-trap 'stop_group; exit 143' TERM
-trap 'stop_group; exit 130' INT
+trap 'stop_ray; exit 143' TERM
+trap 'stop_ray; exit 130' INT
 status=0
 wait "$ray_pid" || status=$?
-stop_group
+stop_ray
 exit "$status"
