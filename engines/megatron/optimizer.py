@@ -198,8 +198,9 @@ def adamw_delta(param, grad, exp_avg, exp_avg_sq, step: int, group: dict) -> tor
     return -lr * group["weight_decay"] * param - lr / (1 - beta1**t) * exp_avg / denom  # (n,)
 
 
-def _steps_taken(state: dict) -> int:
-    step = state.get("step", 0)
+def _steps_taken(state: dict, group: dict) -> int:
+    """Adam steps taken so far: torch keeps the count per parameter, Apex's FusedAdam per group."""
+    step = state.get("step", group.get("step", 0))
     return int(step.item() if torch.is_tensor(step) else step)
 
 
@@ -220,7 +221,7 @@ def _update_squares(param, group: dict, state: dict, grad_scale: float) -> torch
     zero = torch.zeros_like(param)
     tensors = (param, param.grad, state.get("exp_avg", zero), state.get("exp_avg_sq", zero))
     chunks = [t.reshape(-1).split(UPDATE_CHUNK) for t in tensors]
-    steps = _steps_taken(state)
+    steps = _steps_taken(state, group)
     squares = torch.zeros(2, dtype=torch.float64, device=param.device)
     for w, g, m, v in zip(*chunks, strict=True):
         delta = adamw_delta(w.float(), g.float() * grad_scale, m.float(), v.float(), steps, group)  # (n,)

@@ -8,6 +8,7 @@ is refused with the config keys involved, instead of surfacing in the workers af
 Megatron started. `checkpoint_bytes` estimates one checkpoint from the parameter counts.
 """
 
+import math
 import re
 from pathlib import Path
 
@@ -95,13 +96,7 @@ def check_weight_shapes(key: str, model_dir: Path, headers: Headers, value_head:
 
 
 def parameter_count(headers: Headers) -> int:
-    count = 0
-    for shape, _ in headers.values():
-        size = 1
-        for dim in shape:
-            size *= dim
-        count += size
-    return count
+    return sum(math.prod(shape) for shape, _ in headers.values())
 
 
 def checkpoint_bytes(cfg: RecipeConfig, parameters: dict[str, int]) -> int:
