@@ -16,6 +16,7 @@ from hybridflow.utils.tiny_model import build_tokenizer, make_tiny_model
 
 CALL = '<tool_call>\n{"name": "calculator", "arguments": %s}\n</tool_call>'
 QUESTION, ANSWER = "What is 12*34+1?", "409"
+CHECK_EVERY, MARGIN = 10, 1.0  # memorisation check: steps between, nats of margin
 MALFORMED = [
     '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1+"}\n</tool_call>',  # bad JSON
     '<tool_call>\n{"arguments": {"expression": "1+1"}}\n</tool_call>',  # no name
@@ -57,19 +58,44 @@ def make_tool_using_model(out_dir: Path) -> Path:
     return make_tool_model(out_dir, texts)
 
 
-def make_tool_model(out_dir: Path, transcripts: list[str], steps: int = 300, lr: float = 3e-3) -> Path:
-    """The tiny model at `out_dir`, trained until greedy decoding reproduces `transcripts`."""
+def make_tool_model(out_dir: Path, transcripts: list[str], max_steps: int = 400, lr: float = 3e-3) -> Path:
+    """The tiny model at `out_dir`, trained until greedy decoding reproduces every assistant turn
+    of `transcripts` with a margin (checked every CHECK_EVERY steps; an error after max_steps)."""
     model_dir = make_tiny_model(out_dir, seed=1)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     batch = tokenizer(transcripts, padding=True, return_tensors="pt", add_special_tokens=False)
     labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)  # (B, T)
+    targets = assistant_token_mask(batch["input_ids"], tokenizer)  # (B, T)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     torch.manual_seed(0)
-    for _ in range(steps):
-        loss = model(**batch, labels=labels).loss
-        loss.backward()
+    for step in range(max_steps + 1):
+        out = model(**batch, labels=labels)
+        if step % CHECK_EVERY == 0 and greedy_reproduces(out.logits, batch["input_ids"], targets):
+            model.save_pretrained(model_dir)
+            return model_dir
+        out.loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-    model.save_pretrained(model_dir)
-    return model_dir
+    raise RuntimeError(f"the tool model did not memorise its transcripts in {max_steps} steps")
+
+
+def assistant_token_mask(input_ids: torch.Tensor, tokenizer) -> torch.Tensor:
+    """True (B, T) on the tokens of assistant turns: after `<|assistant|>`, up to its EOS included."""
+    start, end = tokenizer.convert_tokens_to_ids("<|assistant|>"), tokenizer.eos_token_id
+    mask = torch.zeros_like(input_ids, dtype=torch.bool)
+    for row, ids in enumerate(input_ids.tolist()):
+        inside = False
+        for t, token in enumerate(ids):
+            mask[row, t] = inside
+            inside = token == start or (inside and token != end)
+    return mask
+
+
+def greedy_reproduces(logits: torch.Tensor, input_ids: torch.Tensor, targets: torch.Tensor) -> bool:
+    """Every target token is the argmax after its prefix, by at least MARGIN nats over the next
+    best, so greedy decoding in another engine (vLLM) replays it despite rounding differences."""
+    top2 = logits[:, :-1].log_softmax(-1).topk(2, dim=-1)  # values/indices (B, T-1, 2)
+    right = top2.indices[..., 0] == input_ids[:, 1:]
+    clear = top2.values[..., 0] - top2.values[..., 1] >= MARGIN
+    return bool(((right & clear) | ~targets[:, 1:]).all())
