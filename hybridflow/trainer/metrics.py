@@ -6,7 +6,7 @@ Names are the ones metrics.jsonl promises (`reward/mean`, `response_length/mean`
 """
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 import numpy as np
@@ -57,16 +57,19 @@ def batch_metrics(batch: DataProto) -> dict[str, float]:
         metrics["critic/returns_mean"] = masked_mean(tensors["returns"], response_mask).item()
     if "ref_log_prob" in tensors:
         metrics["kl/mean"] = policy_ref_kl(tensors["old_log_probs"], tensors["ref_log_prob"], response_mask)
-    return metrics | agent_metrics(batch)
+    return metrics | agent_metrics(batch.non_tensor_batch)
 
 
-def agent_metrics(batch: DataProto) -> dict[str, float]:
-    """Per-trajectory means of agent loops' counts (turns, tool calls, tool errors, tool tokens)."""
-    return {
-        f"agent/{key.removeprefix('agent_')}/mean": float(np.mean(values))
-        for key, values in batch.non_tensor_batch.items()
-        if key.startswith("agent_")
-    }
+def agent_metrics(non_tensors: Mapping[str, np.ndarray], prefix: str = "agent") -> dict[str, float]:
+    """Per-trajectory means of agent loops' counts (`agent_<name>` arrays: turns, tool calls, tool
+    errors, tool tokens), and `tool_success_rate`: the share of trajectories in which at least one
+    tool call ran without error."""
+    counts = {k.removeprefix("agent_"): v for k, v in non_tensors.items() if k.startswith("agent_")}
+    out = {f"{prefix}/{name}/mean": float(np.mean(values)) for name, values in counts.items()}
+    if "tool_calls" in counts:
+        succeeded = np.asarray(counts["tool_calls"]) > np.asarray(counts["tool_errors"])
+        out[f"{prefix}/tool_success_rate"] = float(np.mean(succeeded))
+    return out
 
 
 def policy_ref_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, response_mask: torch.Tensor) -> float:

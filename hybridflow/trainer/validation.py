@@ -1,5 +1,5 @@
 """Validation: greedy responses to the validation prompts, scored by the rule reward; accuracy
-overall and per data source."""
+overall and per data source, and with an agent loop its tool-call counts (val/agent/...)."""
 
 from collections import defaultdict
 
@@ -8,6 +8,7 @@ import numpy as np
 from hybridflow.protocol import DataProto, DataProtoConfig
 from hybridflow.reward.manager import sequence_scores
 from hybridflow.reward.registry import RewardFn
+from hybridflow.trainer.metrics import agent_metrics
 
 PROMPT_KEYS = ["input_ids", "attention_mask", "position_ids"]
 
@@ -26,7 +27,7 @@ def run_validation(actor_rollout, batches, tokenizer, reward_fn: RewardFn) -> di
     """Generates with the rollout's validation sampling (greedy by default) for every batch of
     prompts and scores the responses. With the rule reward and format_score 0 the mean score is
     the accuracy."""
-    scores, sources = [], []
+    scores, sources, agent_counts = [], [], defaultdict(list)
     for batch_dict in batches:
         batch = DataProto.from_single_dict(batch_dict)
         prompts = batch.pop(batch_keys=PROMPT_KEYS)
@@ -35,4 +36,8 @@ def run_validation(actor_rollout, batches, tokenizer, reward_fn: RewardFn) -> di
         batch = batch.union(actor_rollout.generate_sequences(prompts))
         scores += sequence_scores(batch, tokenizer, reward_fn).tolist()
         sources += list(batch.non_tensor_batch["data_source"])
-    return accuracy_metrics(scores, sources)
+        for key, values in batch.non_tensor_batch.items():
+            if key.startswith("agent_"):
+                agent_counts[key] += values.tolist()
+    agent = agent_metrics({key: np.array(values) for key, values in agent_counts.items()}, "val/agent")
+    return accuracy_metrics(scores, sources) | agent

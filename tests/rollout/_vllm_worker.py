@@ -52,6 +52,7 @@ from hybridflow.protocol import DataProto
 
 PROMPTS = 32
 RESPONSE_LENGTH = 16
+LONG_PROMPT = 400  # tokens; the tiny model's context is 512
 TIE = 1e-4
 LOG_PROB_TOLERANCE = 1e-4
 TEMPERATURE = 0.8
@@ -219,6 +220,21 @@ def check_requests_equal_batch(engine: VLLMRolloutEngine, cfg: RolloutConfig, pr
     say("requests-equal-batch")
 
 
+def check_prompts_beyond_one_step(engine: VLLMRolloutEngine) -> None:
+    """More prompt tokens than one engine step schedules, every request seeded: the prefills span
+    several steps and sampling still works (with chunked prefill vLLM 0.32 fails here on CPU)."""
+    budget = engine.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    rows, width = budget // LONG_PROMPT + 2, LONG_PROMPT
+    ids = torch.randint(7, 100, (rows, width), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    positions = torch.arange(width).expand(rows, width)
+    prompts = DataProto.from_dict({"input_ids": ids, "attention_mask": mask, "position_ids": positions})
+    prompts.meta_info.update({"validate": False, "seed": 5})
+    out = engine.generate_sequences(prompts)
+    assert bool((out.batch["response_mask"].sum(-1) > 0).all()), "a request sampled nothing"
+    say("beyond-one-step")
+
+
 def check_bad_stream(manager, edit, expected: str) -> None:
     """A sync whose stream `edit` changes on rank 1 must fail on every rank, naming the tensor."""
     real = megatron_weights.iter_hf_tensors
@@ -279,6 +295,7 @@ def main(hf_dir: Path, out_dir: Path) -> None:
     check_seeds(vllm_manager, vllm_engine, make_prompts(validate=False))
     if world == 1:
         check_requests_equal_batch(vllm_engine, vllm_cfg, make_prompts(validate=False))
+        check_prompts_beyond_one_step(vllm_engine)
     if four:
         check_bad_stream(vllm_manager, lambda name, t: (name.replace("layers", "layer"), t), "layer.")
         say("wrong-name")

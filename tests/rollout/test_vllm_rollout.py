@@ -37,7 +37,7 @@ def checkpoint(tmp_path_factory):
     ("nproc", "checks"),
     [
         (4, ["greedy-equals-hf", "log-probs-match", "seeds", "wrong-name", "wrong-shape", "verify-catches"]),
-        (1, ["greedy-equals-hf", "log-probs-match", "seeds", "requests-equal-batch"]),
+        (1, ["greedy-equals-hf", "log-probs-match", "seeds", "requests-equal-batch", "beyond-one-step"]),
         (2, ["greedy-equals-hf", "log-probs-match", "seeds"]),
     ],
     ids=["actor-tp2-pp2", "actor-tp1", "actor-tp2-vllm-tp2"],
@@ -71,6 +71,10 @@ def test_engine_args_on_cpu_and_cuda():
     assert cpu["enforce_eager"] and cpu["kv_cache_memory_bytes"] == 1 << 30
     assert (cpu["seed"], cpu["max_model_len"], cpu["skip_tokenizer_init"]) == (3, 1024, True)
     assert "enable_sleep_mode" not in cpu and "distributed_executor_backend" not in cpu
+    assert cpu["enable_chunked_prefill"] is False
+    chunked = dataclasses.replace(cfg, vllm={"enable_chunked_prefill": True})
+    with pytest.raises(ValueError, match=r"rollout\.vllm\.enable_chunked_prefill"):
+        vllm_engine_args(chunked, "/m", on_cuda=False, uses_stop=False)
     assert cpu["logprobs_mode"] == "processed_logprobs" and cpu["generation_config"] == "vllm"
     tp2 = dataclasses.replace(cfg, tensor_model_parallel_size=2, gpu_memory_utilization=0.3, vllm={})
     cuda = vllm_engine_args(tp2, "/m", on_cuda=True, uses_stop=True)
