@@ -40,6 +40,8 @@ def paths(local) -> list[str]:
         ("recipes/quickstart_sft.yaml", []),
         ("recipes/quickstart.yaml", []),
         ("recipes/quickstart.yaml", ["algorithm.adv_estimator=gae", "critic.enable=true"]),
+        ("recipes/tool_demo_sft.yaml", []),
+        ("recipes/tool_demo.yaml", []),
     ],
 )
 def test_recipes_pass_the_recipe_check_on_two_cpu_processes(local, recipe, extra):
@@ -51,9 +53,10 @@ def test_recipes_pass_the_recipe_check_on_two_cpu_processes(local, recipe, extra
     assert cfg.trainer.export_hf
 
 
-def test_rl_recipe_starts_from_the_sft_export():
-    sft = load_recipe(ROOT / "recipes/quickstart_sft.yaml")
-    rl = load_recipe(ROOT / "recipes/quickstart.yaml")
+@pytest.mark.parametrize("name", ["quickstart", "tool_demo"])
+def test_rl_recipe_starts_from_the_sft_export(name):
+    sft = load_recipe(ROOT / f"recipes/{name}_sft.yaml")
+    rl = load_recipe(ROOT / f"recipes/{name}.yaml")
     assert rl.model.path == f"{sft.trainer.output_dir}/hf"
     assert sft.data.train_files == rl.data.train_files and sft.data.val_files == rl.data.val_files
 
@@ -100,9 +103,11 @@ def test_sft_dataset_drops_long_rows_and_rejects_all_dropped(local):
 def test_quickstart_script_help_and_bad_argument():
     script = ROOT / "scripts/quickstart.sh"
     shown = subprocess.run(["bash", script, "--help"], capture_output=True, text=True, check=True)
-    assert "--ppo" in shown.stdout and "--fresh" in shown.stdout and "--engine" in shown.stdout
+    assert all(flag in shown.stdout for flag in ("--tools", "--ppo", "--fresh", "--engine"))
     assert "set -euo" not in shown.stdout  # the help is the header comment only
     bad = subprocess.run(["bash", script, "--fast"], capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown argument: --fast" in bad.stderr
     engine = subprocess.run(["bash", script, "--engine", "trt"], capture_output=True, text=True)
     assert engine.returncode == 2 and "--engine takes hf or vllm, got 'trt'" in engine.stderr
+    tools_hf = subprocess.run(["bash", script, "--tools", "--engine", "hf"], capture_output=True, text=True)
+    assert tools_hf.returncode == 2 and "--tools needs --engine vllm" in tools_hf.stderr

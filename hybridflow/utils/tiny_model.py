@@ -58,6 +58,8 @@ class TinyModelConfig:
     num_experts_per_tok: int = 2
     moe_intermediate_size: int = 128
     norm_topk_prob: bool = True
+    # multi-character tokens after the bytes (a BPE vocabulary's pieces, e.g. "<tool_call>")
+    added_tokens: tuple[str, ...] = ()
 
     def validate(self) -> None:
         if self.arch not in ARCHS:
@@ -220,6 +222,7 @@ def make_tiny_model(out_dir: str | Path, *, sharded: bool = False, **overrides) 
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     tokenizer.model_max_length = cfg.max_position_embeddings
+    tokenizer.add_tokens(list(cfg.added_tokens))
     model = build_model(cfg, tokenizer)
     if sharded:
         total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
