@@ -11,7 +11,7 @@
 # usage: bash scripts/quickstart.sh [--tools] [--ppo] [--engine hf|vllm] [--fresh]
 #   --tools        the tool-use demo (outputs/tool_demo; its rollout engine is vllm)
 #   --ppo          PPO with a critic (GAE) instead of GRPO
-#   --engine NAME  the RL stage's rollout engine (default: the recipe's; README has both timings)
+#   --engine NAME  the RL stage's rollout engine (default: the recipe's; docs/engines.md compares them)
 #   --fresh        delete the outputs first; otherwise finished stages are kept and an
 #                  interrupted RL stage resumes from its last checkpoint
 set -euo pipefail
