@@ -224,9 +224,11 @@ def _build_llm(engine_args: dict[str, Any]):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     # vLLM's INFO/WARNING lines repeat on every rank at every start; VLLM_LOGGING_LEVEL shows them.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    # also before the import: some modules log while vLLM's handlers are not configured yet
+    # (e.g. "Triton is installed, but doesn't include CPU backend"), through logging's fallback
+    logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"])
     from vllm import LLM
 
-    logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"])
     return LLM(**engine_args)
 
 

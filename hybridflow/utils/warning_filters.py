@@ -4,8 +4,8 @@
 process setup) and in the driver, so that a normal run prints hybridflow's own lines and progress
 and nothing else. Each entry says what the warning is about and why it does not apply; any warning
 not listed, and every warning of hybridflow's own, still prints. Seen in a quickstart run on the
-pinned versions (Megatron-Core 0.16.1, torch 2.13 on CPU); torch itself warned about nothing
-there. vLLM silences its own logging where its engine starts.
+pinned versions (Megatron-Core 0.16.1, torch 2.13 on CPU, vLLM 0.32.0); torch itself warned
+about nothing there. vLLM's own logging is set to ERROR where its engine starts.
 """
 
 import warnings
@@ -20,6 +20,7 @@ class KnownWarning:
     module: str  # regular expression matched against the start of the warning module's name
     why: str  # why it is harmless for hybridflow
     only_without_cuda: bool = False  # harmless on CPU machines only: GPU runs still show it
+    category: type[Warning] = UserWarning
 
 
 KNOWN_HARMLESS = (
@@ -48,6 +49,13 @@ KNOWN_HARMLESS = (
         "a speed hint about ordering CUDA streams; a CPU run has none (on GPUs it stays visible)",
         only_without_cuda=True,
     ),
+    KnownWarning(
+        r"`torch\.distributed\.reduce_op` is deprecated",
+        r"vllm\.triton_utils\.dispatcher",
+        "vLLM's kernel dispatcher looks at every attribute of the modules it scans when its engine "
+        "starts, torch's deprecated alias included; neither vLLM nor hybridflow uses the alias",
+        category=FutureWarning,
+    ),
 )
 
 
@@ -60,7 +68,7 @@ def install(cuda_available: bool | None = None) -> None:
         cuda_available = torch.cuda.is_available()
     for known in KNOWN_HARMLESS:
         if not (known.only_without_cuda and cuda_available):
-            warnings.filterwarnings("ignore", known.message, UserWarning, known.module)
+            warnings.filterwarnings("ignore", known.message, known.category, known.module)
 
 
 @contextmanager
