@@ -4,11 +4,11 @@ A custom reward function has the fixed signature
 `fn(data_source, solution_str, ground_truth, extra_info) -> float` (tests pin it).
 """
 
-import importlib
 import inspect
 from collections.abc import Callable
 
 from hybridflow.reward import gsm8k, math_reward
+from hybridflow.utils.imports import import_by_path
 
 RewardFn = Callable[[str, str, str, dict], float]
 REWARD_FN_PARAMETERS = ("data_source", "solution_str", "ground_truth", "extra_info")
@@ -38,13 +38,7 @@ def rule_reward_fn(format_score: float = 0.0) -> RewardFn:
 def load_reward_fn(dotted_path: str) -> RewardFn:
     """Imports `package.module.fn` and checks it takes
     (data_source, solution_str, ground_truth, extra_info)."""
-    module_name, _, fn_name = dotted_path.rpartition(".")
-    if not module_name:
-        raise ValueError(f"reward.custom_fn={dotted_path!r} must be a dotted path 'package.module.function'")
-    try:
-        fn = getattr(importlib.import_module(module_name), fn_name)
-    except (ImportError, AttributeError) as err:
-        raise ValueError(f"reward.custom_fn={dotted_path!r} cannot be imported: {err}") from err
+    fn = import_by_path(dotted_path, "reward.custom_fn", "package.module.function")
     names = tuple(inspect.signature(fn).parameters)[: len(REWARD_FN_PARAMETERS)]
     if names != REWARD_FN_PARAMETERS:
         raise TypeError(

@@ -7,13 +7,14 @@ against `parameters` (tool_parser.run_tool_calls does it); it raises ToolError f
 cannot serve, and that message is what the model reads back.
 """
 
-import importlib
 import inspect
 import re
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import jsonschema
+
+from hybridflow.utils.imports import import_by_path
 
 # The function-name rule of the OpenAI tools API, which chat templates (Qwen, Hermes) follow.
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -35,13 +36,7 @@ class Tool(Protocol):
 
 def load_tool(dotted_path: str, **kwargs: Any) -> Tool:
     """Imports `package.module.Name`: a Tool class (built with kwargs) or a Tool instance."""
-    module_name, _, attribute = dotted_path.rpartition(".")
-    if not module_name:
-        raise ValueError(f"tool {dotted_path!r} must be a dotted path 'package.module.ToolClass'")
-    try:
-        obj = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as err:
-        raise ValueError(f"tool {dotted_path!r} cannot be imported: {err}") from err
+    obj = import_by_path(dotted_path, "rollout.agent.tools", "package.module.ToolClass")
     if inspect.isclass(obj):
         tool = obj(**kwargs)
     elif kwargs:
