@@ -80,6 +80,11 @@ def validate_recipe(cfg: RecipeConfig, cuda_available: bool | None = None) -> La
             errors += _check_batch_sizes(cfg, layout)
     errors += _check_token_budgets(cfg)
     errors += _check_agent_tools(cfg)
+    if cfg.actor.lora.rank:
+        errors.append(
+            f"actor.lora.rank={cfg.actor.lora.rank}: the trainer does not run LoRA yet (the Megatron "
+            "adapters exist, docs/lora.md; weight sync and checkpoints do not handle them); set it to 0"
+        )
     if errors:
         raise RecipeError(errors)
     return layout
@@ -156,6 +161,7 @@ def _engine_validators(cfg: RecipeConfig) -> dict:
     checks = {
         "actor.optim": lambda: validate_optim_config(cfg.actor.optim),
         "actor.update": lambda: validate_actor_update_config(cfg.actor.update),
+        "actor.lora": cfg.actor.lora.__post_init__,  # re-run, as for rollout below
         "rollout": cfg.rollout.__post_init__,  # re-run: the recipe may have been changed after loading
         "rollout.sampling": cfg.rollout.sampling.__post_init__,
         "rollout.val_sampling": cfg.rollout.val_sampling.__post_init__,
@@ -356,6 +362,7 @@ def model_dirs(cfg: RecipeConfig) -> list[tuple[str, str, str]]:
 def _check_models(cfg: RecipeConfig, path_errors: list[str]) -> list[str]:
     """Each model's config.json is supported, its layers and heads split over the role's TP / PP
     sizes, and the longest sequence (prompt + response) fits its position embeddings."""
+    from engines.megatron.lora import validate_lora_layout
     from engines.megatron.model import expert_tp_size, load_hf_config
     from engines.megatron.parallel import validate_moe_training, validate_parallel_layout
 
@@ -380,6 +387,8 @@ def _check_models(cfg: RecipeConfig, path_errors: list[str]) -> list[str]:
             )
             if role != "reward_model":  # the reward model only runs forward
                 validate_moe_training(hf_config, megatron)
+            if role == "actor":
+                validate_lora_layout(hf_config, megatron, cfg.actor.lora, _transformer_engine_usable())
         except ValueError as err:
             errors.append(f"{role}.megatron does not fit the model in {path}: {err}")
         if longest > hf_config.max_position_embeddings:

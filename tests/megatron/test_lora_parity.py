@@ -1,0 +1,152 @@
+"""LoRA on the Megatron actor equals transformers + peft with the same adapters, at TP 1, TP 2
+and PP 2 (one torchrun launch each, _lora_parity.py): logits with adapters on and off, the
+adapters exported back, one update's adapter gradients and grad norm, the adapters after one
+AdamW step, base weights frozen and out of the optimizer.
+
+The adapters are peft's own, drawn nonzero (B too), so a misplaced row of a fused q/k/v or
+gate/up adapter changes the logits.
+"""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from _train_settings import OPTIM
+from launch import run_distributed
+from tiny_hf import make_tiny_hf_checkpoint, padded_batch
+
+pytestmark = pytest.mark.slow
+
+LORA = dict(
+    rank=4, alpha=8.0, dropout=0.0, target_modules=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+)
+HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LAUNCHES = [("tp1", 1, 1, 1), ("tp2", 2, 2, 1), ("pp2", 2, 1, 2)]  # (tag, nproc, tp, pp)
+PROMPT_LEN, RESPONSE_LEN, VOCAB = 5, 4, 200  # PROMPT_LEN: _model_parity_worker.nll_loss's
+OPTIM_CONSTANT = dataclasses.replace(OPTIM, lr_decay_style="constant")
+
+
+def peft_model(hf_dir):
+    """transformers + peft with nonzero seeded adapters on every projection (dropout 0)."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    config = peft.LoraConfig(
+        r=LORA["rank"], lora_alpha=LORA["alpha"], lora_dropout=0.0, target_modules=HF_TARGETS
+    )
+    model = peft.get_peft_model(base, config)
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(0.2 * torch.randn(param.shape, generator=gen))
+    return model
+
+
+def nll(logits, batch):
+    logp = torch.log_softmax(logits[:, PROMPT_LEN - 1 : -1], dim=-1)  # (B, R, V)
+    mask = batch["response_mask"].float()
+    return -(logp.gather(-1, batch["responses"][..., None]).squeeze(-1) * mask).sum() / mask.sum()
+
+
+def saved_name(name: str) -> str:
+    """peft's in-memory parameter name -> its adapter_model.safetensors key."""
+    return name.replace(".default.", ".")
+
+
+def peft_reference(hf_dir, batch) -> dict:
+    """Logits on / off, adapters, NLL gradients, grad norm, one AdamW step."""
+    from peft import get_peft_model_state_dict
+
+    model = peft_model(hf_dir)
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
+    adapters = {k: v.clone() for k, v in get_peft_model_state_dict(model).items()}
+    with torch.no_grad(), model.disable_adapter():
+        base_logits = model(**inputs).logits
+    logits = model(**inputs).logits
+    nll(logits, batch).backward()
+    params = {saved_name(n): p for n, p in model.named_parameters() if p.requires_grad}
+    grads = {n: p.grad.clone() for n, p in params.items()}
+    grad_norm = torch.nn.utils.clip_grad_norm_(list(params.values()), OPTIM.clip_grad).item()
+    opt = torch.optim.AdamW(
+        list(params.values()),
+        lr=OPTIM.lr,
+        weight_decay=OPTIM.weight_decay,  # Megatron-Core decays every 2-D parameter
+        betas=(OPTIM.adam_beta1, OPTIM.adam_beta2),
+        eps=OPTIM.adam_eps,
+    )
+    opt.step()
+    stepped = {n: p.detach().clone() for n, p in params.items()}
+    return dict(logits=logits.detach(), base_logits=base_logits, adapters=adapters, grads=grads,
+                grad_norm=grad_norm, stepped=stepped)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora_parity")
+    hf_dir = make_tiny_hf_checkpoint(root / "hf", num_layers=4, vocab_size=VOCAB, seed=3)
+    batch = padded_batch([3, 5, 2, 4], [4, 2, 4, 1], PROMPT_LEN, RESPONSE_LEN, VOCAB, seed=1)
+    reference = peft_reference(hf_dir, batch)
+    torch.save(batch, root / "batch.pt")
+    torch.save(reference["adapters"], root / "adapters.pt")
+    (root / "lora.json").write_text(json.dumps(LORA))
+    for tag, nproc, tp, pp in LAUNCHES:
+        run_distributed("_lora_parity.py", nproc, root, tp, pp, tag, timeout=300)
+    return {
+        "batch": batch,
+        "reference": reference,
+        **{tag: torch.load(root / f"{tag}.pt") for tag, *_ in LAUNCHES},
+    }
+
+
+def assert_close(actual, expected, name, tol=1e-5):
+    torch.testing.assert_close(actual, expected, rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
+
+
+def assert_all_close(actual: dict, expected: dict, tol=1e-5):
+    assert sorted(actual) == sorted(expected)
+    for name in expected:
+        assert_close(actual[name], expected[name], name, tol)
+
+
+TAGS = [tag for tag, *_ in LAUNCHES]
+
+
+@pytest.mark.parametrize("tag", TAGS)
+def test_logits_equal_peft_with_adapters_on_and_off(runs, tag):
+    real = runs["batch"]["attention_mask"].bool()
+    ref = runs["reference"]
+    assert (ref["logits"] - ref["base_logits"])[real].abs().max() > 0.1  # the adapters matter
+    assert_close(runs[tag]["logits"][real], ref["logits"][real], "logits")
+    assert_close(runs[tag]["base_logits"][real], ref["base_logits"][real], "logits, adapters disabled")
+
+
+@pytest.mark.parametrize("tag", TAGS)
+def test_adapters_export_in_peft_names_bit_for_bit(runs, tag):
+    expected = runs["reference"]["adapters"]
+    exported = runs[tag]["exported"]
+    assert sorted(exported) == sorted(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(exported[name], tensor), name
+
+
+@pytest.mark.parametrize("tag", TAGS)
+def test_one_update_gradients_and_step_equal_the_single_process_reference(runs, tag):
+    ref, run = runs["reference"], runs[tag]
+    assert_all_close(run["grads"], ref["grads"])
+    assert run["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+    assert ref["grad_norm"] > OPTIM.clip_grad  # clipping (with the duplicate-free norm) matters
+    assert_all_close(run["stepped"], ref["stepped"])
+
+
+@pytest.mark.parametrize("tag", TAGS)
+def test_base_weights_are_frozen_and_only_adapters_are_optimized(runs, tag):
+    per_rank = runs[tag]["per_rank"]
+    for rank in per_rank:
+        assert rank["base_moved"] == [] and rank["base_with_grad"] == []
+        assert rank["optimizer_is_adapters"] and rank["trainable"] > 0
+    whole = sum(t.numel() for t in runs["reference"]["adapters"].values())
+    if tag == "tp1":
+        assert per_rank[0]["trainable"] == whole
