@@ -366,25 +366,69 @@ def adapter_tensor_shapes(hf: HFModelConfig, lora: LoraConfig) -> Iterator[tuple
                 yield g, target, i, "B", (out, lora.rank)
 
 
-def iter_lora_tensors(chunks) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (peft name, whole tensor) of every adapter of the model, in layer order, on every rank.
+class WholeAdapters:
+    """Whole adapter tensors of one model on every rank of its model-parallel group, fetched one
+    at a time in the same order on every rank (collective): the owning pipeline stage assembles
+    each over its TP group and broadcasts it over the pipeline group."""
 
-    Collective over the model-parallel group like `weights.iter_hf_tensors`: the owning pipeline
-    stage assembles each tensor over its TP group and broadcasts it over the pipeline group."""
-    from megatron.core import parallel_state
+    def __init__(self, chunks):
+        from megatron.core import parallel_state
 
-    model = unwrap_model(chunks[0])
-    hf = model.hf_config
-    pp = parallel_state.get_pipeline_model_parallel_world_size()
-    pp_group = parallel_state.get_pipeline_model_parallel_group()
-    local = {(g, adapter.layout.target): adapter for g, adapter in adapters(chunks)}
-    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-    for g, target, i, which, shape in adapter_tensor_shapes(hf, model.lora_config):
-        owned = local.get((g, target))
+        model = unwrap_model(chunks[0])
+        self.hf, self.lora, self.dtype = model.hf_config, model.lora_config, model.config.params_dtype
+        self.pp = parallel_state.get_pipeline_model_parallel_world_size()
+        self.pp_group = parallel_state.get_pipeline_model_parallel_group()
+        self.local = {(g, adapter.layout.target): adapter for g, adapter in adapters(chunks)}
+        self.device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+
+    def get(self, g: int, target: str, part: int, which: str, shape: tuple) -> torch.Tensor:
+        owned = self.local.get((g, target))
         if owned is not None:
-            tensor = _whole(owned, i, which)
+            tensor = _whole(owned, part, which)
         else:
-            tensor = torch.empty(shape, dtype=model.config.params_dtype, device=device)
-        if pp > 1:
-            dist.broadcast(tensor, group=pp_group, group_src=g // (hf.num_hidden_layers // pp))
-        yield f"{peft_name(g, TARGETS[target][2][i])}.lora_{which}.weight", tensor
+            tensor = torch.empty(shape, dtype=self.dtype, device=self.device)
+        if self.pp > 1:
+            stage = g // (self.hf.num_hidden_layers // self.pp)
+            dist.broadcast(tensor, group=self.pp_group, group_src=stage)
+        return tensor
+
+
+def iter_lora_tensors(chunks) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (peft name, whole tensor) of every adapter of the model, in layer order, on every
+    rank. Collective over the model-parallel group like `weights.iter_hf_tensors`."""
+    whole = WholeAdapters(chunks)
+    for g, target, i, which, shape in adapter_tensor_shapes(whole.hf, whole.lora):
+        yield (
+            f"{peft_name(g, TARGETS[target][2][i])}.lora_{which}.weight",
+            whole.get(g, target, i, which, shape),
+        )
+
+
+def lora_merger(chunks):
+    """None for a model without adapters; else `merge(hf_name, tensor)`, which returns the base
+    HF tensor plus `(B @ A) * alpha / rank` of its adapter (peft's merge order) or the tensor
+    itself. Collective for adapted tensors: call it for every HF tensor, in the same order on
+    every rank (as `weights.iter_hf_tensors` does)."""
+    model = unwrap_model(chunks[0])
+    lora = getattr(model, "lora_config", None)
+    if lora is None or not lora.rank:
+        return None
+    whole, scale = WholeAdapters(chunks), lora.alpha / lora.rank
+    adapted = {
+        f"model.layers.{g}.{part}.weight": (g, target, i, shape)
+        for g in range(whole.hf.num_hidden_layers)
+        for target in lora.target_modules
+        for i, (part, shape) in enumerate(
+            zip(TARGETS[target][2], _part_shapes(whole.hf, target), strict=True)
+        )
+    }
+
+    def merge(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name not in adapted:
+            return tensor
+        g, target, i, (out, width) = adapted[name]
+        a = whole.get(g, target, i, "A", (lora.rank, width))  # (r, in)
+        b = whole.get(g, target, i, "B", (out, lora.rank))  # (out, r)
+        return tensor + (b @ a) * scale  # (out, in)
+
+    return merge

@@ -9,7 +9,9 @@ ROOT holds `hf/` (tiny checkpoint), `adapters.pt` (peft-named adapter tensors, n
 - `grads`: the adapters' gradients of a token-mean NLL through Megatron's schedule and DDP,
   `grad_norm` of the optimizer step that follows, `stepped` the adapters after it;
 - `base_moved`: base tensors the step changed (must be none), `trainable` / `optimized`: the
-  number of elements with requires_grad on this rank's model and in the optimizer's groups.
+  number of elements with requires_grad on this rank's model and in the optimizer's groups;
+- `merged`: the merged weight stream (`iter_hf_tensors`) with the loaded adapters, and
+  `merged_after_step` / `stepped` the stream and the adapters after the step.
 """
 
 import dataclasses
@@ -32,6 +34,7 @@ from engines.megatron.model import build_model, unwrap_model
 from engines.megatron.optimizer import build_optimizer
 from engines.megatron.parallel import init_megatron
 from engines.megatron.training import optimizer_step
+from engines.megatron.weights import iter_hf_tensors
 from hybridflow.protocol import DataProto
 
 PROMPT_LEN = 5
@@ -91,6 +94,7 @@ def train_one_step(hf_dir, cfg, lora, tensors, data, total_tokens, vocab_size) -
         "base_with_grad": [n for n, p in base_params(model) if p.requires_grad or hasattr(p, "main_grad")],
         "optimizer_is_adapters": optimized == {id(p) for p in trainable},
         "trainable": sum(p.numel() for p in trainable),
+        "merged_after_step": dict(iter_hf_tensors(chunks, model.hf_config)),
     }
 
 
@@ -109,6 +113,7 @@ def main(root: Path, tp: int, pp: int, tag: str) -> None:
     with adapters_disabled(chunks):
         results["base_logits"] = last_stage_value(full_logits(chunks, data, vocab_size))
     results["exported"] = dict(iter_lora_tensors(chunks))
+    results["merged"] = dict(iter_hf_tensors(chunks, unwrap_model(chunks[0]).hf_config))
     total_tokens = batch["response_mask"].sum().item()
     step = train_one_step(hf_dir, cfg, lora, tensors, data, total_tokens, vocab_size)
     gathered = [None] * dist.get_world_size()

@@ -1,7 +1,8 @@
 """LoRA on the Megatron actor equals transformers + peft with the same adapters, at TP 1, TP 2
 and PP 2 (one torchrun launch each, _lora_parity.py): logits with adapters on and off, the
 adapters exported back, one update's adapter gradients and grad norm, the adapters after one
-AdamW step, base weights frozen and out of the optimizer.
+AdamW step, base weights frozen and out of the optimizer, and the merged weight stream: equal to
+peft's merge_and_unload() of the same adapters, and after the step made of the stepped adapters.
 
 The adapters are peft's own, drawn nonzero (B too), so a misplaced row of a fused q/k/v or
 gate/up adapter changes the logits.
@@ -57,14 +58,19 @@ def saved_name(name: str) -> str:
 
 
 def peft_reference(hf_dir, batch) -> dict:
-    """Logits on / off, adapters, NLL gradients, grad norm, one AdamW step."""
+    """Logits on / off, adapters, base and merged weights, NLL gradients, grad norm, one AdamW step."""
+    import copy
+
     from peft import get_peft_model_state_dict
 
     model = peft_model(hf_dir)
+    merged = {k: v.detach() for k, v in copy.deepcopy(model).merge_and_unload().state_dict().items()}
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
     adapters = {k: v.clone() for k, v in get_peft_model_state_dict(model).items()}
     with torch.no_grad(), model.disable_adapter():
         base_logits = model(**inputs).logits
+    base = {k.replace("base_model.model.", "").replace(".base_layer", ""): v.detach().clone()
+            for k, v in model.state_dict().items() if "lora_" not in k}  # fmt: skip
     logits = model(**inputs).logits
     nll(logits, batch).backward()
     params = {saved_name(n): p for n, p in model.named_parameters() if p.requires_grad}
@@ -80,7 +86,7 @@ def peft_reference(hf_dir, batch) -> dict:
     opt.step()
     stepped = {n: p.detach().clone() for n, p in params.items()}
     return dict(logits=logits.detach(), base_logits=base_logits, adapters=adapters, grads=grads,
-                grad_norm=grad_norm, stepped=stepped)  # fmt: skip
+                grad_norm=grad_norm, stepped=stepped, merged=merged, base=base)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -150,3 +156,23 @@ def test_base_weights_are_frozen_and_only_adapters_are_optimized(runs, tag):
     whole = sum(t.numel() for t in runs["reference"]["adapters"].values())
     if tag == "tp1":
         assert per_rank[0]["trainable"] == whole
+
+
+@pytest.mark.parametrize("tag", TAGS)
+def test_merged_weight_stream_equals_peft_merge_and_unload(runs, tag):
+    merged, expected = runs[tag]["merged"], runs["reference"]["merged"]
+    assert sorted(merged) == sorted(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(merged[name], tensor), name
+
+
+@pytest.mark.parametrize("tag", TAGS)
+def test_merged_stream_after_a_step_carries_the_stepped_adapters(runs, tag):
+    before, after, stepped = runs[tag]["merged"], runs[tag]["merged_after_step"], runs[tag]["stepped"]
+    scale = LORA["alpha"] / LORA["rank"]
+    for name, tensor in runs["reference"]["base"].items():
+        module = f"base_model.model.{name.removesuffix('.weight')}"
+        a, b = stepped.get(f"{module}.lora_A.weight"), stepped.get(f"{module}.lora_B.weight")
+        expected = tensor if a is None else tensor + (b @ a) * scale
+        assert torch.equal(after[name], expected), name
+        assert a is None or not torch.equal(after[name], before[name]), name
