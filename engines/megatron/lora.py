@@ -35,10 +35,12 @@ Not supported yet (refused by `validate_lora_layout`): Transformer Engine's fuse
 Shapes: s sequence, b batch, r rank, P parts of a fused linear.
 """
 
+import json
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -432,3 +434,38 @@ def lora_merger(chunks):
         return tensor + (b @ a) * scale  # (out, in)
 
     return merge
+
+
+def save_peft_adapter(chunks, out_dir) -> None:
+    """Write the adapters as a peft adapter directory (`adapter_config.json` +
+    `adapter_model.safetensors`) that `peft.PeftModel.from_pretrained(<HF model>, out_dir)` loads.
+    Collective like `iter_lora_tensors`; global rank 0 writes."""
+    from safetensors.torch import save_file
+
+    model = unwrap_model(chunks[0])
+    tensors = {name: tensor.cpu() for name, tensor in iter_lora_tensors(chunks)}
+    if dist.get_rank() == 0:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+        config = peft_adapter_config(model.lora_config, model.hf_config.source_dir)
+        (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    dist.barrier()
+
+
+def peft_adapter_config(lora: LoraConfig, base_model: str) -> dict:
+    """peft's adapter_config.json for these adapters (the fields peft 0.21's LoraConfig reads;
+    the rest keep peft's defaults): the HF module names, scale alpha / r, no bias training."""
+    modules = [_key(part) for target in lora.target_modules for part in TARGETS[target][2]]
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": modules,
+        "bias": "none",
+        "use_rslora": False,
+        "fan_in_fan_out": False,
+    }

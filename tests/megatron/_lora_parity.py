@@ -12,6 +12,7 @@ ROOT holds `hf/` (tiny checkpoint), `adapters.pt` (peft-named adapter tensors, n
   number of elements with requires_grad on this rank's model and in the optimizer's groups;
 - `merged`: the merged weight stream (`iter_hf_tensors`) with the loaded adapters, and
   `merged_after_step` / `stepped` the stream and the adapters after the step.
+ROOT/peft_TAG is the loaded adapters saved as a peft adapter directory.
 """
 
 import dataclasses
@@ -29,7 +30,7 @@ from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_regi
 
 from engines.megatron.config import LoraConfig, MegatronConfig
 from engines.megatron.forward import run_micro_batches
-from engines.megatron.lora import adapters_disabled, iter_lora_tensors, load_lora_tensors
+from engines.megatron.lora import adapters_disabled, iter_lora_tensors, load_lora_tensors, save_peft_adapter
 from engines.megatron.model import build_model, unwrap_model
 from engines.megatron.optimizer import build_optimizer
 from engines.megatron.parallel import init_megatron
@@ -114,6 +115,7 @@ def main(root: Path, tp: int, pp: int, tag: str) -> None:
         results["base_logits"] = last_stage_value(full_logits(chunks, data, vocab_size))
     results["exported"] = dict(iter_lora_tensors(chunks))
     results["merged"] = dict(iter_hf_tensors(chunks, unwrap_model(chunks[0]).hf_config))
+    save_peft_adapter(chunks, root / f"peft_{tag}")
     total_tokens = batch["response_mask"].sum().item()
     step = train_one_step(hf_dir, cfg, lora, tensors, data, total_tokens, vocab_size)
     gathered = [None] * dist.get_world_size()

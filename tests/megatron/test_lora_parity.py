@@ -101,6 +101,8 @@ def runs(tmp_path_factory):
     for tag, nproc, tp, pp in LAUNCHES:
         run_distributed("_lora_parity.py", nproc, root, tp, pp, tag, timeout=300)
     return {
+        "root": root,
+        "hf": hf_dir,
         "batch": batch,
         "reference": reference,
         **{tag: torch.load(root / f"{tag}.pt") for tag, *_ in LAUNCHES},
@@ -176,3 +178,20 @@ def test_merged_stream_after_a_step_carries_the_stepped_adapters(runs, tag):
         expected = tensor if a is None else tensor + (b @ a) * scale
         assert torch.equal(after[name], expected), name
         assert a is None or not torch.equal(after[name], before[name]), name
+
+
+@pytest.mark.parametrize("tag", TAGS)
+def test_peft_loads_the_exported_adapter_directory_and_reproduces_the_logits(runs, tag):
+    from peft import PeftModel, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(runs["hf"], dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, runs["root"] / f"peft_{tag}")
+    loaded = get_peft_model_state_dict(model)
+    assert sorted(loaded) == sorted(runs["reference"]["adapters"])
+    for name, tensor in runs["reference"]["adapters"].items():
+        assert torch.equal(loaded[name], tensor), name
+    batch, real = runs["batch"], runs["batch"]["attention_mask"].bool()
+    with torch.no_grad():
+        logits = model(**{k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}).logits
+    assert_close(logits[real], runs[tag]["logits"][real], "logits of the peft-loaded export")
