@@ -40,6 +40,7 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -229,6 +230,61 @@ def _add_adapter_output(module, args, kwargs, output):
     return out + adapter(x), bias
 
 
+# ---------------------------------------------------------------- distributed checkpoints
+
+
+def _sharded_state_dict_with_adapter(
+    linear, base_sharded_state_dict, prefix="", sharded_offsets=(), metadata=None
+):
+    """The linear's Megatron sharded state dict with its adapter's tensors sharded like the base
+    weight. Megatron-Core's own would store the adapter (a child module's tensors, outside its
+    axis map) as replicated: one TP rank's B rows under the whole name, the others' lost."""
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+    state = base_sharded_state_dict(prefix, sharded_offsets, metadata)
+    base = {key: value for key, value in state.items() if not key.startswith(f"{prefix}lora.")}
+    adapter = linear.lora
+    check_evenly_sharded(adapter.layout)
+    adapter_state = make_sharded_tensors_for_checkpoint(
+        adapter.state_dict(prefix="", keep_vars=True),
+        f"{prefix}lora.",
+        tp_axes(adapter.layout),
+        sharded_offsets,
+        tp_group=linear.tp_group,
+        dp_cp_group=metadata["dp_cp_group"],
+    )
+    return {**base, **adapter_state}
+
+
+def tp_axes(layout: AdapterLayout) -> dict[str, int]:
+    """The adapter tensors split over TP and their split axis (the others are whole on every rank)."""
+    keys = [_key(part) for part in layout.parts]
+    if layout.parallel == "row":
+        return {f"lora_A.{key}": 1 for key in keys}
+    return {f"lora_B.{key}": 0 for key in keys}
+
+
+def check_evenly_sharded(layout: AdapterLayout) -> None:
+    """Checkpoints store a split tensor as equal contiguous chunks, one per TP rank: true for
+    every part unless TP exceeds the KV heads (then a rank's fused QKV rows hold no k or v)."""
+    if layout.parallel == "row":
+        return
+    for i, part in enumerate(layout.parts):
+        index, out = layout.b_index(i), layout.shapes[i][0]
+        size = len(index)
+        first = int(index[0]) if size else 0
+        if (
+            not size
+            or out % size
+            or first % size
+            or not torch.equal(index, torch.arange(first, first + size))
+        ):
+            raise ValueError(
+                f"LoRA checkpoints of {part} need tensor_model_parallel_size to divide the number of "
+                "KV heads (each rank's slice of the fused QKV rows then holds whole q, k and v parts)"
+            )
+
+
 # ---------------------------------------------------------------- attaching, switching off
 
 
@@ -254,6 +310,9 @@ def attach_lora(model, lora: LoraConfig) -> None:
         layout = adapter_layout(model.hf_config, target, tp_rank, tp)
         linear.lora = LoraAdapter(layout, lora, model.config.params_dtype, linear.weight.device)
         linear.register_forward_hook(_add_adapter_output, with_kwargs=True)
+        linear.sharded_state_dict = partial(
+            _sharded_state_dict_with_adapter, linear, linear.sharded_state_dict
+        )
         load_adapter_tensors(linear.lora, initial_adapter_tensors(g, layout, lora))
     model.lora_config = lora
 

@@ -12,7 +12,10 @@ ROOT holds `hf/` (tiny checkpoint), `adapters.pt` (peft-named adapter tensors, n
   number of elements with requires_grad on this rank's model and in the optimizer's groups;
 - `merged`: the merged weight stream (`iter_hf_tensors`) with the loaded adapters, and
   `merged_after_step` / `stepped` the stream and the adapters after the step.
-ROOT/peft_TAG is the loaded adapters saved as a peft adapter directory.
+ROOT/peft_TAG is the loaded adapters saved as a peft adapter directory. The SAVING layout then
+saves its stepped actor (model, optimizer, LR schedule) to ROOT/checkpoint and records the
+adapters after one more step (`next_step`); the others restore a fresh actor from that checkpoint
+(`resumed`: `loaded` adapters, and `next_step` after one more step).
 """
 
 import dataclasses
@@ -28,18 +31,22 @@ from _train_parity import last_stage_value
 from _train_settings import OPTIM
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
+from engines.megatron.checkpoint import load_checkpoint, save_checkpoint
 from engines.megatron.config import LoraConfig, MegatronConfig
 from engines.megatron.forward import run_micro_batches
 from engines.megatron.lora import adapters_disabled, iter_lora_tensors, load_lora_tensors, save_peft_adapter
 from engines.megatron.model import build_model, unwrap_model
 from engines.megatron.optimizer import build_optimizer
 from engines.megatron.parallel import init_megatron
-from engines.megatron.training import optimizer_step
+from engines.megatron.training import optimizer_step, train_step
 from engines.megatron.weights import iter_hf_tensors
 from hybridflow.protocol import DataProto
 
-PROMPT_LEN = 5
 MICRO_BATCH = 2
+OPTIM_CONSTANT = dataclasses.replace(OPTIM, lr_decay_style="constant")
+
+
+SAVING = "tp2"  # runs first
 
 
 def full_logits(chunks, data, vocab_size):
@@ -77,7 +84,7 @@ def train_one_step(hf_dir, cfg, lora, tensors, data, total_tokens, vocab_size) -
     load_lora_tensors(chunks, tensors)
     model = unwrap_model(chunks[0])
     base_before = {n: p.detach().clone() for n, p in base_params(model)}
-    optimizer, scheduler = build_optimizer(chunks, dataclasses.replace(OPTIM, lr_decay_style="constant"), cfg)
+    optimizer, scheduler = build_optimizer(chunks, OPTIM_CONSTANT, cfg)
     loss = partial(nll_loss, vocab_size, total_tokens, len(data) // MICRO_BATCH)
     for chunk in chunks:  # train_step's parts, to read the gradients before clipping scales them
         chunk.train()
@@ -87,7 +94,7 @@ def train_one_step(hf_dir, cfg, lora, tensors, data, total_tokens, vocab_size) -
     metrics = optimizer_step(optimizer, scheduler)
     optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
     trainable = [p for p in model.parameters() if p.requires_grad]
-    return {
+    result = {
         "grads": grads,
         "grad_norm": metrics["grad_norm"],
         "stepped": dict(iter_lora_tensors(chunks)),
@@ -97,6 +104,23 @@ def train_one_step(hf_dir, cfg, lora, tensors, data, total_tokens, vocab_size) -
         "trainable": sum(p.numel() for p in trainable),
         "merged_after_step": dict(iter_hf_tensors(chunks, model.hf_config)),
     }
+    return result, (chunks, optimizer, scheduler), loss
+
+
+def next_step(actor, data, loss) -> dict[str, torch.Tensor]:
+    """The adapters after one more step of `actor` (chunks, optimizer, scheduler) on `data`."""
+    chunks, optimizer, scheduler = actor
+    train_step(chunks, optimizer, scheduler, data, MICRO_BATCH, loss)
+    return dict(iter_lora_tensors(chunks))
+
+
+def resumed(hf_dir, cfg, lora, checkpoint, data, loss) -> dict:
+    """A fresh LoRA actor restored from `checkpoint`: its adapters, then after one more step."""
+    chunks = build_model(hf_dir, cfg, lora=lora)
+    optimizer, scheduler = build_optimizer(chunks, OPTIM_CONSTANT, cfg)
+    load_checkpoint(chunks, optimizer, scheduler, checkpoint)
+    loaded = dict(iter_lora_tensors(chunks))
+    return {"loaded": loaded, "next_step": next_step((chunks, optimizer, scheduler), data, loss)}
 
 
 def main(root: Path, tp: int, pp: int, tag: str) -> None:
@@ -117,7 +141,12 @@ def main(root: Path, tp: int, pp: int, tag: str) -> None:
     results["merged"] = dict(iter_hf_tensors(chunks, unwrap_model(chunks[0]).hf_config))
     save_peft_adapter(chunks, root / f"peft_{tag}")
     total_tokens = batch["response_mask"].sum().item()
-    step = train_one_step(hf_dir, cfg, lora, tensors, data, total_tokens, vocab_size)
+    step, actor, loss = train_one_step(hf_dir, cfg, lora, tensors, data, total_tokens, vocab_size)
+    if tag == SAVING:
+        save_checkpoint(*actor, root / "checkpoint")
+        results["next_step"] = next_step(actor, data, loss)
+    else:
+        results["resumed"] = resumed(hf_dir, cfg, lora, root / "checkpoint", data, loss)
     gathered = [None] * dist.get_world_size()
     own = ("base_moved", "base_with_grad", "optimizer_is_adapters", "trainable")
     dist.all_gather_object(gathered, {k: step.pop(k) for k in own})

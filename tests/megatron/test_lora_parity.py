@@ -23,7 +23,8 @@ LORA = dict(
     rank=4, alpha=8.0, dropout=0.0, target_modules=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
 )
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-LAUNCHES = [("tp1", 1, 1, 1), ("tp2", 2, 2, 1), ("pp2", 2, 1, 2)]  # (tag, nproc, tp, pp)
+# (tag, nproc, tp, pp); tp2 saves the checkpoint the others resume from (_lora_parity.SAVING)
+LAUNCHES = [("tp2", 2, 2, 1), ("tp1", 1, 1, 1), ("pp2", 2, 1, 2)]
 PROMPT_LEN, RESPONSE_LEN, VOCAB = 5, 4, 200  # PROMPT_LEN: _model_parity_worker.nll_loss's
 OPTIM_CONSTANT = dataclasses.replace(OPTIM, lr_decay_style="constant")
 
@@ -195,3 +196,15 @@ def test_peft_loads_the_exported_adapter_directory_and_reproduces_the_logits(run
     with torch.no_grad():
         logits = model(**{k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}).logits
     assert_close(logits[real], runs[tag]["logits"][real], "logits of the peft-loaded export")
+
+
+@pytest.mark.parametrize("tag", ["tp1", "pp2"])
+def test_adapter_checkpoint_saved_at_tp2_resumes_at_another_layout(runs, tag):
+    saved, resumed = runs["tp2"], runs[tag]["resumed"]
+    assert sorted(resumed["loaded"]) == sorted(saved["stepped"])
+    for name, tensor in saved["stepped"].items():
+        assert torch.equal(resumed["loaded"][name], tensor), name
+    # the step after resuming needs the adapters' Adam moments and the LR schedule restored
+    assert_all_close(resumed["next_step"], saved["next_step"])
+    moved = [n for n, t in saved["next_step"].items() if not torch.equal(t, saved["stepped"][n])]
+    assert len(moved) == len(saved["stepped"])
