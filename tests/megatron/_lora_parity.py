@@ -5,6 +5,7 @@
 ROOT holds `hf/` (tiny checkpoint), `adapters.pt` (peft-named adapter tensors, nonzero) and
 `batch.pt`; `lora.json` the LoraConfig fields. Rank 0 writes ROOT/TAG.pt with:
 - `logits` / `base_logits`: full-vocabulary logits (B, T, V) with the adapters on / disabled;
+  `dropout_logits` in train mode with adapter dropout from a fixed generator state;
 - `exported`: `iter_lora_tensors` after loading `adapters.pt` (the round trip);
 - `grads`: the adapters' gradients of a token-mean NLL through Megatron's schedule and DDP,
   `grad_norm` of the optimizer step that follows, `stepped` the adapters after it;
@@ -34,7 +35,13 @@ from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_regi
 from engines.megatron.checkpoint import load_checkpoint, save_checkpoint
 from engines.megatron.config import LoraConfig, MegatronConfig
 from engines.megatron.forward import run_micro_batches
-from engines.megatron.lora import adapters_disabled, iter_lora_tensors, load_lora_tensors, save_peft_adapter
+from engines.megatron.lora import (
+    adapters,
+    adapters_disabled,
+    iter_lora_tensors,
+    load_lora_tensors,
+    save_peft_adapter,
+)
 from engines.megatron.model import build_model, unwrap_model
 from engines.megatron.optimizer import build_optimizer
 from engines.megatron.parallel import init_megatron
@@ -57,6 +64,19 @@ def full_logits(chunks, data, vocab_size):
 
     results = run_micro_batches(chunks, data, MICRO_BATCH, gather, forward_only=True)
     return torch.cat(results)[..., :vocab_size] if results else None
+
+
+def dropout_logits(chunks, data, vocab_size):
+    """Logits in train mode with adapter dropout 0.3, from a fixed generator state."""
+    for _, adapter in adapters(chunks):
+        adapter.dropout = 0.3
+    for chunk in chunks:
+        chunk.train()
+    torch.manual_seed(123)
+    logits = full_logits(chunks, data, vocab_size)
+    for _, adapter in adapters(chunks):
+        adapter.dropout = 0.0
+    return logits
 
 
 def adapter_gradients(chunks) -> dict[str, torch.Tensor]:
@@ -137,6 +157,7 @@ def main(root: Path, tp: int, pp: int, tag: str) -> None:
     results = {"logits": last_stage_value(full_logits(chunks, data, vocab_size))}
     with adapters_disabled(chunks):
         results["base_logits"] = last_stage_value(full_logits(chunks, data, vocab_size))
+    results["dropout_logits"] = last_stage_value(dropout_logits(chunks, data, vocab_size))
     results["exported"] = dict(iter_lora_tensors(chunks))
     results["merged"] = dict(iter_hf_tensors(chunks, unwrap_model(chunks[0]).hf_config))
     save_peft_adapter(chunks, root / f"peft_{tag}")

@@ -208,3 +208,13 @@ def test_adapter_checkpoint_saved_at_tp2_resumes_at_another_layout(runs, tag):
     assert_all_close(resumed["next_step"], saved["next_step"])
     moved = [n for n, t in saved["next_step"].items() if not torch.equal(t, saved["stepped"][n])]
     assert len(moved) == len(saved["stepped"])
+
+
+def test_adapter_dropout_masks_do_not_depend_on_tensor_parallelism(runs):
+    """Every TP rank draws the same mask over the whole input (column-parallel ranks use it all,
+    row-parallel ranks their columns), so TP 2 drops what TP 1 drops; masks that differed between
+    ranks would mix differently dropped rows into one output."""
+    real = runs["batch"]["attention_mask"].bool()
+    tp1, tp2 = runs["tp1"]["dropout_logits"][real], runs["tp2"]["dropout_logits"][real]
+    assert (tp1 - runs["tp1"]["logits"][real]).abs().max() > 0.1  # dropout acted
+    assert_close(tp2, tp1, "logits with adapter dropout")
