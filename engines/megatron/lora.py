@@ -528,3 +528,31 @@ def peft_adapter_config(lora: LoraConfig, base_model: str) -> dict:
         "use_rslora": False,
         "fan_in_fan_out": False,
     }
+
+
+def parameter_counts(chunks, optimizer=None) -> dict[str, int]:
+    """Elements of the whole model, trainable (the adapters under LoRA) and in all (with the padded
+    vocabulary rows), each counted once over the model-parallel group (a TP duplicate on TP rank
+    0, a tied output copy on the embedding's stage only); with `optimizer`, the bytes of this
+    rank's optimizer state (Adam's moments, present after the first step)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+    from megatron.core.transformer.module import param_is_not_shared
+
+    counted = [
+        p
+        for chunk in chunks
+        for p in unwrap_model(chunk).parameters()
+        if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)
+    ]
+    counts = torch.tensor(
+        [sum(p.numel() for p in counted if p.requires_grad), sum(p.numel() for p in counted)]
+    )
+    if torch.cuda.is_available():  # NCCL reduces device tensors only
+        counts = counts.cuda()
+    dist.all_reduce(counts, group=parallel_state.get_model_parallel_group())
+    result = {"trainable_params": int(counts[0]), "total_params": int(counts[1])}
+    if optimizer is not None:
+        state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
+        result["optimizer_state_bytes"] = sum(t.numel() * t.element_size() for t in state)
+    return result

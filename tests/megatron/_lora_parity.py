@@ -40,6 +40,7 @@ from engines.megatron.lora import (
     adapters_disabled,
     iter_lora_tensors,
     load_lora_tensors,
+    parameter_counts,
     save_peft_adapter,
 )
 from engines.megatron.model import build_model, unwrap_model
@@ -123,6 +124,7 @@ def train_one_step(hf_dir, cfg, lora, tensors, data, total_tokens, vocab_size) -
         "optimizer_is_adapters": optimized == {id(p) for p in trainable},
         "trainable": sum(p.numel() for p in trainable),
         "merged_after_step": dict(iter_hf_tensors(chunks, model.hf_config)),
+        "counts": parameter_counts(chunks, optimizer),
     }
     return result, (chunks, optimizer, scheduler), loss
 
@@ -169,7 +171,7 @@ def main(root: Path, tp: int, pp: int, tag: str) -> None:
     else:
         results["resumed"] = resumed(hf_dir, cfg, lora, root / "checkpoint", data, loss)
     gathered = [None] * dist.get_world_size()
-    own = ("base_moved", "base_with_grad", "optimizer_is_adapters", "trainable")
+    own = ("base_moved", "base_with_grad", "optimizer_is_adapters", "trainable", "counts")
     dist.all_gather_object(gathered, {k: step.pop(k) for k in own})
     results.update(step, per_rank=gathered)
     if dist.get_rank() == 0:

@@ -26,6 +26,7 @@ HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 # (tag, nproc, tp, pp); tp2 saves the checkpoint the others resume from (_lora_parity.SAVING)
 LAUNCHES = [("tp2", 2, 2, 1), ("tp1", 1, 1, 1), ("pp2", 2, 1, 2)]
 PROMPT_LEN, RESPONSE_LEN, VOCAB = 5, 4, 200  # PROMPT_LEN: _model_parity_worker.nll_loss's
+PADDED_VOCAB = 256  # VOCAB rounded up to a multiple of 128 x TP (make_vocab_size_divisible_by)
 OPTIM_CONSTANT = dataclasses.replace(OPTIM, lr_decay_style="constant")
 
 
@@ -159,6 +160,19 @@ def test_base_weights_are_frozen_and_only_adapters_are_optimized(runs, tag):
     whole = sum(t.numel() for t in runs["reference"]["adapters"].values())
     if tag == "tp1":
         assert per_rank[0]["trainable"] == whole
+
+
+@pytest.mark.parametrize("tag", TAGS)
+def test_parameter_counts_and_optimizer_state_cover_the_adapters_only(runs, tag):
+    adapters = sum(t.numel() for t in runs["reference"]["adapters"].values())
+    base = sum(t.numel() for t in runs["reference"]["base"].values())
+    hidden = runs["reference"]["base"]["lm_head.weight"].shape[1]
+    base += 2 * (PADDED_VOCAB - VOCAB) * hidden  # Megatron's padded rows of the embedding and head
+    for rank in runs[tag]["per_rank"]:  # the same whole-model counts on every rank
+        assert rank["counts"]["trainable_params"] == adapters
+        assert rank["counts"]["total_params"] == base + adapters
+        # Adam's two fp32 moments of this rank's adapters (and nothing for the frozen base)
+        assert rank["counts"]["optimizer_state_bytes"] == 2 * 4 * rank["trainable"]
 
 
 @pytest.mark.parametrize("tag", TAGS)
