@@ -23,11 +23,15 @@ Whole-on-every-rank tensors are marked as tensor-parallel duplicates (Megatron's
 `tensor_model_parallel=False`), so the grad norm counts them once.
 
 Initial values do not depend on the layout: each adapter tensor is drawn whole from a generator
-seeded by `lora.seed` and its index, then sliced. A is peft's default (kaiming-uniform with
+seeded by `lora.seed` and the tensor's name, then sliced. A is peft's default (kaiming-uniform with
 a=sqrt(5): U(-1/sqrt(in), 1/sqrt(in))), B is zero, so step 0 is the base model.
 
 Dropout draws one mask over the whole input width (the same on every TP rank, whose default
 generators agree) and row-parallel ranks keep their columns of it.
+
+Also here: the merged weight stream (`lora_merger`, used by weights.iter_hf_tensors), peft
+export (`iter_lora_tensors`, `save_peft_adapter`), adapters in Megatron's distributed checkpoints
+(`_sharded_state_dict_with_adapter`), `parameter_counts`.
 
 Not supported yet (refused by `validate_lora_layout`): Transformer Engine's fused-norm linears
 (CUDA), sequence parallelism, adapters on mixture-of-experts MLPs.
@@ -35,6 +39,7 @@ Not supported yet (refused by `validate_lora_layout`): Transformer Engine's fuse
 Shapes: s sequence, b batch, r rank, P parts of a fused linear.
 """
 
+import hashlib
 import json
 import math
 from collections.abc import Iterator
@@ -331,7 +336,7 @@ def initial_adapter_tensors(layer: int, layout: AdapterLayout, lora: LoraConfig)
 
 def _stream(seed: int, name: str) -> int:
     """A generator seed for one tensor, the same in every process (unlike Python's str hash)."""
-    return (seed * 1_000_003 + sum((i + 1) * ord(c) for i, c in enumerate(name))) % 2**63
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") % 2**63
 
 
 def peft_name(layer: int, part: str) -> str:

@@ -4,6 +4,7 @@
 
 ROOT holds `hf/` (tiny checkpoint), `adapters.pt` (peft-named adapter tensors, nonzero) and
 `batch.pt`; `lora.json` the LoraConfig fields. Rank 0 writes ROOT/TAG.pt with:
+- `initial`: the adapters as `build_model` initialised them (exported before loading adapters.pt);
 - `logits` / `base_logits`: full-vocabulary logits (B, T, V) with the adapters on / disabled;
   `dropout_logits` in train mode with adapter dropout from a fixed generator state;
 - `exported`: `iter_lora_tensors` after loading `adapters.pt` (the round trip);
@@ -155,8 +156,9 @@ def main(root: Path, tp: int, pp: int, tag: str) -> None:
     data = DataProto.from_dict(tensors=batch)
     chunks = build_model(hf_dir, cfg, for_training=False, lora=lora)
     vocab_size = unwrap_model(chunks[0]).hf_config.vocab_size
+    initial = dict(iter_lora_tensors(chunks))
     load_lora_tensors(chunks, tensors)
-    results = {"logits": last_stage_value(full_logits(chunks, data, vocab_size))}
+    results = {"initial": initial, "logits": last_stage_value(full_logits(chunks, data, vocab_size))}
     with adapters_disabled(chunks):
         results["base_logits"] = last_stage_value(full_logits(chunks, data, vocab_size))
     results["dropout_logits"] = last_stage_value(dropout_logits(chunks, data, vocab_size))

@@ -232,3 +232,12 @@ def test_adapter_dropout_masks_do_not_depend_on_tensor_parallelism(runs):
     tp1, tp2 = runs["tp1"]["dropout_logits"][real], runs["tp2"]["dropout_logits"][real]
     assert (tp1 - runs["tp1"]["logits"][real]).abs().max() > 0.1  # dropout acted
     assert_close(tp2, tp1, "logits with adapter dropout")
+
+
+@pytest.mark.parametrize("tag", ["tp2", "pp2"])
+def test_initial_adapters_do_not_depend_on_the_layout(runs, tag):
+    expected, actual = runs["tp1"]["initial"], runs[tag]["initial"]
+    assert sorted(actual) == sorted(expected) == sorted(runs["reference"]["adapters"])
+    for name, tensor in expected.items():
+        assert torch.equal(actual[name], tensor), name
+        assert tensor.any() == name.endswith("lora_A.weight"), name  # A drawn, B zero

@@ -158,3 +158,23 @@ def test_the_trainer_refuses_lora_until_it_runs_it():
     with pytest.raises(RecipeError) as err:
         validate_recipe(load_recipe(recipe, ["actor.lora.rank=8"]), cuda_available=False)
     assert any(e.startswith("actor.lora.rank=8: the trainer does not run LoRA yet") for e in err.value.errors)
+
+
+def test_initial_adapters_are_peft_defaults_drawn_per_tensor_name():
+    from engines.megatron.lora import initial_adapter_tensors
+
+    hf, lora = hf_config(), LoraConfig(rank=RANK, seed=5)
+    layout = adapter_layout(hf, "linear_qkv", 0, 1)
+    first, again = initial_adapter_tensors(0, layout, lora), initial_adapter_tensors(0, layout, lora)
+    other_layer = initial_adapter_tensors(1, layout, lora)
+    other_seed = initial_adapter_tensors(0, layout, LoraConfig(rank=RANK, seed=6))
+    a_names = [n for n in first if n.endswith("lora_A.weight")]
+    assert len(a_names) == 3 and len({first[n].sum().item() for n in a_names}) == 3  # q, k, v differ
+    for name, tensor in first.items():
+        assert torch.equal(tensor, again[name])
+        if name.endswith("lora_B.weight"):
+            assert not tensor.any()  # B = 0: the adapted model starts as the base model
+            continue
+        assert 0 < tensor.abs().max() <= 1 / hf.hidden_size**0.5  # kaiming-uniform(a=sqrt(5)) bound
+        assert not torch.equal(tensor, other_seed[name])
+        assert not torch.equal(tensor, other_layer[name.replace("layers.0.", "layers.1.")])
