@@ -396,10 +396,32 @@ def _check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, int]) -> 
 
 
 def load_lora_tensors(chunks, tensors: dict[str, torch.Tensor]) -> None:
-    """Load whole peft-named adapter tensors (an adapter_model.safetensors' keys) into every adapter."""
+    """Load whole peft-named adapter tensors (an adapter_model.safetensors' keys) into every
+    adapter; ValueError naming the tensors missing or unexpected for this model's adapters."""
+    model = unwrap_model(chunks[0])
+    check_adapter_names(adapter_names(model.hf_config, model.lora_config), set(tensors))
     for g, adapter in adapters(chunks):
         prefix = f"{PEFT_PREFIX}model.layers.{g}."
         load_adapter_tensors(adapter, {n: t for n, t in tensors.items() if n.startswith(prefix)})
+
+
+def adapter_names(hf: HFModelConfig, lora: LoraConfig) -> list[str]:
+    """peft names of every adapter tensor of the whole model, in `iter_lora_tensors` order."""
+    return [
+        f"{peft_name(g, TARGETS[target][2][i])}.lora_{which}.weight"
+        for g, target, i, which, _ in adapter_tensor_shapes(hf, lora)
+    ]
+
+
+def check_adapter_names(expected: list[str], given: set[str]) -> None:
+    """ValueError listing (the first few) adapter tensors missing from `given` or not expected."""
+    missing = [name for name in expected if name not in given]
+    unexpected = sorted(given - set(expected))
+    if missing or unexpected:
+        raise ValueError(
+            f"adapter tensors do not match actor.lora.target_modules on this model: {len(missing)} "
+            f"missing {missing[:3]}, {len(unexpected)} unexpected {unexpected[:3]}"
+        )
 
 
 def _whole(adapter: LoraAdapter, part: int, which: str) -> torch.Tensor:
@@ -463,11 +485,9 @@ def iter_lora_tensors(chunks) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (peft name, whole tensor) of every adapter of the model, in layer order, on every
     rank. Collective over the model-parallel group like `weights.iter_hf_tensors`."""
     whole = WholeAdapters(chunks)
-    for g, target, i, which, shape in adapter_tensor_shapes(whole.hf, whole.lora):
-        yield (
-            f"{peft_name(g, TARGETS[target][2][i])}.lora_{which}.weight",
-            whole.get(g, target, i, which, shape),
-        )
+    names = adapter_names(whole.hf, whole.lora)
+    for name, place in zip(names, adapter_tensor_shapes(whole.hf, whole.lora), strict=True):
+        yield name, whole.get(*place)
 
 
 def lora_merger(chunks):

@@ -178,3 +178,18 @@ def test_initial_adapters_are_peft_defaults_drawn_per_tensor_name():
         assert 0 < tensor.abs().max() <= 1 / hf.hidden_size**0.5  # kaiming-uniform(a=sqrt(5)) bound
         assert not torch.equal(tensor, other_seed[name])
         assert not torch.equal(tensor, other_layer[name.replace("layers.0.", "layers.1.")])
+
+
+def test_adapter_tensors_that_do_not_match_the_targets_are_refused_by_name():
+    from engines.megatron.lora import adapter_names, check_adapter_names
+
+    names = adapter_names(hf_config(), LoraConfig(rank=RANK, target_modules=["linear_proj"]))
+    assert names == [
+        f"base_model.model.model.layers.{g}.self_attn.o_proj.lora_{w}.weight" for g in (0, 1) for w in "AB"
+    ]
+    check_adapter_names(names, set(names))
+    extra = "base_model.model.model.layers.0.mlp.down_proj.lora_A.weight"
+    with pytest.raises(
+        ValueError, match=r"1 missing \['base_model.*layers.1.*lora_B.weight'\], 1 unexpected"
+    ):
+        check_adapter_names(names, set(names[:-1]) | {extra})
