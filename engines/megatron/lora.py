@@ -294,9 +294,13 @@ def check_evenly_sharded(layout: AdapterLayout) -> None:
 
 
 def _layer_modules(model) -> Iterator[tuple[int, str, torch.nn.Module]]:
-    """(global layer index, target, linear) of every targetable linear on this stage."""
+    """(global layer index, target, linear) of every targetable linear on this stage (attention
+    only on mixture-of-experts models, whose MLP is Megatron's MoE layer)."""
+    targets = {
+        t: v for t, v in TARGETS.items() if not (model.hf_config.num_experts and v[0].startswith("mlp."))
+    }
     for layer in model.decoder.layers:
-        for target, (path, _, _) in TARGETS.items():
+        for target, (path, _, _) in targets.items():
             yield layer.layer_number - 1, target, layer.get_submodule(path)
 
 

@@ -5,6 +5,8 @@
 ROOT holds `hf/` (tiny checkpoint), `adapters.pt` (peft-named adapter tensors, nonzero) and
 `batch.pt`; `lora.json` the LoraConfig fields. Rank 0 writes ROOT/TAG.pt with:
 - `initial`: the adapters as `build_model` initialised them (exported before loading adapters.pt);
+- `moe_logits`: logits of the Qwen3-MoE model in ROOT/moe_hf with the attention adapters in
+  `moe_adapters.pt` (`moe_lora.json`);
 - `logits` / `base_logits`: full-vocabulary logits (B, T, V) with the adapters on / disabled;
   `dropout_logits` in train mode with adapter dropout from a fixed generator state;
 - `exported`: `iter_lora_tensors` after loading `adapters.pt` (the round trip);
@@ -66,6 +68,17 @@ def full_logits(chunks, data, vocab_size):
 
     results = run_micro_batches(chunks, data, MICRO_BATCH, gather, forward_only=True)
     return torch.cat(results)[..., :vocab_size] if results else None
+
+
+def moe_attention_logits(root: Path, cfg, data, vocab_size):
+    """Logits of the mixture-of-experts model (ROOT/moe_hf) with attention adapters, in eval mode
+    (Megatron-Core's MoE layer refuses train mode at TP > 1 without sequence parallelism)."""
+    lora = LoraConfig(**json.loads((root / "moe_lora.json").read_text()))
+    chunks = build_model(root / "moe_hf", cfg, for_training=False, lora=lora)
+    load_lora_tensors(chunks, torch.load(root / "moe_adapters.pt"))
+    for chunk in chunks:
+        chunk.eval()
+    return full_logits(chunks, data, vocab_size)
 
 
 def dropout_logits(chunks, data, vocab_size):
@@ -165,6 +178,7 @@ def main(root: Path, tp: int, pp: int, tag: str) -> None:
     results["exported"] = dict(iter_lora_tensors(chunks))
     results["merged"] = dict(iter_hf_tensors(chunks, unwrap_model(chunks[0]).hf_config))
     save_peft_adapter(chunks, root / f"peft_{tag}")
+    results["moe_logits"] = last_stage_value(moe_attention_logits(root, cfg, data, vocab_size))
     total_tokens = batch["response_mask"].sum().item()
     step, actor, loss = train_one_step(hf_dir, cfg, lora, tensors, data, total_tokens, vocab_size)
     if tag == SAVING:

@@ -28,16 +28,17 @@ LAUNCHES = [("tp2", 2, 2, 1), ("tp1", 1, 1, 1), ("pp2", 2, 1, 2)]
 PROMPT_LEN, RESPONSE_LEN, VOCAB = 5, 4, 200  # PROMPT_LEN: _model_parity_worker.nll_loss's
 PADDED_VOCAB = 256  # VOCAB rounded up to a multiple of 128 x TP (make_vocab_size_divisible_by)
 OPTIM_CONSTANT = dataclasses.replace(OPTIM, lr_decay_style="constant")
+MOE_LORA = {**LORA, "target_modules": ["linear_qkv", "linear_proj"]}  # no MLP adapters on experts
 
 
-def peft_model(hf_dir):
-    """transformers + peft with nonzero seeded adapters on every projection (dropout 0)."""
+def peft_model(hf_dir, targets=HF_TARGETS):
+    """transformers + peft with nonzero seeded adapters on `targets` (dropout 0)."""
     import peft
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     config = peft.LoraConfig(
-        r=LORA["rank"], lora_alpha=LORA["alpha"], lora_dropout=0.0, target_modules=HF_TARGETS
+        r=LORA["rank"], lora_alpha=LORA["alpha"], lora_dropout=0.0, target_modules=targets
     )
     model = peft.get_peft_model(base, config)
     gen = torch.Generator().manual_seed(11)
@@ -91,6 +92,21 @@ def peft_reference(hf_dir, batch) -> dict:
                 grad_norm=grad_norm, stepped=stepped, merged=merged, base=base)  # fmt: skip
 
 
+def moe_attention_reference(hf_dir, batch) -> dict:
+    """peft's attention adapters on the Qwen3-MoE model (QK norm after q/k_proj): adapters, logits."""
+    from peft import get_peft_model_state_dict
+
+    model = peft_model(hf_dir, ["q_proj", "k_proj", "v_proj", "o_proj"])
+    with torch.no_grad():
+        logits = model(**{k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}).logits
+        with model.disable_adapter():
+            base_logits = model(
+                **{k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
+            ).logits
+    adapters = {k: v.clone() for k, v in get_peft_model_state_dict(model).items()}
+    return {"adapters": adapters, "logits": logits, "base_logits": base_logits}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_parity")
@@ -100,6 +116,12 @@ def runs(tmp_path_factory):
     torch.save(batch, root / "batch.pt")
     torch.save(reference["adapters"], root / "adapters.pt")
     (root / "lora.json").write_text(json.dumps(LORA))
+    moe_dir = make_tiny_hf_checkpoint(
+        root / "moe_hf", arch="qwen3_moe", num_layers=4, vocab_size=VOCAB, seed=4
+    )
+    moe_reference = moe_attention_reference(moe_dir, batch)
+    torch.save(moe_reference["adapters"], root / "moe_adapters.pt")
+    (root / "moe_lora.json").write_text(json.dumps(MOE_LORA))
     for tag, nproc, tp, pp in LAUNCHES:
         run_distributed("_lora_parity.py", nproc, root, tp, pp, tag, timeout=300)
     return {
@@ -107,6 +129,7 @@ def runs(tmp_path_factory):
         "hf": hf_dir,
         "batch": batch,
         "reference": reference,
+        "moe_reference": moe_reference,
         **{tag: torch.load(root / f"{tag}.pt") for tag, *_ in LAUNCHES},
     }
 
@@ -241,3 +264,10 @@ def test_initial_adapters_do_not_depend_on_the_layout(runs, tag):
     for name, tensor in expected.items():
         assert torch.equal(actual[name], tensor), name
         assert tensor.any() == name.endswith("lora_A.weight"), name  # A drawn, B zero
+
+
+@pytest.mark.parametrize("tag", TAGS)
+def test_attention_adapters_on_a_mixture_of_experts_model_equal_peft(runs, tag):
+    real, ref = runs["batch"]["attention_mask"].bool(), runs["moe_reference"]
+    assert (ref["logits"] - ref["base_logits"])[real].abs().max() > 0.1  # the adapters matter
+    assert_close(runs[tag]["moe_logits"][real], ref["logits"][real], "MoE logits")
