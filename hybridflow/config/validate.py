@@ -69,7 +69,7 @@ def validate_recipe(cfg: RecipeConfig, cuda_available: bool | None = None) -> La
     path_errors = _check_paths(cfg)
     errors += path_errors
     if not range_errors:
-        errors += _check_models(cfg, path_errors)
+        errors += _check_models(cfg, path_errors, cuda_available)
     if cfg.trainer.mode == "rl":
         errors += _check_algorithm(cfg)
     layout = None
@@ -83,7 +83,7 @@ def validate_recipe(cfg: RecipeConfig, cuda_available: bool | None = None) -> La
     if cfg.actor.lora.rank:
         errors.append(
             f"actor.lora.rank={cfg.actor.lora.rank}: the trainer does not run LoRA yet (the Megatron "
-            "adapters exist, docs/lora.md; weight sync and checkpoints do not handle them); set it to 0"
+            "engine has the adapters, docs/lora.md; the actor worker does not build them); set it to 0"
         )
     if errors:
         raise RecipeError(errors)
@@ -359,7 +359,7 @@ def model_dirs(cfg: RecipeConfig) -> list[tuple[str, str, str]]:
     return [(role, *dirs[role]) for role in _megatron_roles(cfg) if dirs[role][1] is not None]
 
 
-def _check_models(cfg: RecipeConfig, path_errors: list[str]) -> list[str]:
+def _check_models(cfg: RecipeConfig, path_errors: list[str], cuda_available: bool) -> list[str]:
     """Each model's config.json is supported, its layers and heads split over the role's TP / PP
     sizes, and the longest sequence (prompt + response) fits its position embeddings."""
     from engines.megatron.lora import validate_lora_layout
@@ -388,7 +388,8 @@ def _check_models(cfg: RecipeConfig, path_errors: list[str]) -> list[str]:
             if role != "reward_model":  # the reward model only runs forward
                 validate_moe_training(hf_config, megatron)
             if role == "actor":
-                validate_lora_layout(hf_config, megatron, cfg.actor.lora, _transformer_engine_usable())
+                te = cuda_available and _transformer_engine_usable()  # as model.machine_kernels decides
+                validate_lora_layout(hf_config, megatron, cfg.actor.lora, te)
         except ValueError as err:
             errors.append(f"{role}.megatron does not fit the model in {path}: {err}")
         if longest > hf_config.max_position_embeddings:
