@@ -20,6 +20,11 @@ LossAggMode = Literal[LOSS_AGG_MODES]
 KlPenaltyKind = Literal[KL_PENALTY_KINDS]
 PolicyLoss = Literal[POLICY_LOSSES]
 MoeTokenDispatcher = Literal["allgather", "alltoall"]
+# Megatron-Core's names of the linears a LoRA adapter can sit on (engines/megatron/lora.py), and
+# the Hugging Face projections each covers: linear_qkv = q/k/v_proj, linear_proj = o_proj,
+# linear_fc1 = gate/up_proj, linear_fc2 = down_proj.
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+LoraTarget = Literal[LORA_TARGETS]
 # ||dw|| / ||w|| of one optimizer step above which the step is refused. An Adam step moves each
 # weight by about lr, so the ratio is about lr / rms(w): ~5e-5 for RL at lr 1e-6 on weights of rms
 # 0.02; the quickstart's SFT warm start (lr 1e-3, tiny model) peaks at 0.007 (measured). A step
@@ -62,6 +67,43 @@ class MegatronConfig:
         check_megatron_passthrough(
             {"transformer": self.transformer, "ddp": self.ddp, "optimizer": self.optimizer}
         )
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters on the actor's linears (docs/lora.md): W x + alpha / rank * B A dropout(x),
+    base weights frozen, only A and B trained. rank 0: off (full fine-tuning)."""
+
+    rank: int = 0
+    alpha: float = 16.0  # the update is scaled by alpha / rank (peft's default, not rsLoRA)
+    dropout: float = 0.0  # on the adapter's input only
+    target_modules: list[LoraTarget] = field(default_factory=lambda: list(LORA_TARGETS))
+    seed: int = 0  # draws A (peft's kaiming-uniform); B starts at zero, so step 0 is the base model
+
+    def __post_init__(self) -> None:
+        validate_lora_config(self)
+
+
+def validate_lora_config(lora: LoraConfig) -> None:
+    """ValueError naming the key and the valid values (also for values set after loading)."""
+    if lora.rank < 0:
+        raise ValueError(f"actor.lora.rank must be >= 0 (0: no adapters), got {lora.rank}")
+    if lora.rank and lora.alpha <= 0:
+        raise ValueError(f"actor.lora.alpha must be positive, got {lora.alpha}")
+    if not 0.0 <= lora.dropout < 1.0:
+        raise ValueError(f"actor.lora.dropout must lie in [0, 1), got {lora.dropout}")
+    unknown = [name for name in lora.target_modules if name not in LORA_TARGETS]
+    if unknown:
+        raise ValueError(
+            f"actor.lora.target_modules: {unknown} are not Megatron-Core linear names; "
+            f"choose from {list(LORA_TARGETS)}"
+        )
+    if lora.rank and not lora.target_modules:
+        raise ValueError(
+            f"actor.lora.target_modules is empty with actor.lora.rank={lora.rank}; name at least one"
+        )
+    if len(set(lora.target_modules)) != len(lora.target_modules):
+        raise ValueError(f"actor.lora.target_modules lists a module twice: {list(lora.target_modules)}")
 
 
 @dataclass

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from engines.megatron import cpu_compat
-from engines.megatron.config import MegatronConfig
+from engines.megatron.config import LoraConfig, MegatronConfig
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -441,6 +441,7 @@ def build_model(
     value_head: bool = False,
     load_weights: bool = True,
     for_training: bool = True,
+    lora: LoraConfig | None = None,
 ) -> list:
     """Model chunks of this pipeline stage (one chunk: no virtual pipeline), built from `hf_dir`.
 
@@ -448,7 +449,10 @@ def build_model(
     HFModelConfig it was built from), `megatron_config` and `value_head`, which the weight and
     log-prob functions read. `for_training` wraps
     the chunk in Megatron-Core's DistributedDataParallel and sets the schedule's grad-sync hooks.
+    `lora` with rank > 0 freezes the loaded weights and adds LoRA adapters (lora.py), the only
+    trainable parameters then.
     """
+    from engines.megatron.lora import attach_lora, validate_lora_layout
     from engines.megatron.parallel import validate_parallel_layout
     from engines.megatron.weights import load_hf_weights
 
@@ -464,6 +468,8 @@ def build_model(
         raise ValueError(
             f"{hf_dir} holds a {hf_config.architecture} (a scalar head): build it with value_head=True"
         )
+    lora = lora or LoraConfig()
+    validate_lora_layout(hf_config, cfg, lora, use_transformer_engine())
     with cpu_compat.cuda_calls_on_cpu():  # tied embeddings under PP call .cuda() at construction
         model = build_gpt_model(hf_config, cfg, value_head=value_head)
     model.hf_config = hf_config
@@ -471,6 +477,8 @@ def build_model(
     model.value_head = value_head
     if load_weights:
         load_hf_weights([model], hf_dir, hf_config)
+    if lora.rank:
+        attach_lora(model, lora)
     if not for_training:
         return [model]
     with cpu_compat.cuda_calls_on_cpu():

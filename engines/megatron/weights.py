@@ -470,10 +470,14 @@ def iter_hf_tensors(chunks, hf_config: HFModelConfig) -> Iterator[tuple[str, tor
     the pipeline group; an expert's owning expert-parallel rank all-gathers it over its expert-TP
     group and broadcasts it over the expert-parallel group first. Tensors are contiguous copies in
     the parameter dtype, vocab padding removed, fused QKV and gate/up split; `lm_head.weight` only
-    when embeddings are untied.
+    when embeddings are untied. With LoRA adapters (lora.py) the adapted tensors are merged,
+    base + scale * B @ A, so every engine receives plain HF tensors.
     """
     from megatron.core import parallel_state
 
+    from engines.megatron.lora import lora_merger
+
+    merge = lora_merger(chunks)
     model = unwrap_model(chunks[0])
     layout = model_layout(model)
     tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -494,7 +498,7 @@ def iter_hf_tensors(chunks, hf_config: HFModelConfig) -> Iterator[tuple[str, tor
             dist.broadcast(full, group=pp_group, group_src=plan.owner_pp)
         split = layout.etp if plan.expert else layout.tp
         for name, tensor in zip(plan.hf_names, _to_hf(full, plan, hf_config, split), strict=True):
-            yield name, tensor.contiguous().clone()
+            yield name, (merge(name, tensor) if merge else tensor).contiguous().clone()
 
 
 def hf_export_config(hf_config: HFModelConfig, dtype: torch.dtype, value_head: bool) -> dict:

@@ -18,6 +18,7 @@ from engines.megatron.config import (
     ActorUpdateConfig,
     CriticUpdateConfig,
     KlPenaltyKind,
+    LoraConfig,
     MegatronConfig,
     OptimConfig,
 )
@@ -63,6 +64,8 @@ class ActorConfig:
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     update: ActorUpdateConfig = field(default_factory=ActorUpdateConfig)
+    # LoRA adapters instead of full fine-tuning (rank > 0; docs/lora.md)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     log_prob_micro_batch_size: int = 8  # per data-parallel rank, when recomputing old log-probs
     # With actor.update.use_dynamic_bsz: packed log-prob micro-batches of at most this many tokens
     # (prompt + response) per rank instead of log_prob_micro_batch_size rows (docs/packing.md).

@@ -69,7 +69,7 @@ def validate_recipe(cfg: RecipeConfig, cuda_available: bool | None = None) -> La
     path_errors = _check_paths(cfg)
     errors += path_errors
     if not range_errors:
-        errors += _check_models(cfg, path_errors)
+        errors += _check_models(cfg, path_errors, cuda_available)
     if cfg.trainer.mode == "rl":
         errors += _check_algorithm(cfg)
     layout = None
@@ -80,6 +80,11 @@ def validate_recipe(cfg: RecipeConfig, cuda_available: bool | None = None) -> La
             errors += _check_batch_sizes(cfg, layout)
     errors += _check_token_budgets(cfg)
     errors += _check_agent_tools(cfg)
+    if cfg.actor.lora.rank:
+        errors.append(
+            f"actor.lora.rank={cfg.actor.lora.rank}: the trainer does not run LoRA yet (the Megatron "
+            "engine has the adapters, docs/lora.md; the actor worker does not build them); set it to 0"
+        )
     if errors:
         raise RecipeError(errors)
     return layout
@@ -156,6 +161,7 @@ def _engine_validators(cfg: RecipeConfig) -> dict:
     checks = {
         "actor.optim": lambda: validate_optim_config(cfg.actor.optim),
         "actor.update": lambda: validate_actor_update_config(cfg.actor.update),
+        "actor.lora": cfg.actor.lora.__post_init__,  # re-run, as for rollout below
         "rollout": cfg.rollout.__post_init__,  # re-run: the recipe may have been changed after loading
         "rollout.sampling": cfg.rollout.sampling.__post_init__,
         "rollout.val_sampling": cfg.rollout.val_sampling.__post_init__,
@@ -353,9 +359,10 @@ def model_dirs(cfg: RecipeConfig) -> list[tuple[str, str, str]]:
     return [(role, *dirs[role]) for role in _megatron_roles(cfg) if dirs[role][1] is not None]
 
 
-def _check_models(cfg: RecipeConfig, path_errors: list[str]) -> list[str]:
+def _check_models(cfg: RecipeConfig, path_errors: list[str], cuda_available: bool) -> list[str]:
     """Each model's config.json is supported, its layers and heads split over the role's TP / PP
     sizes, and the longest sequence (prompt + response) fits its position embeddings."""
+    from engines.megatron.lora import validate_lora_layout
     from engines.megatron.model import expert_tp_size, load_hf_config
     from engines.megatron.parallel import validate_moe_training, validate_parallel_layout
 
@@ -380,6 +387,9 @@ def _check_models(cfg: RecipeConfig, path_errors: list[str]) -> list[str]:
             )
             if role != "reward_model":  # the reward model only runs forward
                 validate_moe_training(hf_config, megatron)
+            if role == "actor":
+                te = cuda_available and _transformer_engine_usable()  # as model.machine_kernels decides
+                validate_lora_layout(hf_config, megatron, cfg.actor.lora, te)
         except ValueError as err:
             errors.append(f"{role}.megatron does not fit the model in {path}: {err}")
         if longest > hf_config.max_position_embeddings:
