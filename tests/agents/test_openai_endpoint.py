@@ -278,3 +278,25 @@ def test_the_recipe_settings_are_checked():
     with pytest.raises(TypeError, match="must be `async def tool_schemas"):
         load_openai_agent("hybridflow.agents.openai_example:tool_schemas")
     assert load_openai_agent("hybridflow.agents.openai_example:calculator_agent")
+
+
+def test_a_trajectory_with_its_own_prompt_replaces_its_row_and_widens_the_prompts():
+    from hybridflow.agents.loop import Trajectory
+    from hybridflow.agents.rollout import trajectories_to_batch
+
+    prompts = DataProto.from_dict(
+        {
+            "input_ids": torch.tensor([[0, 5, 6], [7, 8, 9]]),
+            "attention_mask": torch.tensor([[0, 1, 1], [1, 1, 1]]),
+            "position_ids": torch.tensor([[0, 0, 1], [0, 1, 2]]),
+        }
+    )
+    own = Trajectory(
+        response_ids=[20], response_mask=[1], log_probs=[-1.0], versions=[0], prompt_ids=[1, 2, 3, 4]
+    )
+    same = Trajectory(response_ids=[30], response_mask=[1], log_probs=[-1.0], versions=[0])
+    batch = trajectories_to_batch(prompts, [own, same], response_length=2, pad_token_id=0)
+    assert batch.batch["prompts"].tolist() == [[1, 2, 3, 4], [0, 7, 8, 9]]
+    assert batch.batch["input_ids"].tolist() == [[1, 2, 3, 4, 20, 0], [0, 7, 8, 9, 30, 0]]
+    assert batch.batch["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 0], [0, 1, 1, 1, 1, 0]]
+    assert batch.batch["position_ids"].tolist() == [[0, 1, 2, 3, 4, 5], [0, 0, 1, 2, 3, 4]]
