@@ -300,3 +300,18 @@ def test_a_trajectory_with_its_own_prompt_replaces_its_row_and_widens_the_prompt
     assert batch.batch["input_ids"].tolist() == [[1, 2, 3, 4, 20, 0], [0, 7, 8, 9, 30, 0]]
     assert batch.batch["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 0], [0, 1, 1, 1, 1, 0]]
     assert batch.batch["position_ids"].tolist() == [[0, 1, 2, 3, 4, 5], [0, 0, 1, 2, 3, 4]]
+
+
+def test_the_recipe_check_loads_the_agent_before_any_worker_starts():
+    from hybridflow.config.schema import RecipeConfig
+    from hybridflow.config.validate import _check_agent_tools
+
+    cfg = RecipeConfig()
+    cfg.rollout = RolloutConfig(
+        name="vllm", agent=AgentConfig(loop="openai", openai_agent="nowhere.agents:run")
+    )
+    assert _check_agent_tools(cfg) == [
+        "rollout.agent.openai_agent='nowhere.agents:run' cannot be imported: No module named 'nowhere'"
+    ]
+    cfg.rollout.agent.openai_agent = "hybridflow.agents.openai_example:calculator_agent"
+    assert _check_agent_tools(cfg) == []
