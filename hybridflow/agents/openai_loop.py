@@ -48,7 +48,7 @@ def load_openai_agent(path: str) -> Callable:
 
 def request_sampling(sampling: SamplingConfig, request: ChatRequest) -> SamplingConfig:
     """The call's sampling with what the request sets: temperature (0: greedy) and top_p."""
-    changes: dict[str, Any] = {"n": 1}
+    changes: dict[str, Any] = {}
     if request.temperature is not None:
         changes.update(temperature=request.temperature, do_sample=request.temperature > 0)
     if request.top_p is not None:
