@@ -6,6 +6,7 @@ Choice fields are `Literal` types (the recipe loader rejects other values); the 
 read from them so each list of valid values is written once.
 """
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -17,8 +18,10 @@ from engines.rollout.vllm_engine_args import ENGINE_ARGS_FIELDS, VLLM_VERSION
 RolloutName = Literal["hf", "vllm", "sglang"]
 RolloutDtype = Literal["float32", "bfloat16", "float16"]
 # single_turn: the engine's batch generation | tool: multi-turn tool use (hybridflow/agents/loop.py)
-AgentLoopName = Literal["single_turn", "tool"]
+# openai: a user function written against the openai client (hybridflow/agents/openai_loop.py)
+AgentLoopName = Literal["single_turn", "tool", "openai"]
 LoadFormat = Literal["dummy", "auto"]  # dummy: random init, weights arrive with the first sync
+OPENAI_AGENT = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")  # package.module:function
 ROLLOUT_ENGINES = get_args(RolloutName)
 ROLLOUT_DTYPES = get_args(RolloutDtype)
 LOAD_FORMATS = get_args(LoadFormat)
@@ -93,6 +96,8 @@ class AgentConfig:
     tools: list[str] = field(default_factory=list)  # dotted paths of Tool classes, for loop: tool
     max_turns: int = 4  # sampled turns per trajectory (tool responses between them)
     tool_timeout_s: float = 30.0  # per tool call; a call that takes longer answers with an error
+    # for loop: openai, `package.module:function`: async def run(client, model, messages, **row)
+    openai_agent: str = ""
 
     def __post_init__(self) -> None:
         loops = get_args(AgentLoopName)
@@ -106,6 +111,35 @@ class AgentConfig:
             raise ValueError("rollout.agent.loop=tool needs rollout.agent.tools (dotted paths of tools)")
         if self.tools and self.loop != "tool":
             raise ValueError(f"rollout.agent.tools is set but rollout.agent.loop={self.loop!r}; use tool")
+        if self.loop == "openai" and not OPENAI_AGENT.fullmatch(self.openai_agent):
+            raise ValueError(
+                "rollout.agent.loop=openai needs rollout.agent.openai_agent='package.module:function' "
+                f"(an async function of the openai client), got {self.openai_agent!r}"
+            )
+        if self.openai_agent and self.loop != "openai":
+            raise ValueError(
+                f"rollout.agent.openai_agent is set but rollout.agent.loop={self.loop!r}; use openai"
+            )
+
+
+@dataclass
+class ServerConfig:
+    """The OpenAI-compatible endpoint agents of `rollout.agent.loop=openai` call (docs/agents.md);
+    served in the rollout worker's process while it generates."""
+
+    host: str = "127.0.0.1"  # the agents run in the same process: loopback is enough
+    port: int = 0  # 0: a free port, chosen at each generation call
+    model_name: str = "policy"  # the model name /v1/models lists and requests must name
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.host, str) or not self.host:
+            raise ValueError(
+                f"rollout.server.host must be an interface address such as 127.0.0.1, got {self.host!r}"
+            )
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"rollout.server.port must be in [0, 65535] (0: a free port), got {self.port}")
+        if not isinstance(self.model_name, str) or not self.model_name.strip():
+            raise ValueError(f"rollout.server.model_name must be a non-empty string, got {self.model_name!r}")
 
 
 @dataclass
@@ -140,6 +174,7 @@ class RolloutConfig:
     # kv_cache_memory_bytes (default 1 GiB there); on CUDA gpu_memory_utilization decides.
     vllm: dict[str, Any] = field(default_factory=dict)
     agent: AgentConfig = field(default_factory=AgentConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)  # for rollout.agent.loop=openai
 
     def __post_init__(self) -> None:
         if self.name not in ROLLOUT_ENGINES:

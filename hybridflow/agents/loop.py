@@ -31,6 +31,9 @@ class Trajectory:
     response_mask: list[int] = field(default_factory=list)  # 1 sampled, 0 tool response
     log_probs: list[float] = field(default_factory=list)  # 0.0 on tool-response tokens
     versions: list[int] = field(default_factory=list)  # TOOL_VERSION on tool-response tokens
+    # the ids the response continues when they are not the prompt row's (an OpenAI-client agent
+    # writes its own messages: hybridflow/agents/openai_loop.py); None: the prompt row's
+    prompt_ids: list[int] | None = None
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
@@ -117,20 +120,35 @@ class ToolAgentLoop:
 
 def tool_response_renderer(tokenizer, tool_role: str = "tool") -> Callable[[list[str]], list[int]]:
     """Ids of tool responses as the chat template renders them after an assistant turn, up to
-    and including the next assistant prompt. The sampled turn ended on EOS; whatever the template
-    writes after the EOS (a newline, the tool role's header ...) belongs to these ids. Only this
-    piece is tokenized, so the ids before it are never re-tokenized."""
+    and including the next assistant prompt (`message_delta_renderer` with one `tool_role`
+    message per response)."""
+    render = message_delta_renderer(tokenizer)
+    return lambda responses: render([{"role": tool_role, "content": text} for text in responses])
+
+
+RenderDelta = Callable[..., list[int]]  # (messages, tools=None, closed=True) -> ids
+
+
+def message_delta_renderer(tokenizer) -> RenderDelta:
+    """`render(messages, tools=None, closed=True)`: ids of `messages` as the chat template renders
+    them after an assistant turn, up to and including the next assistant prompt. A turn that
+    ended on EOS is `closed`: whatever the template writes after the EOS (a newline, the next
+    role's header ...) belongs to these ids. A turn cut short (no EOS sampled) is not: the ids
+    then start with the template's end of the assistant turn (the EOS). Only this piece is
+    tokenized, so the ids before it are never re-tokenized."""
     eos = tokenizer.eos_token
     assistant = [{"role": "assistant", "content": "x"}]
-    before = tokenizer.apply_chat_template(assistant, tokenize=False)
-    cut = before.rindex(eos) + len(eos)
 
-    def render(responses: list[str]) -> list[int]:
-        messages = assistant + [{"role": tool_role, "content": text} for text in responses]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    def render(messages: list[dict], tools: list[dict] | None = None, closed: bool = True) -> list[int]:
+        before = tokenizer.apply_chat_template(assistant, tools=tools, tokenize=False)
+        end_of_turn = before.rindex(eos)
+        cut = end_of_turn + len(eos) if closed else before.rindex("x", 0, end_of_turn) + 1
+        text = tokenizer.apply_chat_template(
+            assistant + messages, tools=tools, tokenize=False, add_generation_prompt=True
+        )
         if text[:cut] != before[:cut]:
             raise ValueError(
-                "the chat template renders an assistant turn differently when tool messages follow"
+                "the chat template renders an assistant turn differently when other messages follow"
             )
         return tokenizer(text[cut:], add_special_tokens=False)["input_ids"]
 

@@ -57,14 +57,14 @@ def trajectories_to_batch(
         mask[row, :n] = torch.tensor(trajectory.response_mask, dtype=torch.long)
         log_probs[row, :n] = torch.tensor(trajectory.log_probs)
         versions[row, :n] = torch.tensor(trajectory.versions, dtype=torch.long)
-    prompt_ids, prompt_positions = prompts.batch["input_ids"], prompts.batch["position_ids"]  # (B, P)
+    prompt_ids, prompt_mask, prompt_positions = own_prompts(prompts, trajectories, pad_token_id)  # (B, P)
     steps = torch.arange(1, response_length + 1)  # (R,)
     tensors = {
         "prompts": prompt_ids,
         "responses": responses,
         "response_mask": mask,
         "input_ids": torch.cat([prompt_ids, responses], dim=1),
-        "attention_mask": torch.cat([prompts.batch["attention_mask"], real], dim=1),
+        "attention_mask": torch.cat([prompt_mask, real], dim=1),
         "position_ids": torch.cat([prompt_positions, prompt_positions[:, -1:] + steps[None, :]], dim=1),
         "rollout_log_probs": log_probs,
         "rollout_versions": versions,
@@ -76,6 +76,27 @@ def trajectories_to_batch(
     return DataProto.from_dict(
         tensors=tensors, non_tensors={**prompts.non_tensor_batch, **metrics}, meta_info=prompts.meta_info
     )
+
+
+def own_prompts(
+    prompts: DataProto, trajectories: list[Trajectory], pad_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """input_ids, attention_mask, position_ids of the prompts, where a trajectory that carries
+    its own `prompt_ids` replaces its row's; left-padded to the longest as the data set pads."""
+    ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]  # (B, P)
+    if all(t.prompt_ids is None for t in trajectories):
+        return ids, mask, prompts.batch["position_ids"]
+    rows = [
+        t.prompt_ids if t.prompt_ids is not None else own
+        for t, own in zip(trajectories, unpadded_prompts(prompts), strict=True)
+    ]
+    width = max(ids.size(1), *map(len, rows))
+    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for row, row_ids in enumerate(rows):
+        ids[row, width - len(row_ids) :] = torch.tensor(row_ids, dtype=torch.long)
+        mask[row, width - len(row_ids) :] = 1
+    return ids, mask, (mask.cumsum(dim=1) - 1).clamp(min=0)
 
 
 class AgentRollout(SeededGenerationMixin):
@@ -96,6 +117,10 @@ class AgentRollout(SeededGenerationMixin):
 
 def build_agent_rollout(engine, cfg, tokenizer_dir: str) -> AgentRollout:
     """Agent loops of `cfg.agent` over the worker's vLLM engine, with the model's tokenizer."""
+    if cfg.agent.loop == "openai":
+        from hybridflow.agents.openai_loop import build_openai_rollout
+
+        return build_openai_rollout(engine, cfg, tokenizer_dir)
     from transformers import AutoTokenizer
 
     from engines.rollout.requests import VLLMRequestEngine

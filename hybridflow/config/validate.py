@@ -91,7 +91,8 @@ def validate_recipe(cfg: RecipeConfig, cuda_available: bool | None = None) -> La
 
 
 def _check_agent_tools(cfg: RecipeConfig) -> list[str]:
-    """Each `rollout.agent.tools` entry must load as a tool (before any worker starts)."""
+    """Each `rollout.agent.tools` entry must load as a tool, and an `openai_agent` as an async
+    function (before any worker starts)."""
     from hybridflow.agents.tools.base import load_tool
 
     errors = []
@@ -100,6 +101,13 @@ def _check_agent_tools(cfg: RecipeConfig) -> list[str]:
             load_tool(path)
         except (ImportError, AttributeError, TypeError, ValueError) as err:
             errors.append(f"rollout.agent.tools[{index}]={path!r}: {err}")
+    if cfg.rollout.agent.loop == "openai":
+        from hybridflow.agents.openai_loop import load_openai_agent
+
+        try:
+            load_openai_agent(cfg.rollout.agent.openai_agent)
+        except (TypeError, ValueError) as err:
+            errors.append(str(err))
     return errors
 
 
@@ -166,6 +174,7 @@ def _engine_validators(cfg: RecipeConfig) -> dict:
         "rollout.sampling": cfg.rollout.sampling.__post_init__,
         "rollout.val_sampling": cfg.rollout.val_sampling.__post_init__,
         "rollout.agent": cfg.rollout.agent.__post_init__,
+        "rollout.server": cfg.rollout.server.__post_init__,
     }
     for role in _megatron_roles(cfg):  # the Megatron-Core settings passed through by name
         checks[f"{role}.megatron"] = getattr(cfg, role).megatron.__post_init__

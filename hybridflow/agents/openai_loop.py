@@ -1,0 +1,151 @@
+"""`rollout.agent.loop: openai`: agents written against the `openai` client run unchanged inside
+a rollout. Each generation call starts the chat-completions endpoint (`server.py`) on its loop,
+opens one session per prompt row, and runs the recipe's agent function once per row,
+concurrently:
+
+    async def run(client: openai.AsyncOpenAI, model: str, messages: list[dict], **row) -> None
+
+`client` points at the row's session, `model` is the name to request (rollout.server.model_name),
+`messages` the row's prompt (the data set's `raw_prompt`), and `row` its other fields
+(`data_source`, `reward_model`, `extra_info`, ... as far as the batch carries them). The return
+value is unused: what the session recorded becomes the row's `Trajectory` (chat_session.py).
+"""
+
+import asyncio
+import dataclasses
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from engines.rollout.base import SeededGenerationMixin, row_seed
+from engines.rollout.config import SamplingConfig
+from hybridflow.agents.chat_session import ChatSession
+from hybridflow.agents.loop import message_delta_renderer
+from hybridflow.agents.openai_api import ChatRequest
+from hybridflow.agents.rollout import trajectories_to_batch
+from hybridflow.agents.server import ChatServer
+from hybridflow.protocol import DataProto
+from hybridflow.utils.imports import import_by_path
+
+KEY = "rollout.agent.openai_agent"
+
+
+def load_openai_agent(path: str) -> Callable:
+    """The `package.module:function` agent of a recipe, checked to be an async function."""
+    agent = import_by_path(path, KEY, "package.module:function")
+    if not inspect.iscoroutinefunction(agent):
+        name = getattr(agent, "__name__", "run")
+        raise TypeError(f"{KEY}={path!r} must be `async def {name}(client, model, messages, **row)`, got {agent!r}")
+    return agent
+
+
+def request_sampling(sampling: SamplingConfig, request: ChatRequest) -> SamplingConfig:
+    """The call's sampling with what the request sets: temperature (0: greedy) and top_p."""
+    changes: dict[str, Any] = {}
+    if request.temperature is not None:
+        changes.update(temperature=request.temperature, do_sample=request.temperature > 0)
+    if request.top_p is not None:
+        changes["top_p"] = request.top_p
+    return dataclasses.replace(sampling, **changes)
+
+
+def agent_rows(prompts: DataProto) -> list[tuple[list[dict], dict[str, Any]]]:
+    """(messages, other fields) of each prompt row."""
+    fields = prompts.non_tensor_batch
+    if "raw_prompt" not in fields:
+        raise ValueError(
+            f"rollout.agent.loop=openai needs each prompt's messages: the batch given to "
+            f"generate_sequences has no 'raw_prompt' (non-tensor keys: {sorted(fields)})"
+        )
+    return [
+        (
+            [dict(m) for m in fields["raw_prompt"][i]],
+            {k: v[i] for k, v in fields.items() if k != "raw_prompt"},
+        )
+        for i in range(len(prompts))
+    ]
+
+
+class OpenAIAgentRollout(SeededGenerationMixin):
+    """`generate_sequences` through the recipe's OpenAI-client agent; `engine` is a request-level
+    engine (`engines/rollout/requests.py`). Seeds follow the engines' rules (row i of a call
+    seeds its k-th request with row_seed(row_seed(call, i), k) unless the request sets `seed`)."""
+
+    def __init__(self, agent: Callable, engine, tokenizer, cfg, pad_token_id: int, eos_token_ids):
+        self.agent, self.engine, self.tokenizer, self.cfg = agent, engine, tokenizer, cfg
+        self.pad_token_id, self.eos_token_ids = pad_token_id, frozenset(eos_token_ids)
+        self.render_delta = message_delta_renderer(tokenizer)
+        self._calls = 0
+
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        prompts, sampling, seed = self.start_call(prompts)
+        sessions = asyncio.run(self.run_agents(agent_rows(prompts), sampling, seed))
+        trajectories = [session.trajectory() for session in sessions]
+        batch = trajectories_to_batch(prompts, trajectories, self.cfg.response_length, self.pad_token_id)
+        divergences = [session.divergences for session in sessions]
+        batch.non_tensor_batch["agent_divergences"] = np.array(divergences, dtype=np.int64)
+        return batch
+
+    async def run_agents(self, rows, sampling: SamplingConfig, seed: int) -> list[ChatSession]:
+        """Every row's agent against its own session of one server; the sessions afterwards."""
+
+        async def generate(ids: list[int], request: ChatRequest, request_seed: int, max_new_tokens: int):
+            return await self.engine.generate(
+                ids, request_sampling(sampling, request), request_seed, max_new_tokens
+            )
+
+        async with ChatServer(self.cfg.server, generate) as server:
+            sessions = [self.session(f"{self._calls}-{row}", row_seed(seed, row)) for row in range(len(rows))]
+            server.sessions = {session.name: session for session in sessions}
+            runs = (self.run_agent(server, s, *row) for s, row in zip(sessions, rows, strict=True))
+            await asyncio.gather(*runs)
+        return sessions
+
+    def session(self, name: str, seed: int) -> ChatSession:
+        def render_full(messages: list[dict], tools: list[dict] | None) -> list[int]:
+            from hybridflow.data.prompt_dataset import tokenize_chat
+
+            return tokenize_chat(self.tokenizer, messages, tools)
+
+        return ChatSession(
+            name,
+            render_full,
+            self.render_delta,
+            self.tokenizer.decode,
+            self.eos_token_ids,
+            self.cfg.response_length,
+            seed,
+        )
+
+    async def run_agent(
+        self, server: ChatServer, session: ChatSession, messages: list[dict], row: dict
+    ) -> None:
+        import openai
+
+        client = openai.AsyncOpenAI(base_url=server.base_url(session.name), api_key="none", max_retries=0)
+        try:
+            await self.agent(client, self.cfg.server.model_name, messages, **row)
+        except Exception as err:
+            cause = session.errors[0] if session.errors else err
+            raise RuntimeError(
+                f"{KEY} failed in session {session.name}: {type(cause).__name__}: {cause}"
+            ) from cause
+        finally:
+            await client.close()
+        if session.errors:  # the agent went on after a 500: its trajectory misses a turn
+            first = session.errors[0]
+            raise RuntimeError(f"session {session.name}: the endpoint failed a request: {first}") from first
+
+
+def build_openai_rollout(engine, cfg, tokenizer_dir: str) -> OpenAIAgentRollout:
+    """The recipe's OpenAI-client agent over the worker's vLLM engine, with the model's tokenizer."""
+    from transformers import AutoTokenizer
+
+    from engines.rollout.requests import VLLMRequestEngine
+
+    agent = load_openai_agent(cfg.agent.openai_agent)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    requests = VLLMRequestEngine(engine, cfg)
+    return OpenAIAgentRollout(agent, requests, tokenizer, cfg, engine.pad_token_id, engine.eos_token_ids)
