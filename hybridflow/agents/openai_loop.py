@@ -37,7 +37,8 @@ def load_openai_agent(path: str) -> Callable:
     agent = import_by_path(path, KEY, "package.module:function")
     if not inspect.iscoroutinefunction(agent):
         name = getattr(agent, "__name__", "run")
-        raise TypeError(f"{KEY}={path!r} must be `async def {name}(client, model, messages, **row)`, got {agent!r}")
+        signature = f"async def {name}(client, model, messages, **row)"
+        raise TypeError(f"{KEY}={path!r} must be `{signature}`, got {agent!r}")
     return agent
 
 
