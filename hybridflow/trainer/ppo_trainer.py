@@ -32,7 +32,7 @@ from hybridflow.trainer.dynamic_sampling import collect_varied_groups
 from hybridflow.trainer.preflight import checkpoint_size_estimate
 from hybridflow.trainer.resume import ResumePlan, plan_resume
 from hybridflow.trainer.roles import RoleGroups, uses_reference
-from hybridflow.trainer.validation import PROMPT_KEYS, run_validation
+from hybridflow.trainer.validation import pop_prompts, run_validation
 from hybridflow.utils.nonfinite import (
     NonFiniteError,
     StepRefusedError,
@@ -60,6 +60,7 @@ class PPOTrainer:
             self._loader(cfg.data.val_files, cfg.data.val_max_samples) if cfg.data.val_files else None
         )
         self.use_ref = uses_reference(cfg)
+        self.rollout_reads_rows = cfg.rollout.agent.loop == "openai"  # the agent reads each row's messages
         self.kl_ctrl = core.make_kl_controller(cfg.algorithm.kl_ctrl)
         self.total_steps = (
             cfg.trainer.total_training_steps or len(self.train_loader) * cfg.trainer.total_epochs
@@ -220,7 +221,7 @@ class PPOTrainer:
         """n responses per prompt (grouped by `uid`) and ReMax's greedy baseline when needed."""
         n = self.cfg.rollout.sampling.n
         batch.non_tensor_batch["uid"] = core.new_uids(len(batch))
-        prompts = batch.pop(batch_keys=PROMPT_KEYS)
+        prompts = pop_prompts(batch, self.rollout_reads_rows)
         prompts.meta_info["n"] = 1  # the driver repeats the prompts itself
         with metrics.timer("gen", timings):
             responses = self.roles.actor_rollout.generate_sequences(prompts.repeat(n, interleave=True))
@@ -259,7 +260,8 @@ class PPOTrainer:
 
     def validate(self) -> dict[str, float]:
         """One pass over the validation set (its loader is unshuffled: every pass is the same)."""
-        return run_validation(self.roles.actor_rollout, self.val_loader, self.tokenizer, self.val_reward_fn)
+        rollout, rows = self.roles.actor_rollout, self.rollout_reads_rows
+        return run_validation(rollout, self.val_loader, self.tokenizer, self.val_reward_fn, rows)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:

@@ -23,14 +23,25 @@ def accuracy_metrics(scores: list[float], data_sources: list[str]) -> dict[str, 
     return metrics
 
 
-def run_validation(actor_rollout, batches, tokenizer, reward_fn: RewardFn) -> dict[str, float]:
+def pop_prompts(batch: DataProto, with_rows: bool = False) -> DataProto:
+    """The prompts to generate from, popped from `batch`; `with_rows` adds (shares) the rows'
+    other fields (messages, data source, ...), for rollouts that read them (agent loop: openai)."""
+    prompts = batch.pop(batch_keys=PROMPT_KEYS)
+    if with_rows:
+        prompts.non_tensor_batch.update(batch.non_tensor_batch)
+    return prompts
+
+
+def run_validation(
+    actor_rollout, batches, tokenizer, reward_fn: RewardFn, with_rows: bool = False
+) -> dict[str, float]:
     """Generates with the rollout's validation sampling (greedy by default) for every batch of
     prompts and scores the responses. With the rule reward and format_score 0 the mean score is
     the accuracy."""
     scores, sources, agent_counts = [], [], defaultdict(list)
     for batch_dict in batches:
         batch = DataProto.from_single_dict(batch_dict)
-        prompts = batch.pop(batch_keys=PROMPT_KEYS)
+        prompts = pop_prompts(batch, with_rows)
         # the validation set need not split evenly over the data-parallel ranks
         prompts.meta_info.update({"validate": True, "n": 1, DataProtoConfig.auto_padding_key: True})
         batch = batch.union(actor_rollout.generate_sequences(prompts))

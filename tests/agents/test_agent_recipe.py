@@ -1,7 +1,10 @@
-"""recipes/gsm8k_tool_grpo.yaml runs two GRPO steps through scripts/run_recipe.sh on CPU: the tool
-loop inside the Ray workers' vLLM engines, on the tiny model fitted to call the calculator
-(tool_model.py), with the GSM8K rule reward on its question. (Sampled at temperature 1, the model
-rarely reaches its memorised answer: the test is about the loop inside training, not learning.)"""
+"""recipes/gsm8k_tool_grpo.yaml runs two GRPO steps through scripts/run_recipe.sh on CPU, its
+trajectories made by an agent written against the `openai` client (rollout.agent.loop: openai,
+hybridflow/agents/openai_example.py) talking to the endpoint inside the Ray workers, over their
+vLLM engines; the tiny model is fitted to call the calculator (tool_model.py), the reward is the
+GSM8K rule on its question. (Sampled at temperature 1, the model rarely reaches its memorised
+answer: the test is about the endpoint inside training, not learning. The tool loop trains in
+test_tool_demo_learning.py.)"""
 
 import json
 
@@ -23,7 +26,7 @@ def write_rows(path, rows: int) -> str:
 
 
 @pytest.mark.slow
-def test_tool_grpo_recipe_runs_two_steps_with_the_calculator(tool_model, tmp_path):
+def test_tool_grpo_recipe_runs_two_steps_with_an_openai_client_agent(tool_model, tmp_path):
     train, val = write_rows(tmp_path / "train.parquet", 8), write_rows(tmp_path / "val.parquet", 2)
     overrides = [
         f"model.path={tool_model}",
@@ -41,6 +44,9 @@ def test_tool_grpo_recipe_runs_two_steps_with_the_calculator(tool_model, tmp_pat
         "rollout.dtype=float32",
         "rollout.response_length=200",
         "rollout.sampling.n=2",
+        "rollout.agent.loop=openai",
+        "rollout.agent.tools=[]",  # the agent offers the calculator itself
+        "rollout.agent.openai_agent=hybridflow.agents.openai_example:calculator_agent",
         "trainer.use_gpu=false",
         "trainer.n_gpus_per_node=2",
         "trainer.total_training_steps=2",
