@@ -1,4 +1,5 @@
-"""The README's learning claim, checked: GRPO raises held-out accuracy above its SFT warm start.
+"""The README's learning claim, checked: GRPO raises held-out accuracy above its SFT warm start,
+with full weights and with LoRA adapters (issue 26).
 
 Stage 1 is the warm start stored once per session (`quickstart_warm_start`, tests/conftest.py:
 the quickstart's model, data and SFT stage). Stage 2 is recipes/quickstart.yaml through
@@ -24,31 +25,50 @@ from hybridflow.utils.tracking import read_metrics
 
 GRPO_STEPS = 20
 MARGIN = 0.08  # held-out accuracy that GRPO_STEPS steps must add (8 points)
+# LoRA on every linear (rank 16, alpha 32) at 10x the full-weight lr, as adapters usually need;
+# measured from the same warm start: 42.0% -> 61.5% (+19.5 points) in 20 steps (2026-11-24)
+LORA = ["actor.lora.rank=16", "actor.lora.alpha=32", "actor.optim.lr=2e-3"]
 
 
-@pytest.mark.slow
-def test_grpo_raises_held_out_accuracy_over_the_sft_warm_start(quickstart_warm_start, tmp_path):
+def run_grpo(warm_start, out, extra: list[str]) -> list[dict]:
+    """recipes/quickstart.yaml from the warm start for GRPO_STEPS steps; its metrics records."""
     overrides = [
-        f"model.path={quickstart_warm_start['hf']}",
-        f"data.train_files=[{quickstart_warm_start['train']}]",
-        f"data.val_files=[{quickstart_warm_start['test']}]",
-        f"trainer.output_dir={tmp_path / 'grpo'}",
+        f"model.path={warm_start['hf']}",
+        f"data.train_files=[{warm_start['train']}]",
+        f"data.val_files=[{warm_start['test']}]",
+        f"trainer.output_dir={out}",
         f"trainer.total_training_steps={GRPO_STEPS}",
         f"trainer.test_freq={GRPO_STEPS}",
         "trainer.save_freq=0",
         "trainer.export_hf=false",
         "trainer.logger=[console]",
+        *extra,
     ]
     done = run_recipe_script("recipes/quickstart.yaml", overrides, timeout=1200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    accuracy = {
-        r["step"]: r["val/accuracy"]
-        for r in read_metrics(tmp_path / "grpo/metrics.jsonl")
-        if "val/accuracy" in r
-    }
+    return read_metrics(out / "metrics.jsonl")
+
+
+def check_accuracy_rises(records: list[dict]) -> None:
+    accuracy = {r["step"]: r["val/accuracy"] for r in records if "val/accuracy" in r}
     assert sorted(accuracy) == [0, GRPO_STEPS]
     before, after = accuracy[0], accuracy[GRPO_STEPS]
     assert before > 0.1, f"the warm start answers {before:.1%}: too few for RL to have a signal"
     assert after - before >= MARGIN, (
         f"held-out accuracy {before:.1%} -> {after:.1%} after {GRPO_STEPS} GRPO steps"
     )
+
+
+@pytest.mark.slow
+def test_grpo_raises_held_out_accuracy_over_the_sft_warm_start(quickstart_warm_start, tmp_path):
+    check_accuracy_rises(run_grpo(quickstart_warm_start, tmp_path / "grpo", []))
+
+
+@pytest.mark.slow
+def test_grpo_with_lora_raises_held_out_accuracy_too(quickstart_warm_start, tmp_path):
+    records = run_grpo(quickstart_warm_start, tmp_path / "grpo_lora", LORA)
+    check_accuracy_rises(records)
+    counts = next(r for r in records if "actor/trainable_params" in r)
+    trainable, total = counts["actor/trainable_params"], counts["actor/total_params"]
+    assert 0 < trainable < 0.25 * total, counts  # adapters only
+    assert 0 < counts["actor/optimizer_state_bytes"] <= 8 * trainable, counts  # Adam's two moments

@@ -80,10 +80,11 @@ def validate_recipe(cfg: RecipeConfig, cuda_available: bool | None = None) -> La
             errors += _check_batch_sizes(cfg, layout)
     errors += _check_token_budgets(cfg)
     errors += _check_agent_tools(cfg)
-    if cfg.actor.lora.rank:
+    if cfg.actor.lora.rank and cfg.actor.megatron.param_offload:
+        # offload.py moves the parameters in DDP's buffers: under LoRA only the adapters
         errors.append(
-            f"actor.lora.rank={cfg.actor.lora.rank}: the trainer does not run LoRA yet (the Megatron "
-            "engine has the adapters, docs/lora.md; the actor worker does not build them); set it to 0"
+            f"actor.lora.rank={cfg.actor.lora.rank} with actor.megatron.param_offload=true: the "
+            "frozen base weights would stay on the GPU during generation; set param_offload=false"
         )
     if errors:
         raise RecipeError(errors)

@@ -39,7 +39,8 @@ class ActorRolloutRefWorker(Worker):
         init_parallel_state(self, cfg.actor.megatron, cfg.rollout)
         if self.has_actor:
             self._build_actor_and_rollout()
-        if self.has_ref:
+        self.ref = None  # with LoRA the reference is the actor's base model: adapters off
+        if self.has_ref and not (self.has_actor and cfg.actor.lora.rank):
             from engines.megatron.actor import MegatronActor
 
             ref_chunks = build_model(cfg.model.path, cfg.actor.megatron, for_training=False)
@@ -53,7 +54,7 @@ class ActorRolloutRefWorker(Worker):
         from engines.rollout.sharding_manager import MegatronRolloutShardingManager
 
         cfg = self.config
-        self.actor_chunks = build_model(cfg.model.path, cfg.actor.megatron)
+        self.actor_chunks = build_model(cfg.model.path, cfg.actor.megatron, lora=cfg.actor.lora)
         self.optimizer, self.scheduler = build_optimizer(
             self.actor_chunks, cfg.actor.optim, cfg.actor.megatron
         )
@@ -120,13 +121,24 @@ class ActorRolloutRefWorker(Worker):
         """`ref_log_prob` (B, R) of the responses under the frozen reference policy (on the last
         pipeline stage, the one whose output is collected)."""
         data = self._log_prob_meta(data, self.config.ref)
-        return self.ref.compute_ref_log_prob(data)
+        if self.ref is not None:
+            return self.ref.compute_ref_log_prob(data)
+        from engines.megatron.lora import adapters_disabled
+
+        with adapters_disabled(self.actor_chunks):
+            return self.actor.compute_ref_log_prob(data)
 
     @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE_PROTO)
     def update_actor(self, data: DataProto) -> DataProto:
         """PPO epochs over the batch; metrics come back in meta_info["metrics"]."""
         data.meta_info["temperature"] = self.config.rollout.sampling.temperature
-        return DataProto(meta_info={"metrics": prefixed("actor", self.actor.update_policy(data))})
+        metrics = self.actor.update_policy(data)
+        if self.config.actor.lora.rank:  # what LoRA saves: trainable elements, optimizer bytes
+            from engines.megatron.lora import parameter_counts
+
+            counts = parameter_counts(self.actor_chunks, self.optimizer)
+            metrics.update({name: [float(value)] for name, value in counts.items()})
+        return DataProto(meta_info={"metrics": prefixed("actor", metrics)})
 
     @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE_PROTO)
     def train_sft(self, data: DataProto) -> DataProto:

@@ -148,16 +148,21 @@ def test_moe_models_take_attention_adapters():
     )
 
 
-def test_the_trainer_refuses_lora_until_it_runs_it():
+def test_lora_with_param_offload_is_refused():
     from pathlib import Path
 
     from hybridflow.config.loader import load_recipe
     from hybridflow.config.validate import RecipeError, validate_recipe
 
     recipe = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml"
+    overrides = ["actor.lora.rank=8", "actor.megatron.param_offload=true"]
     with pytest.raises(RecipeError) as err:
-        validate_recipe(load_recipe(recipe, ["actor.lora.rank=8"]), cuda_available=False)
-    assert any(e.startswith("actor.lora.rank=8: the trainer does not run LoRA yet") for e in err.value.errors)
+        validate_recipe(load_recipe(recipe, overrides), cuda_available=False)
+    refusal = "actor.lora.rank=8 with actor.megatron.param_offload=true"
+    assert any(e.startswith(refusal) for e in err.value.errors), err.value.errors
+    with pytest.raises(RecipeError) as err:
+        validate_recipe(load_recipe(recipe, overrides[:1]), cuda_available=False)
+    assert not any(e.startswith("actor.lora") for e in err.value.errors), err.value.errors
 
 
 def test_initial_adapters_are_peft_defaults_drawn_per_tensor_name():
