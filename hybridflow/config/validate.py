@@ -262,6 +262,12 @@ def _check_algorithm(cfg: RecipeConfig) -> list[str]:
             "rollout.sampling.n >= 2"
         )
     errors += _check_dapo(cfg)
+    off_policy = cfg.actor.update.off_policy.mode
+    if off_policy != "none" and not cfg.rollout.calculate_log_probs:
+        errors.append(
+            f"actor.update.off_policy.mode={off_policy} weighs the loss by the rollout engine's own "
+            "log-probs: set rollout.calculate_log_probs=true"
+        )
     if (cfg.trainer.test_freq > 0 or cfg.trainer.val_before_train) and not cfg.data.val_files:
         errors.append(
             "validation is requested (trainer.test_freq / trainer.val_before_train) but data.val_files is "
