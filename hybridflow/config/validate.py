@@ -80,9 +80,71 @@ def validate_recipe(cfg: RecipeConfig, cuda_available: bool | None = None) -> La
             errors += _check_batch_sizes(cfg, layout)
     errors += _check_token_budgets(cfg)
     errors += _check_agent_tools(cfg)
+    errors += _check_placement(cfg) + _check_async_training(cfg)
     if errors:
         raise RecipeError(errors)
     return layout
+
+
+def _check_placement(cfg: RecipeConfig) -> list[str]:
+    """A rollout pool exactly when the placement is disaggregated, and one the engines split over."""
+    trainer, pool = cfg.trainer, cfg.trainer.rollout_pool
+    if trainer.placement == "colocated":
+        if pool.n_gpus_per_node == 0:
+            return []
+        return [
+            f"trainer.rollout_pool.n_gpus_per_node={pool.n_gpus_per_node} gives the rollout its own devices, "
+            "which only trainer.placement=disaggregated uses: set that, or set n_gpus_per_node to 0"
+        ]
+    if pool.nnodes < 1 or pool.n_gpus_per_node < 1:
+        return [
+            "trainer.placement=disaggregated needs trainer.rollout_pool.nnodes >= 1 and "
+            f"trainer.rollout_pool.n_gpus_per_node >= 1 (the engines' devices; processes on CPU), got "
+            f"{pool.nnodes} and {pool.n_gpus_per_node}"
+        ]
+    errors = []
+    devices, engine_tp = pool.nnodes * pool.n_gpus_per_node, cfg.rollout.tensor_model_parallel_size
+    if devices % engine_tp:
+        errors.append(
+            f"rollout.tensor_model_parallel_size={engine_tp} does not divide the rollout pool's {devices} "
+            "devices (trainer.rollout_pool.nnodes x n_gpus_per_node)"
+        )
+    # Refused rather than run colocated: the rollout pool is the next piece of issue 22.
+    errors.append("trainer.placement=disaggregated is not built yet (docs/async.md); use colocated")
+    return errors
+
+
+def _check_async_training(cfg: RecipeConfig) -> list[str]:
+    """What each mode needs, and no setting a mode ignores (docs/async.md)."""
+    settings, key = cfg.trainer.async_training, "trainer.async_training"
+    errors = []
+    if settings.mode != "sync" and cfg.trainer.mode != "rl":
+        errors.append(f"{key}.mode={settings.mode} applies to trainer.mode=rl only; set it to sync")
+    if settings.mode != "sync" and cfg.trainer.placement == "colocated":
+        errors.append(
+            f"{key}.mode={settings.mode} overlaps generation with training, which needs the rollout on "
+            "its own devices: set trainer.placement=disaggregated and trainer.rollout_pool.n_gpus_per_node"
+        )
+    if settings.mode != "sync" and cfg.algorithm.filter_groups.enable:
+        errors.append(
+            f"{key}.mode={settings.mode} with algorithm.filter_groups.enable=true (dynamic sampling draws "
+            "more prompts inside a step) is not supported yet; use mode=sync"
+        )
+    if settings.mode == "async" and settings.max_staleness < 0:
+        errors.append(f"{key}.max_staleness must be >= 0 (0: as fresh as sync), got {settings.max_staleness}")
+    if settings.mode != "async" and settings.max_staleness != 1:
+        errors.append(
+            f"{key}.max_staleness={settings.max_staleness} is used by mode=async only (sync trains on "
+            "fresh samples, one_step on samples one version old); set mode=async or remove it"
+        )
+    if settings.partial_rollout and settings.mode != "async":
+        errors.append(f"{key}.partial_rollout=true is used by mode=async only; set mode=async or remove it")
+    if settings.partial_rollout and cfg.rollout.name == "hf":
+        errors.append(
+            f"{key}.partial_rollout=true pauses in-flight requests for a weight update, which transformers "
+            "generate cannot do: use rollout.name=vllm (or sglang on GPUs)"
+        )
+    return errors
 
 
 def _check_agent_tools(cfg: RecipeConfig) -> list[str]:
