@@ -106,9 +106,10 @@ def test_refused_combinations_name_the_key_and_the_fix(base, overrides, message)
     assert any(message in error for error in found), found
 
 
-def test_disaggregated_placement_is_refused_until_it_is_built(base):
-    assert errors(base, *DISAGGREGATED) == [
-        "trainer.placement=disaggregated is not built yet (docs/async.md); use colocated"
+def test_disaggregated_placement_validates_and_the_async_modes_are_refused_until_built(base):
+    assert errors(base, *DISAGGREGATED) == []
+    assert errors(base, *DISAGGREGATED, "trainer.async_training.mode=one_step") == [
+        "trainer.async_training.mode=one_step is not built yet (docs/async.md); use mode=sync"
     ]
 
 

@@ -109,8 +109,11 @@ def _check_placement(cfg: RecipeConfig) -> list[str]:
             f"rollout.tensor_model_parallel_size={engine_tp} does not divide the rollout pool's {devices} "
             "devices (trainer.rollout_pool.nnodes x n_gpus_per_node)"
         )
-    # Refused rather than run colocated: the rollout pool is the next piece of issue 22.
-    errors.append("trainer.placement=disaggregated is not built yet (docs/async.md); use colocated")
+    if engine_tp != 1:
+        errors.append(
+            "trainer.placement=disaggregated runs one engine per rollout process for now: set "
+            f"rollout.tensor_model_parallel_size=1, got {engine_tp}"
+        )
     return errors
 
 
@@ -125,6 +128,8 @@ def _check_async_training(cfg: RecipeConfig) -> list[str]:
             f"{key}.mode={settings.mode} overlaps generation with training, which needs the rollout on "
             "its own devices: set trainer.placement=disaggregated and trainer.rollout_pool.n_gpus_per_node"
         )
+    if settings.mode != "sync":  # the async loop is the next piece of issue 22
+        errors.append(f"{key}.mode={settings.mode} is not built yet (docs/async.md); use mode=sync")
     if settings.mode != "sync" and cfg.algorithm.filter_groups.enable:
         errors.append(
             f"{key}.mode={settings.mode} with algorithm.filter_groups.enable=true (dynamic sampling draws "

@@ -1,0 +1,62 @@
+"""The driver's view of the actor with the rollout on its own pool (trainer.placement=disaggregated).
+
+`DisaggregatedActorRollout` stands where the colocated actor-rollout worker group stands: every
+call goes to the actor group, except generation, which goes to the rollout pool after the actor's
+newest weights have been transferred there. The actor's policy version counts its updates; each
+generated sample carries the version that produced it (`policy_version`), and each trained batch's
+versions are appended to `<output_dir>/policy_versions.jsonl`:
+
+    {"trained_on": 3, "sample_versions": [2, 2, 3, ...]}   # staleness = trained_on - version
+"""
+
+import json
+from pathlib import Path
+
+from hybridflow.protocol import DataProto
+
+
+def connect_transfer(actor, rollout) -> None:
+    """Build the transfer group: the actor's rank 0 and one member per rollout process."""
+    host, port = actor.transfer_address()
+    rollout.start_join_transfer(host, port, 1 + rollout.world_size)
+    actor.join_transfer(host, port, 1 + rollout.world_size)
+    rollout.finish_transfer()
+
+
+class DisaggregatedActorRollout:
+    def __init__(self, actor, rollout, output_dir: str):
+        self.actor = actor
+        self.rollout = rollout
+        self.versions_file = Path(output_dir) / "policy_versions.jsonl"
+        self.version = 0  # of the actor's weights: the number of updates so far
+        self.served: int | None = None  # of the rollout engines' weights
+
+    def __getattr__(self, name: str):
+        return getattr(self.actor, name)
+
+    def transfer_weights(self) -> int:
+        """The actor's weights into every rollout engine; the version they now serve."""
+        self.rollout.start_receive_weights()
+        self.actor.send_weights(self.version)
+        served = set(self.rollout.finish_transfer())
+        if served != {self.version}:
+            sent = self.version
+            raise RuntimeError(f"rollout engines serve {sorted(served)}, not the version sent ({sent})")
+        self.served = self.version
+        return self.served
+
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        if self.served != self.version:
+            self.transfer_weights()
+        return self.rollout.generate_sequences(prompts)
+
+    def update_actor(self, batch: DataProto) -> DataProto:
+        self.record_versions(batch)
+        output = self.actor.update_actor(batch)
+        self.version += 1
+        return output
+
+    def record_versions(self, batch: DataProto) -> None:
+        versions = batch.batch["policy_version"].tolist()
+        with self.versions_file.open("a") as out:
+            out.write(json.dumps({"trained_on": self.version, "sample_versions": versions}) + "\n")
