@@ -96,6 +96,15 @@ def test_defaults_are_synchronous_and_colocated(base):
             "is not supported yet",
         ),
         (
+            (*DISAGGREGATED, "trainer.async_training.mode=one_step", "trainer.save_freq=5"),
+            "trainer.async_training.mode=one_step with trainer.save_freq=5: checkpoints of the generation "
+            "in flight",
+        ),
+        (
+            (*DISAGGREGATED, "trainer.async_training.mode=one_step", "algorithm.adv_estimator=remax"),
+            "the greedy baseline would come from newer weights than the samples",
+        ),
+        (
             ("trainer.mode=sft", "trainer.async_training.mode=one_step"),
             "trainer.async_training.mode=one_step applies to trainer.mode=rl only",
         ),
@@ -106,10 +115,11 @@ def test_refused_combinations_name_the_key_and_the_fix(base, overrides, message)
     assert any(message in error for error in found), found
 
 
-def test_disaggregated_placement_validates_and_the_async_modes_are_refused_until_built(base):
+def test_disaggregated_sync_and_one_step_validate_and_async_is_refused_until_built(base):
     assert errors(base, *DISAGGREGATED) == []
-    assert errors(base, *DISAGGREGATED, "trainer.async_training.mode=one_step") == [
-        "trainer.async_training.mode=one_step is not built yet (docs/async.md); use mode=sync"
+    assert errors(base, *DISAGGREGATED, "trainer.async_training.mode=one_step", "trainer.save_freq=0") == []
+    assert errors(base, *DISAGGREGATED, "trainer.async_training.mode=async") == [
+        "trainer.async_training.mode=async is not built yet (docs/async.md); use one_step or sync"
     ]
 
 

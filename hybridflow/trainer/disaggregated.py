@@ -12,7 +12,7 @@ versions are appended to `<output_dir>/policy_versions.jsonl`:
 import json
 from pathlib import Path
 
-from hybridflow.protocol import DataProto
+from hybridflow.protocol import DataProto, DataProtoFuture
 
 
 def connect_transfer(actor, rollout) -> None:
@@ -49,6 +49,12 @@ class DisaggregatedActorRollout:
         if self.served != self.version:
             self.transfer_weights()
         return self.rollout.generate_sequences(prompts)
+
+    def generate_sequences_async(self, prompts: DataProto) -> DataProtoFuture:
+        """Generation with the newest weights, running on the rollout pool while the driver goes on."""
+        if self.served != self.version:
+            self.transfer_weights()
+        return self.rollout.generate_sequences_async(prompts)
 
     def update_actor(self, batch: DataProto) -> DataProto:
         self.record_versions(batch)

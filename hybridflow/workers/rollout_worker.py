@@ -77,6 +77,11 @@ class RolloutWorker(Worker):
         output.batch["policy_version"] = torch.full((len(output),), self.receiver.serving, dtype=torch.long)
         return output
 
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    def generate_sequences_async(self, prompts: DataProto) -> DataProto:
+        """`generate_sequences`, the driver getting a DataProtoFuture at once (one_step mode)."""
+        return self.generate_sequences(prompts)
+
     def teardown(self) -> None:
         """Stop the engine (last: vLLM's teardown destroys torch.distributed's default group)."""
         self._background.shutdown(wait=False, cancel_futures=True)
