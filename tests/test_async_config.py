@@ -115,12 +115,14 @@ def test_refused_combinations_name_the_key_and_the_fix(base, overrides, message)
     assert any(message in error for error in found), found
 
 
-def test_disaggregated_sync_and_one_step_validate_and_async_is_refused_until_built(base):
+def test_disaggregated_modes_validate_and_partial_rollouts_are_refused_until_built(base):
     assert errors(base, *DISAGGREGATED) == []
     assert errors(base, *DISAGGREGATED, "trainer.async_training.mode=one_step", "trainer.save_freq=0") == []
-    assert errors(base, *DISAGGREGATED, "trainer.async_training.mode=async") == [
-        "trainer.async_training.mode=async is not built yet (docs/async.md); use one_step or sync"
-    ]
+    asynchronous = (*DISAGGREGATED, "trainer.async_training.mode=async", "trainer.save_freq=0")
+    assert errors(base, *asynchronous, "trainer.async_training.max_staleness=2") == []
+    assert errors(
+        base, *asynchronous, "rollout.name=vllm", "trainer.async_training.partial_rollout=true"
+    ) == ["trainer.async_training.partial_rollout=true is not built yet (docs/async.md); set it to false"]
 
 
 def test_a_bare_off_is_not_a_mode(base):

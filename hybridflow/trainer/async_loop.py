@@ -1,17 +1,27 @@
-"""trainer.async_training.mode=one_step: the next batch is generated while the actor trains on
-this one (docs/async.md).
+"""Generation ahead of training: trainer.async_training.mode one_step, and async with
+max_staleness N (docs/async.md).
 
 `PPOTrainer.step()` is unchanged; this loop stands beside it, between the trainer and the actor
-view of the disaggregated placement (hybridflow/trainer/disaggregated.py):
+view of the disaggregated placement (hybridflow/trainer/disaggregated.py), keeping up to `depth`
+batches generating ahead (one_step: 1; async: max_staleness):
 
-    step k:  responses to P_k  <- the generation launched during step k-1 (step 1: generated now)
-             launch P_k+1 on the rollout pool with the weights the step starts from (version k-1)
-             log-probs, reward, advantages, update of batch k   (P_k+1 generates meanwhile)
+    step k:  responses to P_k  <- the generation launched `depth` steps earlier (or generated now)
+             launch generations until `depth` are in flight, each with the newest weights
+             (the actor's version k-1 at the start of step k)
+             log-probs, reward, advantages, update of batch k   (launched batches generate meanwhile)
 
-So batch k+1 is generated with the weights of step k and trained on at step k+1, one update
-later: every sample after the first batch is exactly one version stale. The prompts of P_k+1 are
-drawn from the loader during step k; the trainer's `next_batch` hands them to step k+1.
+Batch k+depth is generated with the weights of step k and trained on at step k+depth: a sample is
+at most `depth` versions stale (exactly `depth` once the pipeline is full), so nothing has to be
+dropped. depth 0 is the synchronous loop itself: no call differs. The prompts of launched batches
+are drawn from the loader ahead; the trainer's `next_batch` hands them out in order.
+
+A weight transfer to the rollout pool waits for the generations queued there before it (the
+rollout worker runs one call at a time), so with depth > 1 a step also waits for the older
+launched batches to finish: the overlap is one batch's generation per step, the staleness `depth`.
+Loading weights between requests of a running engine (partial rollouts) is not built yet.
 """
+
+from collections import deque
 
 import torch
 
@@ -26,21 +36,28 @@ def generation_prompts(batch_dict: dict, n: int) -> DataProto:
     return prompts.repeat(n, interleave=True)
 
 
-class OneStepOffPolicy:
-    """The trainer's actor view in one_step mode; generation calls of the step's batch are answered
-    by the generation launched one step earlier."""
+def generation_depth(cfg) -> int:
+    """Batches generating ahead of the one trained: one_step 1, async max_staleness, sync 0."""
+    settings = cfg.trainer.async_training
+    return {"sync": 0, "one_step": 1, "async": settings.max_staleness}[settings.mode]
 
-    def __init__(self, trainer, actor_rollout):
+
+class GenerationAhead:
+    """The trainer's actor view in one_step / async mode: a step's generation call is answered by
+    the generation launched for its prompts `depth` steps earlier."""
+
+    def __init__(self, trainer, actor_rollout, depth: int):
         self.trainer = trainer
         self.actor_rollout = actor_rollout
+        self.depth = depth
         self.draw_batch = trainer.next_batch  # the loader's next batch
-        self.prefetched: dict | None = None  # the next step's prompts, drawn already
-        self.pending: tuple[DataProto, DataProtoFuture] | None = None  # their rows, their responses
+        self.prefetched: deque[dict] = deque()  # the next steps' prompts, drawn already
+        self.pending: deque[tuple[DataProto, DataProtoFuture]] = deque()  # their rows and responses
 
     @classmethod
-    def attach(cls, trainer) -> "OneStepOffPolicy":
+    def attach(cls, trainer) -> "GenerationAhead":
         """Put the loop between `trainer` and its actor view, and behind its `next_batch`."""
-        loop = cls(trainer, trainer.roles.actor_rollout)
+        loop = cls(trainer, trainer.roles.actor_rollout, generation_depth(trainer.cfg))
         trainer.roles.actor_rollout = loop
         trainer.next_batch = loop.next_batch
         return loop
@@ -49,27 +66,35 @@ class OneStepOffPolicy:
         return getattr(self.actor_rollout, name)
 
     def next_batch(self) -> dict:
-        batch_dict, self.prefetched = self.prefetched, None
-        return batch_dict if batch_dict is not None else self.draw_batch()
+        return self.prefetched.popleft() if self.prefetched else self.draw_batch()
 
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """The step's responses (validation and baselines: generated now, with the newest weights)."""
         if prompts.meta_info.get("validate", False):
             return self.actor_rollout.generate_sequences(prompts)
         responses = self.collect(prompts) if self.pending else self.actor_rollout.generate_sequences(prompts)
-        if self.trainer.global_step < self.trainer.total_steps:
-            self.launch_next()
+        self.fill()
         return responses
 
     def collect(self, prompts: DataProto) -> DataProto:
-        """The launched generation's output, once it is checked to be for these very prompts."""
-        (launched, future), self.pending = self.pending, None
+        """The oldest launched generation's output, once it is checked to be for these very prompts."""
+        launched, future = self.pending.popleft()
         if not torch.equal(launched.batch["input_ids"], prompts.batch["input_ids"]):
-            raise RuntimeError("one_step: the step's prompts are not the ones generated for it")
+            raise RuntimeError("generation ahead: the step's prompts are not the ones generated for it")
         return future.get()
 
-    def launch_next(self) -> None:
-        """Draw the next step's prompts and start generating them with the current weights."""
-        self.prefetched = self.draw_batch()
-        prompts = generation_prompts(self.prefetched, self.trainer.cfg.rollout.sampling.n)
-        self.pending = (prompts, self.actor_rollout.generate_sequences_async(prompts))
+    def launched_up_to(self) -> int:
+        """The last step whose prompts are generated or generating."""
+        return self.trainer.global_step + len(self.pending)
+
+    def fill(self) -> None:
+        """Launch the next steps' generations with the current weights, up to `depth` in flight
+        and never beyond the last step."""
+        while (
+            len(self.pending) < self.depth
+            and self.trainer.global_step + len(self.pending) < self.trainer.total_steps
+        ):
+            batch_dict = self.draw_batch()
+            self.prefetched.append(batch_dict)
+            prompts = generation_prompts(batch_dict, self.trainer.cfg.rollout.sampling.n)
+            self.pending.append((prompts, self.actor_rollout.generate_sequences_async(prompts)))

@@ -1,7 +1,7 @@
-"""one_step mode through `scripts/run_recipe.sh`: GRPO for 4 steps, actor 1 process, vLLM rollout
-1 process. The versions each trained sample was generated with are read back from the run's
-policy_versions.jsonl: the first batch is fresh, every later one exactly one update old (its
-generation overlapped the previous step's training), never older."""
+"""one_step and async modes through `scripts/run_recipe.sh`: GRPO for 4 steps, actor 1 process,
+vLLM rollout 1 process. The versions each trained sample was generated with are read back from
+the run's policy_versions.jsonl: the first batch is fresh, later ones as stale as the mode allows
+(their generation overlapped earlier steps' training), never staler."""
 
 import json
 
@@ -10,14 +10,22 @@ from test_recipes import cpu_overrides, local, run_recipe  # noqa: F401 (local i
 
 
 @pytest.mark.slow
-def test_one_step_grpo_trains_on_samples_at_most_one_version_old(local, tmp_path):  # noqa: F811
-    out = tmp_path / "one_step"
+@pytest.mark.parametrize(
+    ("mode", "staleness"),
+    [
+        (["trainer.async_training.mode=one_step"], [0, 1, 1, 1]),
+        (["trainer.async_training.mode=async", "trainer.async_training.max_staleness=2"], [0, 1, 2, 2]),
+    ],
+    ids=["one_step", "async-max_staleness-2"],
+)
+def test_generation_ahead_trains_on_samples_no_staler_than_allowed(local, tmp_path, mode, staleness):  # noqa: F811
+    out = tmp_path / "ahead"
     overrides = [
         *cpu_overrides(local, out, tp=1),
+        *mode,
         "trainer.n_gpus_per_node=1",
         "trainer.placement=disaggregated",
         "trainer.rollout_pool.n_gpus_per_node=1",
-        "trainer.async_training.mode=one_step",
         "trainer.total_training_steps=4",
         "trainer.test_freq=4",
         "trainer.save_freq=0",
@@ -35,8 +43,7 @@ def test_one_step_grpo_trains_on_samples_at_most_one_version_old(local, tmp_path
     assert "val/accuracy" in steps[-1]
     versions = [json.loads(line) for line in (out / "policy_versions.jsonl").read_text().splitlines()]
     assert [v["trained_on"] for v in versions] == [0, 1, 2, 3]
-    staleness = [{v["trained_on"] - s for s in v["sample_versions"]} for v in versions]
-    assert staleness == [{0}, {1}, {1}, {1}]
+    assert [{v["trained_on"] - s for s in v["sample_versions"]} for v in versions] == [{s} for s in staleness]
     # stale samples are off-policy: the actor's log-probs of them differ from the engine's
     assert all(r["actor/rollout_actor_kl"] > 0 for r in steps[1:])
     assert all("actor/is_weight_mean" in r for r in steps)
