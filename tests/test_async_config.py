@@ -96,11 +96,6 @@ def test_defaults_are_synchronous_and_colocated(base):
             "is not supported yet",
         ),
         (
-            (*DISAGGREGATED, "trainer.async_training.mode=one_step", "trainer.save_freq=5"),
-            "trainer.async_training.mode=one_step with trainer.save_freq=5: checkpoints of the generation "
-            "in flight",
-        ),
-        (
             (*DISAGGREGATED, "trainer.async_training.mode=one_step", "algorithm.adv_estimator=remax"),
             "the greedy baseline would come from newer weights than the samples",
         ),
@@ -117,8 +112,8 @@ def test_refused_combinations_name_the_key_and_the_fix(base, overrides, message)
 
 def test_disaggregated_modes_validate_and_partial_rollouts_are_refused_until_built(base):
     assert errors(base, *DISAGGREGATED) == []
-    assert errors(base, *DISAGGREGATED, "trainer.async_training.mode=one_step", "trainer.save_freq=0") == []
-    asynchronous = (*DISAGGREGATED, "trainer.async_training.mode=async", "trainer.save_freq=0")
+    assert errors(base, *DISAGGREGATED, "trainer.async_training.mode=one_step") == []
+    asynchronous = (*DISAGGREGATED, "trainer.async_training.mode=async")
     assert errors(base, *asynchronous, "trainer.async_training.max_staleness=2") == []
     assert errors(
         base, *asynchronous, "rollout.name=vllm", "trainer.async_training.partial_rollout=true"

@@ -130,12 +130,6 @@ def _check_async_training(cfg: RecipeConfig) -> list[str]:
         )
     if settings.partial_rollout:  # loading weights between requests of a running engine: next
         errors.append(f"{key}.partial_rollout=true is not built yet (docs/async.md); set it to false")
-    if settings.mode != "sync" and cfg.trainer.save_freq > 0:
-        errors.append(
-            f"{key}.mode={settings.mode} with trainer.save_freq={cfg.trainer.save_freq}: checkpoints of the "
-            "generation in flight (the next step's prompts are drawn already) are not built yet; set "
-            "trainer.save_freq=0"
-        )
     if settings.mode != "sync" and cfg.algorithm.adv_estimator == "remax":
         errors.append(
             f"{key}.mode={settings.mode} with algorithm.adv_estimator=remax: the greedy baseline would come "

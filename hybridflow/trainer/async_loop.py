@@ -19,14 +19,19 @@ A weight transfer to the rollout pool waits for the generations queued there bef
 rollout worker runs one call at a time), so with depth > 1 a step also waits for the older
 launched batches to finish: the overlap is one batch's generation per step, the staleness `depth`.
 Loading weights between requests of a running engine (partial rollouts) is not built yet.
+
+Checkpoints: what is in flight is saved (finished first), not discarded; see `save_checkpoint`.
 """
 
 from collections import deque
+from pathlib import Path
 
 import torch
 
 from hybridflow.protocol import DataProto, DataProtoFuture
 from hybridflow.trainer.validation import PROMPT_KEYS
+
+AHEAD_FILE = "generation_ahead.pt"  # in the actor's checkpoint directory
 
 
 def generation_prompts(batch_dict: dict, n: int) -> DataProto:
@@ -52,7 +57,8 @@ class GenerationAhead:
         self.depth = depth
         self.draw_batch = trainer.next_batch  # the loader's next batch
         self.prefetched: deque[dict] = deque()  # the next steps' prompts, drawn already
-        self.pending: deque[tuple[DataProto, DataProtoFuture]] = deque()  # their rows and responses
+        # their rows and responses (finished ones after a checkpoint)
+        self.pending: deque[tuple[DataProto, DataProtoFuture | DataProto]] = deque()
 
     @classmethod
     def attach(cls, trainer) -> "GenerationAhead":
@@ -78,10 +84,10 @@ class GenerationAhead:
 
     def collect(self, prompts: DataProto) -> DataProto:
         """The oldest launched generation's output, once it is checked to be for these very prompts."""
-        launched, future = self.pending.popleft()
+        launched, responses = self.pending.popleft()
         if not torch.equal(launched.batch["input_ids"], prompts.batch["input_ids"]):
             raise RuntimeError("generation ahead: the step's prompts are not the ones generated for it")
-        return future.get()
+        return self.collect_later(responses)
 
     def launched_up_to(self) -> int:
         """The last step whose prompts are generated or generating."""
@@ -98,3 +104,23 @@ class GenerationAhead:
             self.prefetched.append(batch_dict)
             prompts = generation_prompts(batch_dict, self.trainer.cfg.rollout.sampling.n)
             self.pending.append((prompts, self.actor_rollout.generate_sequences_async(prompts)))
+
+    def save_checkpoint(self, path: str) -> None:
+        """In flight is saved, not discarded: the launched generations are waited for and written
+        with the checkpoint (their prompts were drawn from the loader already), so a resumed run
+        trains on the very samples the uninterrupted one does."""
+        self.pending = deque((prompts, self.collect_later(responses)) for prompts, responses in self.pending)
+        self.actor_rollout.save_checkpoint(path)
+        state = {"prefetched": list(self.prefetched), "pending": list(self.pending)}
+        torch.save(state, Path(path) / AHEAD_FILE)
+
+    @staticmethod
+    def collect_later(responses: DataProtoFuture | DataProto) -> DataProto:
+        return responses.get() if isinstance(responses, DataProtoFuture) else responses
+
+    def load_checkpoint(self, path: str) -> None:
+        self.actor_rollout.load_checkpoint(path)
+        saved = Path(path) / AHEAD_FILE
+        if saved.is_file():  # absent in a synchronous run's checkpoint: nothing was ahead
+            state = torch.load(saved, weights_only=False)  # our own file: DataProtos, prompt rows
+            self.prefetched, self.pending = deque(state["prefetched"]), deque(state["pending"])

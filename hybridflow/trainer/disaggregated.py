@@ -14,6 +14,8 @@ from pathlib import Path
 
 from hybridflow.protocol import DataProto, DataProtoFuture
 
+VERSION_FILE = "policy_version.json"  # in the actor's checkpoint directory
+
 
 def connect_transfer(actor, rollout) -> None:
     """Build the transfer group: the actor's rank 0 and one member per rollout process."""
@@ -61,6 +63,21 @@ class DisaggregatedActorRollout:
         output = self.actor.update_actor(batch)
         self.version += 1
         return output
+
+    def save_checkpoint(self, path: str) -> None:
+        """The actor's checkpoint, the engines' sampling positions and the policy version."""
+        self.actor.save_checkpoint(path)
+        self.rollout.save_rng_state(path)
+        (Path(path) / VERSION_FILE).write_text(json.dumps({"version": self.version}))
+
+    def load_checkpoint(self, path: str) -> None:
+        """The state `save_checkpoint` wrote; the engines get the weights before they next generate.
+        Without a recorded version (a colocated run's checkpoint) versions count from 0 again."""
+        self.actor.load_checkpoint(path)
+        self.rollout.load_rng_state(path)
+        version_file = Path(path) / VERSION_FILE
+        self.version = json.loads(version_file.read_text())["version"] if version_file.is_file() else 0
+        self.served = None
 
     def record_versions(self, batch: DataProto) -> None:
         versions = batch.batch["policy_version"].tolist()

@@ -6,10 +6,12 @@ actor's rank 0. Joining the group and receiving a transfer are collectives with 
 the driver calls one group at a time: so the rollout side runs them in a background thread
 (`start_join_transfer` / `start_receive_weights`) and the driver collects the outcome with
 `finish_transfer` after the actor's side returned. Every generated sample carries
-`policy_version` (B,): the version of the weights its engine served.
+`policy_version` (B,): the version of the weights its engine served. Checkpoints hold each
+engine's sampling position (`save_rng_state`), as the colocated worker's do.
 """
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import torch
 
@@ -81,6 +83,19 @@ class RolloutWorker(Worker):
     def generate_sequences_async(self, prompts: DataProto) -> DataProto:
         """`generate_sequences`, the driver getting a DataProtoFuture at once (one_step mode)."""
         return self.generate_sequences(prompts)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_rng_state(self, path: str) -> None:
+        """This engine's sampling position into `path`/rollout, so a resumed run samples alike."""
+        rollout_dir = Path(path) / "rollout"
+        rollout_dir.mkdir(parents=True, exist_ok=True)
+        torch.save(self.engine.get_rng_state(), rollout_dir / f"rank_{self.rank}.pt")
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_rng_state(self, path: str) -> None:
+        state = Path(path) / "rollout" / f"rank_{self.rank}.pt"
+        if state.is_file():  # absent after a change of the rollout pool's size
+            self.engine.set_rng_state(torch.load(state, weights_only=True))
 
     def teardown(self) -> None:
         """Stop the engine (last: vLLM's teardown destroys torch.distributed's default group)."""

@@ -39,8 +39,10 @@ def step_numbers(out) -> list[dict]:
 
 
 def exported(out) -> dict:
+    files = sorted((out / "hf").glob("*.safetensors"))
+    assert files, f"no exported weights in {out / 'hf'}"
     tensors = {}
-    for path in sorted((out / "hf").glob("*.safetensors")):
+    for path in files:
         tensors.update(load_file(path))
     return tensors
 
