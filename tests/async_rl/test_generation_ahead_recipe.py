@@ -44,6 +44,10 @@ def test_generation_ahead_trains_on_samples_no_staler_than_allowed(local, tmp_pa
     versions = [json.loads(line) for line in (out / "policy_versions.jsonl").read_text().splitlines()]
     assert [v["trained_on"] for v in versions] == [0, 1, 2, 3]
     assert [{v["trained_on"] - s for s in v["sample_versions"]} for v in versions] == [{s} for s in staleness]
+    # the same staleness in the step metrics, and the weight transfers timed
+    assert [r["async/staleness_max"] for r in steps] == staleness
+    assert [r[f"async/staleness/{s}"] for r, s in zip(steps, staleness, strict=True)] == [1.0] * 4
+    assert all(r["timing/weight_transfer"] >= 0 for r in steps)
     # stale samples are off-policy: the actor's log-probs of them differ from the engine's
     assert all(r["actor/rollout_actor_kl"] > 0 for r in steps[1:])
     assert all("actor/is_weight_mean" in r for r in steps)
