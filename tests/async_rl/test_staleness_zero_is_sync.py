@@ -1,6 +1,7 @@
-"""async mode with max_staleness 0 is the synchronous loop on the same placement, bit for bit
-(verl#6780 reports theirs is not): two 2-step GRPO runs, actor 1 process and vLLM rollout 1
-process, log the same numbers, record the same sample versions and export the same weights."""
+"""GRPO with the rollout on its own pool (trainer.placement=disaggregated: actor 1 process, vLLM
+rollout 1 process, 2 steps through `scripts/run_recipe.sh`): the synchronous run trains every
+sample at the version that generated it, and async mode with max_staleness 0 is that run bit for
+bit (verl#6780 reports theirs is not): the same numbers, sample versions and exported weights."""
 
 import json
 
@@ -52,7 +53,11 @@ def test_async_with_max_staleness_zero_equals_sync_bit_for_bit(local, tmp_path):
     sync, zero = tmp_path / "sync", tmp_path / "async0"
     run(local, sync)
     run(local, zero, "trainer.async_training.mode=async", "trainer.async_training.max_staleness=0")
-    assert len(step_numbers(sync)) == 2
+    steps = step_numbers(sync)
+    assert [r["step"] for r in steps] == [1, 2]
+    assert steps[1]["kl/mean"] != 0  # step 2 sampled from the updated policy, moved off the reference
+    versions = [json.loads(line) for line in (sync / "policy_versions.jsonl").read_text().splitlines()]
+    assert versions == [{"trained_on": v, "sample_versions": [v] * 8} for v in (0, 1)]  # 4 prompts x 2
     assert step_numbers(zero) == step_numbers(sync)
     assert (zero / "policy_versions.jsonl").read_text() == (sync / "policy_versions.jsonl").read_text()
     weights, expected = exported(zero), exported(sync)
