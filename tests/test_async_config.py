@@ -100,6 +100,18 @@ def test_defaults_are_synchronous_and_colocated(base):
             "the greedy baseline would come from newer weights than the samples",
         ),
         (
+            (*DISAGGREGATED, "rollout.name=sglang"),
+            "rollout.name=sglang with trainer.placement=disaggregated is not built yet",
+        ),
+        (
+            (*DISAGGREGATED, "rollout.verify_weight_sync=true"),
+            "rollout.verify_weight_sync=true with trainer.placement=disaggregated is not built yet",
+        ),
+        (
+            (*DISAGGREGATED, "rollout.name=vllm", "rollout.agent.loop=tool", "rollout.agent.tools=[x.Y]"),
+            "rollout.agent.loop=tool with trainer.placement=disaggregated is not built yet",
+        ),
+        (
             ("trainer.mode=sft", "trainer.async_training.mode=one_step"),
             "trainer.async_training.mode=one_step applies to trainer.mode=rl only",
         ),

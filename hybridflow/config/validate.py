@@ -114,7 +114,21 @@ def _check_placement(cfg: RecipeConfig) -> list[str]:
             "trainer.placement=disaggregated runs one engine per rollout process for now: set "
             f"rollout.tensor_model_parallel_size=1, got {engine_tp}"
         )
-    return errors
+    return errors + _disaggregated_not_built(cfg)
+
+
+def _disaggregated_not_built(cfg: RecipeConfig) -> list[str]:
+    """What the rollout pool cannot do yet, refused rather than silently left out (docs/async.md)."""
+    unbuilt = {
+        "rollout.name=sglang": cfg.rollout.name == "sglang",
+        f"rollout.agent.loop={cfg.rollout.agent.loop}": cfg.rollout.agent.loop != "single_turn",
+        "rollout.verify_weight_sync=true": cfg.rollout.verify_weight_sync,
+    }
+    return [
+        f"{setting} with trainer.placement=disaggregated is not built yet (docs/async.md); use colocated"
+        for setting, used in unbuilt.items()
+        if used
+    ]
 
 
 def _check_async_training(cfg: RecipeConfig) -> list[str]:
