@@ -112,6 +112,10 @@ def test_defaults_are_synchronous_and_colocated(base):
             "rollout.agent.loop=tool with trainer.placement=disaggregated is not built yet",
         ),
         (
+            (*DISAGGREGATED, "trainer.mode=sft"),
+            "trainer.placement=disaggregated applies to trainer.mode=rl only",
+        ),
+        (
             ("trainer.mode=sft", "trainer.async_training.mode=one_step"),
             "trainer.async_training.mode=one_step applies to trainer.mode=rl only",
         ),

@@ -96,6 +96,8 @@ def _check_placement(cfg: RecipeConfig) -> list[str]:
             f"trainer.rollout_pool.n_gpus_per_node={pool.n_gpus_per_node} gives the rollout its own devices, "
             "which only trainer.placement=disaggregated uses: set that, or set n_gpus_per_node to 0"
         ]
+    if trainer.mode != "rl":
+        return ["trainer.placement=disaggregated applies to trainer.mode=rl only; set it to colocated"]
     if pool.nnodes < 1 or pool.n_gpus_per_node < 1:
         return [
             "trainer.placement=disaggregated needs trainer.rollout_pool.nnodes >= 1 and "
