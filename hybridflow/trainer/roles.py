@@ -98,7 +98,9 @@ def start_roles(cfg: RecipeConfig) -> RoleGroups:
             group = RayWorkerGroup(pool, create_colocated_worker_cls(classes))
             views.update(group.spawn(prefix_set=list(classes)))
         groups.append(group)
-    for role in ("critic", "reward_model", "rollout", "actor_rollout"):
+    # The rollout pool last: its vLLM engines pick free ports of their own, which must not be the
+    # ones the other groups were given for their process groups but have not bound yet.
+    for role in ("critic", "reward_model", "actor_rollout", "rollout"):
         if role in views:
             views[role].init_model()
     actor_rollout = views["actor_rollout"]
