@@ -7,14 +7,15 @@ and receives this data-parallel rank's shard of the batch. Results (DataProto, m
 complete on the last pipeline stage; other stages return None or only grad_norm / lr.
 
 Batch keys (B, P+R) input_ids, attention_mask, position_ids; (B, R) responses, response_mask,
-old_log_probs, advantages, ref_log_prob (KL loss only). Loss normalisation over micro-batches and
-data-parallel ranks: see training.py.
+old_log_probs, advantages, ref_log_prob (KL loss only), rollout_log_probs (off-policy correction;
+when present the rollout-vs-actor mismatch is reported either way). Loss normalisation over
+micro-batches and data-parallel ranks: see training.py.
 """
 
 from functools import partial
 
 from engines.megatron import forward, moe
-from engines.megatron.config import ActorUpdateConfig
+from engines.megatron.config import ActorUpdateConfig, OffPolicyCorrectionConfig
 from engines.megatron.model import unwrap_model
 from engines.megatron.training import (
     global_counts,
@@ -33,6 +34,7 @@ from hybridflow.algorithms import (
     kl_penalty,
 )
 from hybridflow.algorithms.kl import KL_PENALTY_KINDS
+from hybridflow.algorithms.offpolicy import importance_weight_metrics, off_policy_weights, rollout_mismatch_kl
 from hybridflow.protocol import DataProto
 
 MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
@@ -53,6 +55,38 @@ def validate_actor_update_config(cfg: ActorUpdateConfig) -> None:
         )
     if cfg.policy_loss not in POLICY_LOSSES:
         raise ValueError(f"actor update policy_loss must be one of {POLICY_LOSSES}, got {cfg.policy_loss!r}")
+    validate_off_policy_config(cfg.off_policy)
+
+
+def validate_off_policy_config(cfg: OffPolicyCorrectionConfig) -> None:
+    """Bounds that keep on-policy tokens (rho = 1) at weight 1, and no setting the mode ignores."""
+    key = "off_policy"
+    if cfg.mode in ("truncated_is", "masked_is", "decoupled_ppo") and cfg.upper is not None and cfg.upper < 1:
+        raise ValueError(f"{key}.upper must be >= 1 (or null where the mode allows), got {cfg.upper}")
+    if cfg.mode == "truncated_is" and cfg.upper is None:
+        raise ValueError(f"{key}.mode=truncated_is needs upper (the truncation C, e.g. 2.0), got null")
+    if cfg.mode == "masked_is" and cfg.lower is None and cfg.upper is None:
+        raise ValueError(f"{key}.mode=masked_is needs lower and/or upper (e.g. 0.5 and 2.0)")
+    if cfg.lower is not None and not (cfg.mode == "masked_is" and 0 < cfg.lower <= 1):
+        raise ValueError(
+            f"{key}.lower is used by mode=masked_is only, in (0, 1]; got {cfg.lower} with mode={cfg.mode}"
+        )
+    if cfg.level != "token" and cfg.mode != "masked_is":
+        raise ValueError(f"{key}.level={cfg.level} is used by mode=masked_is only; set level: token")
+
+
+def off_policy_correction(data: DataProto, cfg: OffPolicyCorrectionConfig) -> dict[str, list[float]]:
+    """Adds the correction's `is_weights` (B, R) to `data` and returns their statistics, plus the
+    rollout-vs-actor log-prob mismatch whenever the batch carries rollout_log_probs."""
+    if "rollout_log_probs" not in data.batch:
+        return {}
+    old, rollout, mask = (data.batch[key] for key in ("old_log_probs", "rollout_log_probs", "response_mask"))
+    metrics = {"rollout_actor_kl": rollout_mismatch_kl(old, rollout, mask)}
+    weights = off_policy_weights(cfg.mode, old, rollout, mask, cfg.lower, cfg.upper, cfg.level)  # (B, R)
+    if weights is not None:
+        data.batch["is_weights"] = weights
+        metrics.update(importance_weight_metrics(cfg.mode, old, rollout, weights, mask))
+    return {key: [value] for key, value in metrics.items()}
 
 
 class MegatronActor:
@@ -92,16 +126,22 @@ class MegatronActor:
         require_optimizer(self.optimizer, self.scheduler, "update_policy")
         cfg = self.cfg
         keys = [*POLICY_KEYS, "ref_log_prob"] if cfg.use_kl_loss else list(POLICY_KEYS)
+        if cfg.off_policy.mode != "none":
+            keys.append("rollout_log_probs")  # needs rollout.calculate_log_probs
         require_keys(data, keys, "update_policy")
         temperature = data.meta_info.get("temperature", 1.0)
         if temperature <= 0:
             raise ValueError(f"meta_info temperature must be > 0, got {temperature}")
         moe.clear_aux_loss()
+        if "rollout_log_probs" in data.batch and "rollout_log_probs" not in keys:
+            keys.append("rollout_log_probs")  # for the mismatch metric
+        batch = data.select(batch_keys=keys)
+        off_policy_metrics = off_policy_correction(batch, cfg.off_policy)
         metrics, num_micro_batches = update_epochs(
             self.chunks,
             self.optimizer,
             self.scheduler,
-            data.select(batch_keys=keys),
+            batch,
             cfg,
             "actor",
             partial(self._policy_loss, temperature),
@@ -112,7 +152,7 @@ class MegatronActor:
         aux_loss = moe.mean_aux_loss(num_micro_batches)
         if aux_loss is not None:
             metrics["moe_aux_loss"] = [aux_loss]
-        return metrics
+        return metrics | off_policy_metrics
 
     def _policy_loss(self, temperature, counts, scale, logits, micro_batch):
         cfg, mask = self.cfg, micro_batch["response_mask"]
@@ -122,14 +162,16 @@ class MegatronActor:
             logits, micro_batch, temperature, self.vocab_size, entropy_grad
         )  # (b, R) each
         ratio_inputs = (micro_batch["old_log_probs"], log_prob, micro_batch["advantages"], mask)
+        is_weights = micro_batch.get("is_weights", None)  # (b, R): the off-policy correction's
         if cfg.policy_loss == "gspo":
             pg_loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss_gspo(
-                *ratio_inputs, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.loss_agg_mode, tokens, seqs
-            )
+                *ratio_inputs, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.loss_agg_mode, tokens, seqs,
+                is_weights,
+            )  # fmt: skip
         else:
             pg_loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss(
                 *ratio_inputs, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c, cfg.loss_agg_mode,
-                tokens, seqs,
+                tokens, seqs, is_weights,
             )  # fmt: skip
         entropy = agg_loss(entropy_tokens, mask, cfg.loss_agg_mode, tokens, seqs)
         loss = pg_loss - cfg.entropy_coeff * entropy

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from hybridflow.algorithms.kl import KL_PENALTY_KINDS
 from hybridflow.algorithms.losses import LOSS_AGG_MODES, POLICY_LOSSES
+from hybridflow.algorithms.offpolicy import IS_LEVELS, OFF_POLICY_MODES
 
 # The valid values of each choice. model.DTYPES and optimizer.LR_DECAY_STYLES, which check values
 # given to the engine directly, must equal these (tests/test_config.py checks).
@@ -19,6 +20,8 @@ LrDecayStyle = Literal["constant", "linear", "cosine"]
 LossAggMode = Literal[LOSS_AGG_MODES]
 KlPenaltyKind = Literal[KL_PENALTY_KINDS]
 PolicyLoss = Literal[POLICY_LOSSES]
+OffPolicyMode = Literal[OFF_POLICY_MODES]
+ImportanceSamplingLevel = Literal[IS_LEVELS]
 MoeTokenDispatcher = Literal["allgather", "alltoall"]
 # Megatron-Core's names of the linears a LoRA adapter can sit on (engines/megatron/lora.py), and
 # the Hugging Face projections each covers: linear_qkv = q/k/v_proj, linear_proj = o_proj,
@@ -127,6 +130,22 @@ class OptimConfig:
 
 
 @dataclass
+class OffPolicyCorrectionConfig:
+    """Weights on the policy loss from the ratio rho = pi_old / mu of the actor's recomputed
+    log-probs to the rollout engine's (hybridflow/algorithms/offpolicy.py, docs/async.md). Needs
+    rollout.calculate_log_probs: true (the batch then carries rollout_log_probs).
+
+    mode "truncated_is": min(rho, upper) | "masked_is": rho inside [lower, upper], else 0, per token
+    or per sequence (`level`) | "decoupled_ppo": AReaL's rho, 0 above upper (null: no cap).
+    """
+
+    mode: OffPolicyMode = "none"
+    lower: float | None = None  # masked_is only; null: no lower bound
+    upper: float | None = 2.0  # truncated_is: the truncation C; masked_is / decoupled_ppo: the cap
+    level: ImportanceSamplingLevel = "token"  # masked_is only
+
+
+@dataclass
 class ActorUpdateConfig:
     """How `MegatronActor.update_policy` / `update_sft` consume a batch (verl's names).
 
@@ -150,6 +169,7 @@ class ActorUpdateConfig:
     # "vanilla": token-level PPO ratio | "gspo": sequence-level ratio and clip (GSPO, Zheng et al.
     # 2025; use clip ratios near 3e-4 / 4e-4 and loss_agg_mode "seq-mean-token-mean")
     policy_loss: PolicyLoss = "vanilla"
+    off_policy: OffPolicyCorrectionConfig = field(default_factory=OffPolicyCorrectionConfig)
     # Sequence packing + token-budget micro-batches (docs/packing.md); also switches the actor's
     # log-prob and the reference's forward to packed micro-batches of their own budgets.
     use_dynamic_bsz: bool = False

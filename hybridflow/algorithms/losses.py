@@ -63,6 +63,7 @@ def compute_policy_loss(
     loss_agg_mode: str = "token-mean",
     global_token_count: float | None = None,
     global_seq_count: float | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """PPO clipped surrogate (Schulman et al. 2017, "Proximal Policy Optimization
     Algorithms"), with asymmetric clip range [1 - clip_ratio_low, 1 + clip_ratio_high]
@@ -73,7 +74,8 @@ def compute_policy_loss(
     Inputs are (B, R). Returns (pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower): the
     aggregated loss, the fraction of tokens the ratio clip was active on, the mean
     approximate KL(old || new), and the fraction the dual clip was active on. The three
-    statistics are means over this batch's valid tokens.
+    statistics are means over this batch's valid tokens. `is_weights` (B, R), when given, multiply
+    each token's loss: an off-policy correction (hybridflow/algorithms/offpolicy.py).
     """
     if clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be greater than 1.0 (dual clip bound), got {clip_ratio_c}")
@@ -93,6 +95,8 @@ def compute_policy_loss(
     pg_clipfrac_lower = masked_mean(((clip_loss > dual_bound) & negative).float(), response_mask)
 
     pg_losses = torch.where(negative, dual_loss, clip_loss)  # (B, R)
+    if is_weights is not None:
+        pg_losses = pg_losses * is_weights
     pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, global_token_count, global_seq_count)
     return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
 
@@ -107,6 +111,7 @@ def compute_policy_loss_gspo(
     loss_agg_mode: str = "seq-mean-token-mean",
     global_token_count: float | None = None,
     global_seq_count: float | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv:2507.18071): the
     importance ratio is the sequence's length-normalised likelihood ratio
@@ -116,7 +121,7 @@ def compute_policy_loss_gspo(
     Written as GSPO-token (eq. 13): s_i,t = sg[s_i] * pi(y_t) / sg[pi(y_t)] equals s_i in value, and
     with one advantage per sequence its gradient averaged over the tokens is GSPO's. The paper's
     objective is the sequence mean, "seq-mean-token-mean". Inputs (B, R); returns the same
-    four values as `compute_policy_loss` (no dual clip: the last one is 0).
+    four values as `compute_policy_loss` (no dual clip: the last one is 0); `is_weights` as there.
     """
     mask = response_mask.to(log_prob.dtype)
     log_ratio = log_prob - old_log_prob  # (B, R)
@@ -126,6 +131,8 @@ def compute_policy_loss_gspo(
     unclipped = -advantages * ratio  # (B, R)
     clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     pg_losses = torch.maximum(unclipped, clipped)  # (B, R)
+    if is_weights is not None:
+        pg_losses = pg_losses * is_weights
     pg_clipfrac = masked_mean((clipped > unclipped).float(), response_mask)
     ppo_kl = masked_mean(-log_ratio, response_mask)
     pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, global_token_count, global_seq_count)

@@ -167,6 +167,35 @@ class AlgorithmConfig:
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)  # DAPO
 
 
+# colocated: the rollout engine shares the actor's processes and devices (the hybrid engine) |
+# disaggregated: the rollout engines run on their own pool (trainer.rollout_pool), weights arrive
+# over a process group after each update (docs/async.md)
+Placement = Literal["colocated", "disaggregated"]
+# sync: generate, then train (YAML reads a bare `off` as false, hence the name) | one_step: batch
+# k+1 is generated with the weights of step k while the actor trains on batch k | async: a rollout
+# loop keeps a bounded queue full, samples at most max_staleness versions old
+AsyncMode = Literal["sync", "one_step", "async"]
+
+
+@dataclass
+class RolloutPoolConfig:
+    """The rollout engines' own devices with trainer.placement=disaggregated (verl's layout: a pool
+    beside the trainer's nnodes x n_gpus_per_node); on CPU machines, processes."""
+
+    nnodes: int = 1
+    n_gpus_per_node: int = 0  # 0: no pool (colocated placement)
+
+
+@dataclass
+class AsyncTrainingConfig:
+    """How generation overlaps training (docs/async.md). Staleness of a sample: the policy version
+    it is trained on minus the version its oldest token was generated with."""
+
+    mode: AsyncMode = "sync"
+    max_staleness: int = 1  # async: older samples are dropped and regenerated; one_step is 1 by construction
+    partial_rollout: bool = False  # async: in-flight requests continue with new weights, tokens kept
+
+
 @dataclass
 class TrainerConfig:
     """The run: devices, length, validation, checkpoints, logging and output."""
@@ -196,6 +225,9 @@ class TrainerConfig:
     # recipe keys that may differ from the resumed checkpoint's although they move the data
     # position or change the update (hybridflow.trainer.resume.POSITION_AND_UPDATE_KEYS)
     resume_accept_changes: list[str] = field(default_factory=list)
+    placement: Placement = "colocated"
+    rollout_pool: RolloutPoolConfig = field(default_factory=RolloutPoolConfig)
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
 
 
 @dataclass

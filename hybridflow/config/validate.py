@@ -86,9 +86,97 @@ def validate_recipe(cfg: RecipeConfig, cuda_available: bool | None = None) -> La
             f"actor.lora.rank={cfg.actor.lora.rank} with actor.megatron.param_offload=true: the "
             "frozen base weights would stay on the GPU during generation; set param_offload=false"
         )
+    errors += _check_placement(cfg) + _check_async_training(cfg)
     if errors:
         raise RecipeError(errors)
     return layout
+
+
+def _check_placement(cfg: RecipeConfig) -> list[str]:
+    """A rollout pool exactly when the placement is disaggregated, and one the engines split over."""
+    trainer, pool = cfg.trainer, cfg.trainer.rollout_pool
+    if trainer.placement == "colocated":
+        if pool.n_gpus_per_node == 0:
+            return []
+        return [
+            f"trainer.rollout_pool.n_gpus_per_node={pool.n_gpus_per_node} gives the rollout its own devices, "
+            "which only trainer.placement=disaggregated uses: set that, or set n_gpus_per_node to 0"
+        ]
+    if trainer.mode != "rl":
+        return ["trainer.placement=disaggregated applies to trainer.mode=rl only; set it to colocated"]
+    if pool.nnodes < 1 or pool.n_gpus_per_node < 1:
+        return [
+            "trainer.placement=disaggregated needs trainer.rollout_pool.nnodes >= 1 and "
+            f"trainer.rollout_pool.n_gpus_per_node >= 1 (the engines' devices; processes on CPU), got "
+            f"{pool.nnodes} and {pool.n_gpus_per_node}"
+        ]
+    errors = []
+    devices, engine_tp = pool.nnodes * pool.n_gpus_per_node, cfg.rollout.tensor_model_parallel_size
+    if devices % engine_tp:
+        errors.append(
+            f"rollout.tensor_model_parallel_size={engine_tp} does not divide the rollout pool's {devices} "
+            "devices (trainer.rollout_pool.nnodes x n_gpus_per_node)"
+        )
+    if engine_tp != 1:
+        errors.append(
+            "trainer.placement=disaggregated runs one engine per rollout process for now: set "
+            f"rollout.tensor_model_parallel_size=1, got {engine_tp}"
+        )
+    return errors + _disaggregated_not_built(cfg)
+
+
+def _disaggregated_not_built(cfg: RecipeConfig) -> list[str]:
+    """What the rollout pool cannot do yet, refused rather than silently left out (docs/async.md)."""
+    unbuilt = {
+        "rollout.name=sglang": cfg.rollout.name == "sglang",
+        f"rollout.agent.loop={cfg.rollout.agent.loop}": cfg.rollout.agent.loop != "single_turn",
+        "rollout.verify_weight_sync=true": cfg.rollout.verify_weight_sync,
+    }
+    return [
+        f"{setting} with trainer.placement=disaggregated is not built yet (docs/async.md); use colocated"
+        for setting, used in unbuilt.items()
+        if used
+    ]
+
+
+def _check_async_training(cfg: RecipeConfig) -> list[str]:
+    """What each mode needs, and no setting a mode ignores (docs/async.md)."""
+    settings, key = cfg.trainer.async_training, "trainer.async_training"
+    errors = []
+    if settings.mode != "sync" and cfg.trainer.mode != "rl":
+        errors.append(f"{key}.mode={settings.mode} applies to trainer.mode=rl only; set it to sync")
+    if settings.mode != "sync" and cfg.trainer.placement == "colocated":
+        errors.append(
+            f"{key}.mode={settings.mode} overlaps generation with training, which needs the rollout on "
+            "its own devices: set trainer.placement=disaggregated and trainer.rollout_pool.n_gpus_per_node"
+        )
+    if settings.partial_rollout:  # loading weights between requests of a running engine: next
+        errors.append(f"{key}.partial_rollout=true is not built yet (docs/async.md); set it to false")
+    if settings.mode != "sync" and cfg.algorithm.adv_estimator == "remax":
+        errors.append(
+            f"{key}.mode={settings.mode} with algorithm.adv_estimator=remax: the greedy baseline would come "
+            "from newer weights than the samples it is a baseline for; use mode=sync"
+        )
+    if settings.mode != "sync" and cfg.algorithm.filter_groups.enable:
+        errors.append(
+            f"{key}.mode={settings.mode} with algorithm.filter_groups.enable=true (dynamic sampling draws "
+            "more prompts inside a step) is not supported yet; use mode=sync"
+        )
+    if settings.mode == "async" and settings.max_staleness < 0:
+        errors.append(f"{key}.max_staleness must be >= 0 (0: as fresh as sync), got {settings.max_staleness}")
+    if settings.mode != "async" and settings.max_staleness != 1:
+        errors.append(
+            f"{key}.max_staleness={settings.max_staleness} is used by mode=async only (sync trains on "
+            "fresh samples, one_step on samples one version old); set mode=async or remove it"
+        )
+    if settings.partial_rollout and settings.mode != "async":
+        errors.append(f"{key}.partial_rollout=true is used by mode=async only; set mode=async or remove it")
+    if settings.partial_rollout and cfg.rollout.name == "hf":
+        errors.append(
+            f"{key}.partial_rollout=true pauses in-flight requests for a weight update, which transformers "
+            "generate cannot do: use rollout.name=vllm (or sglang on GPUs)"
+        )
+    return errors
 
 
 def _check_agent_tools(cfg: RecipeConfig) -> list[str]:
@@ -278,6 +366,12 @@ def _check_algorithm(cfg: RecipeConfig) -> list[str]:
             "rollout.sampling.n >= 2"
         )
     errors += _check_dapo(cfg)
+    off_policy = cfg.actor.update.off_policy.mode
+    if off_policy != "none" and not cfg.rollout.calculate_log_probs:
+        errors.append(
+            f"actor.update.off_policy.mode={off_policy} weighs the loss by the rollout engine's own "
+            "log-probs: set rollout.calculate_log_probs=true"
+        )
     if (cfg.trainer.test_freq > 0 or cfg.trainer.val_before_train) and not cfg.data.val_files:
         errors.append(
             "validation is requested (trainer.test_freq / trainer.val_before_train) but data.val_files is "

@@ -69,6 +69,8 @@ def connect_ray(cfg: RecipeConfig) -> None:
         if "Could not find any running Ray instance" not in str(err):
             raise
     devices = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    if cfg.trainer.placement == "disaggregated":
+        devices += cfg.trainer.rollout_pool.nnodes * cfg.trainer.rollout_pool.n_gpus_per_node
     # Logical CPUs: one per worker process even on a machine with fewer cores.
     ray.init(num_cpus=max(os.cpu_count() or 1, devices + 1), include_dashboard=False, configure_logging=False)
 

@@ -21,6 +21,7 @@ from hybridflow.reward.manager import compute_rewards, sequence_scores
 from hybridflow.reward.registry import load_reward_fn, rule_reward_fn
 from hybridflow.single_controller.errors import WorkerError
 from hybridflow.trainer import core, metrics
+from hybridflow.trainer.async_loop import GenerationAhead
 from hybridflow.trainer.balance import balanced_order
 from hybridflow.trainer.checkpoint import (
     CheckpointError,
@@ -71,6 +72,8 @@ class PPOTrainer:
         )
         self.global_step = 0
         self.skipped_steps = 0  # steps dropped for a NaN / inf or a too large update (policy "skip")
+        if cfg.trainer.async_training.mode != "sync":  # next batches generate during the update
+            GenerationAhead.attach(self)
 
     def _loader(self, files: list[str], max_samples: int | None, train: bool = False) -> ResumableDataLoader:
         data = self.cfg.data

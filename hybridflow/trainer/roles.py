@@ -2,7 +2,9 @@
 
 One pool ("global_pool") holds one process per device with the actor, rollout and reference
 colocated (and the critic and reward model too unless the critic asks for its own pool); the
-driver gets one worker-group view per role. Models are built critic first and actor last, so
+driver gets one worker-group view per role. With trainer.placement=disaggregated the rollout
+engines run on their own pool ("rollout_pool") and the driver's actor view routes generation there
+(hybridflow/trainer/disaggregated.py). Models are built critic first and actor last, so
 the rollout engine sees what memory the others left.
 """
 
@@ -10,9 +12,12 @@ from dataclasses import dataclass
 
 from hybridflow.config.schema import RecipeConfig
 from hybridflow.single_controller import RayClassWithInitArgs, WorkerGroup, create_colocated_worker_cls
+from hybridflow.trainer.disaggregated import DisaggregatedActorRollout, connect_transfer
 from hybridflow.workers.actor_rollout_ref import ActorRolloutRefWorker
 from hybridflow.workers.critic import CriticWorker
+from hybridflow.workers.disaggregated_actor import DisaggregatedActorWorker
 from hybridflow.workers.reward_model import RewardModelWorker
+from hybridflow.workers.rollout_worker import RolloutWorker
 
 
 @dataclass
@@ -38,11 +43,13 @@ def uses_reference(cfg: RecipeConfig) -> bool:
 def role_classes(cfg: RecipeConfig) -> dict[str, dict[str, RayClassWithInitArgs]]:
     """Pool name -> {role prefix: worker class with its init args}."""
     actor_role = "actor_rollout_ref" if uses_reference(cfg) else "actor_rollout"
-    pools = {
-        "global_pool": {"actor_rollout": RayClassWithInitArgs(ActorRolloutRefWorker, cfg, role=actor_role)}
-    }
+    disaggregated = cfg.trainer.placement == "disaggregated" and cfg.trainer.mode == "rl"
+    actor_cls = DisaggregatedActorWorker if disaggregated else ActorRolloutRefWorker
+    pools = {"global_pool": {"actor_rollout": RayClassWithInitArgs(actor_cls, cfg, role=actor_role)}}
     if cfg.trainer.mode == "sft":  # supervised warm start: the policy alone
         return pools
+    if disaggregated:
+        pools["rollout_pool"] = {"rollout": RayClassWithInitArgs(RolloutWorker, cfg)}
     if cfg.critic.enable:
         pool = "critic_pool" if cfg.critic.n_gpus_per_node > 0 else "global_pool"
         pools.setdefault(pool, {})["critic"] = RayClassWithInitArgs(CriticWorker, cfg)
@@ -69,6 +76,8 @@ def resource_pool_manager(cfg: RecipeConfig):
     if own_critic:
         spec["critic_pool"] = [critic.n_gpus_per_node] * trainer.nnodes
         mapping[Role.Critic] = "critic_pool"
+    if trainer.placement == "disaggregated" and trainer.mode == "rl":
+        spec["rollout_pool"] = [trainer.rollout_pool.n_gpus_per_node] * trainer.rollout_pool.nnodes
     return ResourcePoolManager(resource_pool_spec=spec, mapping=mapping, use_gpu=trainer.use_gpu)
 
 
@@ -89,7 +98,13 @@ def start_roles(cfg: RecipeConfig) -> RoleGroups:
             group = RayWorkerGroup(pool, create_colocated_worker_cls(classes))
             views.update(group.spawn(prefix_set=list(classes)))
         groups.append(group)
-    for role in ("critic", "reward_model", "actor_rollout"):
+    # The rollout pool last: its vLLM engines pick free ports of their own, which must not be the
+    # ones the other groups were given for their process groups but have not bound yet.
+    for role in ("critic", "reward_model", "actor_rollout", "rollout"):
         if role in views:
             views[role].init_model()
-    return RoleGroups(views["actor_rollout"], views.get("critic"), views.get("reward_model"), groups)
+    actor_rollout = views["actor_rollout"]
+    if "rollout" in views:
+        connect_transfer(actor_rollout, views["rollout"])
+        actor_rollout = DisaggregatedActorRollout(actor_rollout, views["rollout"], cfg.trainer.output_dir)
+    return RoleGroups(actor_rollout, views.get("critic"), views.get("reward_model"), groups)

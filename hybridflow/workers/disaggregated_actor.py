@@ -1,0 +1,56 @@
+"""The actor for trainer.placement=disaggregated: the policy worker without a rollout engine,
+sending its weights to the rollout pool's engines instead (hybridflow/workers/weight_transfer.py).
+
+Every actor rank walks the weight stream (`iter_hf_tensors` is collective over the model-parallel
+group: each rank gathers full tensors); rank 0 sends them, the others only take part.
+"""
+
+from hybridflow.single_controller import Dispatch, register
+from hybridflow.single_controller.worker import free_port
+from hybridflow.workers.actor_rollout_ref import ActorRolloutRefWorker
+
+
+class DisaggregatedActorWorker(ActorRolloutRefWorker):
+    def _build_actor_and_rollout(self) -> None:
+        from engines.megatron.actor import MegatronActor
+        from engines.megatron.model import build_model, unwrap_model
+        from engines.megatron.optimizer import build_optimizer
+
+        cfg = self.config
+        self.actor_chunks = build_model(cfg.model.path, cfg.actor.megatron)
+        optim = build_optimizer(self.actor_chunks, cfg.actor.optim, cfg.actor.megatron)
+        self.optimizer, self.scheduler = optim
+        self.actor = MegatronActor(self.actor_chunks, self.optimizer, self.scheduler, cfg.actor.update)
+        self.hf_config = unwrap_model(self.actor_chunks[0]).hf_config
+        self.rollout = self.generator = None  # generation runs on the rollout pool
+        self.sender = None
+
+    @register(dispatch_mode=Dispatch.RANK_ZERO)
+    def transfer_address(self) -> tuple[str, int]:
+        """Where the transfer group meets: this node's address and a free port (rank 0 hosts it)."""
+        return self.master_addr, free_port()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def join_transfer(self, host: str, port: int, size: int) -> None:
+        """Rank 0 hosts the transfer group's rendezvous and becomes its sender."""
+        if self.rank != 0:
+            return
+        import torch
+
+        from hybridflow.workers.weight_transfer import WeightSender, transfer_group
+
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        group = transfer_group(host, port, 0, size, backend)
+        self.sender = WeightSender(group, bucket_mb=self.config.rollout.weight_sync_bucket_mb)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def send_weights(self, version: int) -> None:
+        """The current weights to every rollout engine, as policy `version` (collective)."""
+        from engines.megatron.weights import iter_hf_tensors
+
+        stream = iter_hf_tensors(self.actor_chunks, self.hf_config)
+        if self.sender is not None:
+            self.sender.send(stream, version)
+        else:
+            for _ in stream:  # the stream's gathers need every model-parallel rank
+                pass

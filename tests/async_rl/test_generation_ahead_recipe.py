@@ -1,0 +1,53 @@
+"""one_step and async modes through `scripts/run_recipe.sh`: GRPO for 4 steps, actor 1 process,
+vLLM rollout 1 process. The versions each trained sample was generated with are read back from
+the run's policy_versions.jsonl: the first batch is fresh, later ones as stale as the mode allows
+(their generation overlapped earlier steps' training), never staler."""
+
+import json
+
+import pytest
+from test_recipes import cpu_overrides, local, run_recipe  # noqa: F401 (local is a fixture)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("mode", "staleness"),
+    [
+        (["trainer.async_training.mode=one_step"], [0, 1, 1, 1]),
+        (["trainer.async_training.mode=async", "trainer.async_training.max_staleness=2"], [0, 1, 2, 2]),
+    ],
+    ids=["one_step", "async-max_staleness-2"],
+)
+def test_generation_ahead_trains_on_samples_no_staler_than_allowed(local, tmp_path, mode, staleness):  # noqa: F811
+    out = tmp_path / "ahead"
+    overrides = [
+        *cpu_overrides(local, out, tp=1),
+        *mode,
+        "trainer.n_gpus_per_node=1",
+        "trainer.placement=disaggregated",
+        "trainer.rollout_pool.n_gpus_per_node=1",
+        "trainer.total_training_steps=4",
+        "trainer.test_freq=4",
+        "trainer.save_freq=0",
+        "rollout.name=vllm",
+        "rollout.sampling.n=2",
+        "rollout.calculate_log_probs=true",
+        "actor.update.ppo_mini_batch_size=4",
+        "actor.update.off_policy.mode=decoupled_ppo",
+    ]
+    result = run_recipe("recipes/gsm8k_grpo.yaml", overrides, pythonpath=local["root"])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert "val/accuracy" in steps[-1]
+    versions = [json.loads(line) for line in (out / "policy_versions.jsonl").read_text().splitlines()]
+    assert [v["trained_on"] for v in versions] == [0, 1, 2, 3]
+    assert [{v["trained_on"] - s for s in v["sample_versions"]} for v in versions] == [{s} for s in staleness]
+    # the same staleness in the step metrics, and the weight transfers timed
+    assert [r["async/staleness_max"] for r in steps] == staleness
+    assert [r[f"async/staleness/{s}"] for r, s in zip(steps, staleness, strict=True)] == [1.0] * 4
+    assert all(r["timing/weight_transfer"] >= 0 for r in steps)
+    # stale samples are off-policy: the actor's log-probs of them differ from the engine's
+    assert all(r["actor/rollout_actor_kl"] > 0 for r in steps[1:])
+    assert all("actor/is_weight_mean" in r for r in steps)

@@ -1,0 +1,110 @@
+"""Weights from a sender process to rollout engines in other processes over a process group of
+their own (gloo, from a TCPStore rendezvous): the engines then generate exactly what an engine
+that loaded the same tensors the colocated way generates, and know the version they serve."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from _transfer_worker import VERSIONS, prompts, rollout_cfg, versioned_tensors
+from process_group import read_rest, stop_process_tree
+
+from engines.rollout.hf_rollout import HFRolloutEngine
+from hybridflow.utils.tiny_model import make_tiny_model
+from hybridflow.workers.weight_transfer import ALIGN, pack_bucket, payload_size, unpack_bucket
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("_transfer_worker.py")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return str(make_tiny_model(tmp_path_factory.mktemp("transfer") / "tiny"))
+
+
+def test_a_packed_bucket_unpacks_bit_identical_at_aligned_offsets():
+    bucket = [
+        ("a", torch.randn(3, 5)),  # 60 bytes: the next tensor starts at 64
+        ("b", torch.randn(7, dtype=torch.float64)[::2]),  # not contiguous
+        ("c", torch.randn(3, 3).to(torch.bfloat16)),
+        ("d", torch.arange(5)),
+    ]
+    specs, flat = pack_bucket(bucket)
+    assert [spec[3] % ALIGN for spec in specs] == [0, 0, 0, 0]
+    assert flat.numel() == payload_size(specs)
+    for (name, tensor), (got_name, got) in zip(bucket, unpack_bucket(specs, flat), strict=True):
+        assert got_name == name and got.dtype == tensor.dtype
+        assert torch.equal(got, tensor)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_transfer(model_dir: str, engines: list[str], out_dir: Path) -> list[dict]:
+    """A sender and one receiver process per engine; each receiver's results."""
+    port, size = free_port(), 1 + len(engines)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
+    commands = [[sys.executable, WORKER, "send", str(port), str(size), model_dir]]
+    outs = [out_dir / f"receiver_{rank}.pt" for rank in range(1, size)]
+    for rank, (engine, out) in enumerate(zip(engines, outs, strict=True), start=1):
+        commands.append(
+            [sys.executable, WORKER, "receive", str(port), str(size), model_dir, str(rank), engine, out]
+        )
+    procs = [
+        subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+        )
+        for cmd in commands
+    ]
+    try:
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=300)
+            assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                stop_process_tree(proc, grace_s=10)
+                read_rest(proc)
+    return [torch.load(out, weights_only=True) for out in outs]
+
+
+def colocated_engine(model_dir: str, version: int) -> HFRolloutEngine:
+    """An hf engine that loaded the version's tensors as the colocated sharding manager does."""
+    engine = HFRolloutEngine(model_dir, rollout_cfg("hf"))
+    engine.begin_weight_update()
+    engine.update_weights(versioned_tensors(model_dir, version))
+    engine.end_weight_update()
+    engine.flush_cache()
+    return engine
+
+
+@pytest.mark.slow
+def test_two_hf_engines_serve_the_transferred_weights(model_dir, tmp_path):
+    results = run_transfer(model_dir, ["hf", "hf"], tmp_path)
+    expected = colocated_engine(model_dir, VERSIONS[-1]).generate_sequences(prompts())
+    untouched = HFRolloutEngine(model_dir, rollout_cfg("hf")).generate_sequences(prompts())
+    assert not torch.equal(untouched.batch["rollout_log_probs"], expected.batch["rollout_log_probs"])
+    for result in results:
+        assert result["served"] == list(VERSIONS)
+        assert torch.equal(result["responses"], expected.batch["responses"])
+        torch.testing.assert_close(
+            result["log_probs"], expected.batch["rollout_log_probs"], atol=1e-5, rtol=0
+        )
+
+
+@pytest.mark.slow
+def test_a_vllm_engine_serves_the_transferred_weights(model_dir, tmp_path):
+    """vLLM (CPU build) in its own process, reloading in place; its greedy responses and their
+    log-probs are the colocated hf engine's (fp32: within kernel rounding)."""
+    (result,) = run_transfer(model_dir, ["vllm"], tmp_path)
+    expected = colocated_engine(model_dir, VERSIONS[-1]).generate_sequences(prompts())
+    assert result["served"] == list(VERSIONS)
+    assert torch.equal(result["responses"], expected.batch["responses"])
+    torch.testing.assert_close(result["log_probs"], expected.batch["rollout_log_probs"], atol=1e-4, rtol=0)

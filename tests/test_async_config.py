@@ -1,0 +1,144 @@
+"""The placement and asynchronous-training settings: each refused combination names the key and
+the fix when the recipe is validated, before any process starts."""
+
+from pathlib import Path
+
+import pytest
+
+from hybridflow.config.loader import load_recipe
+from hybridflow.config.validate import RecipeError, validate_recipe
+from hybridflow.utils.tiny_model import make_tiny_model
+
+GRPO = Path(__file__).resolve().parents[1] / "recipes/gsm8k_grpo.yaml"
+DISAGGREGATED = ("trainer.placement=disaggregated", "trainer.rollout_pool.n_gpus_per_node=1")
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> list[str]:
+    """The GRPO recipe on a tiny model, 2 CPU processes, empty parquet files."""
+    root = tmp_path_factory.mktemp("async_config")
+    model = make_tiny_model(root / "tiny")
+    for name in ("train", "test"):
+        (root / f"{name}.parquet").write_bytes(b"")
+    return [
+        f"model.path={model}",
+        f"data.train_files=[{root / 'train.parquet'}]",
+        f"data.val_files=[{root / 'test.parquet'}]",
+        "trainer.use_gpu=false",
+        "trainer.n_gpus_per_node=2",
+        "rollout.name=hf",
+        "rollout.tensor_model_parallel_size=1",
+        "data.max_prompt_length=256",
+        "rollout.response_length=256",
+    ]
+
+
+def errors(base: list[str], *overrides: str) -> list[str]:
+    cfg = load_recipe(GRPO, [*base, *overrides])
+    try:
+        validate_recipe(cfg, cuda_available=False)
+    except RecipeError as err:
+        return err.errors
+    return []
+
+
+def test_defaults_are_synchronous_and_colocated(base):
+    cfg = load_recipe(GRPO, base)
+    assert (cfg.trainer.placement, cfg.trainer.async_training.mode) == ("colocated", "sync")
+    assert errors(base) == []
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ("trainer.async_training.mode=one_step",),
+            "trainer.async_training.mode=one_step overlaps generation with training, which needs the "
+            "rollout on its own devices: set trainer.placement=disaggregated",
+        ),
+        (
+            ("trainer.placement=disaggregated",),
+            "trainer.placement=disaggregated needs trainer.rollout_pool.nnodes >= 1 and "
+            "trainer.rollout_pool.n_gpus_per_node >= 1",
+        ),
+        (
+            ("trainer.rollout_pool.n_gpus_per_node=2",),
+            "trainer.rollout_pool.n_gpus_per_node=2 gives the rollout its own devices, which only "
+            "trainer.placement=disaggregated uses",
+        ),
+        (
+            (*DISAGGREGATED, "rollout.name=vllm", "rollout.tensor_model_parallel_size=2"),
+            "rollout.tensor_model_parallel_size=2 does not divide the rollout pool's 1 devices",
+        ),
+        (
+            ("trainer.async_training.max_staleness=3",),
+            "trainer.async_training.max_staleness=3 is used by mode=async only",
+        ),
+        (
+            (*DISAGGREGATED, "trainer.async_training.mode=async", "trainer.async_training.max_staleness=-1"),
+            "trainer.async_training.max_staleness must be >= 0",
+        ),
+        (
+            ("trainer.async_training.partial_rollout=true",),
+            "trainer.async_training.partial_rollout=true is used by mode=async only",
+        ),
+        (
+            (
+                *DISAGGREGATED,
+                "trainer.async_training.mode=async",
+                "trainer.async_training.partial_rollout=true",
+            ),
+            "transformers generate cannot do: use rollout.name=vllm",
+        ),
+        (
+            (*DISAGGREGATED, "trainer.async_training.mode=one_step", "algorithm.filter_groups.enable=true"),
+            "with algorithm.filter_groups.enable=true (dynamic sampling draws more prompts inside a step) "
+            "is not supported yet",
+        ),
+        (
+            (*DISAGGREGATED, "trainer.async_training.mode=one_step", "algorithm.adv_estimator=remax"),
+            "the greedy baseline would come from newer weights than the samples",
+        ),
+        (
+            (*DISAGGREGATED, "rollout.name=sglang"),
+            "rollout.name=sglang with trainer.placement=disaggregated is not built yet",
+        ),
+        (
+            (*DISAGGREGATED, "rollout.verify_weight_sync=true"),
+            "rollout.verify_weight_sync=true with trainer.placement=disaggregated is not built yet",
+        ),
+        (
+            (*DISAGGREGATED, "rollout.name=vllm", "rollout.agent.loop=tool", "rollout.agent.tools=[x.Y]"),
+            "rollout.agent.loop=tool with trainer.placement=disaggregated is not built yet",
+        ),
+        (
+            (*DISAGGREGATED, "trainer.mode=sft"),
+            "trainer.placement=disaggregated applies to trainer.mode=rl only",
+        ),
+        (
+            ("trainer.mode=sft", "trainer.async_training.mode=one_step"),
+            "trainer.async_training.mode=one_step applies to trainer.mode=rl only",
+        ),
+    ],
+)
+def test_refused_combinations_name_the_key_and_the_fix(base, overrides, message):
+    found = errors(base, *overrides)
+    assert any(message in error for error in found), found
+
+
+def test_disaggregated_modes_validate_and_partial_rollouts_are_refused_until_built(base):
+    assert errors(base, *DISAGGREGATED) == []
+    assert errors(base, *DISAGGREGATED, "trainer.async_training.mode=one_step") == []
+    asynchronous = (*DISAGGREGATED, "trainer.async_training.mode=async")
+    assert errors(base, *asynchronous, "trainer.async_training.max_staleness=2") == []
+    assert errors(
+        base, *asynchronous, "rollout.name=vllm", "trainer.async_training.partial_rollout=true"
+    ) == ["trainer.async_training.partial_rollout=true is not built yet (docs/async.md); set it to false"]
+
+
+def test_a_bare_off_is_not_a_mode(base):
+    """YAML reads `off` as false: the synchronous mode is called sync."""
+    with pytest.raises(ValueError, match=r"trainer\.async_training\.mode"):
+        load_recipe(GRPO, [*base, "trainer.async_training.mode=off"])
+    with pytest.raises(ValueError, match="did you mean 'one_step'"):
+        load_recipe(GRPO, [*base, "trainer.async_training.mode=one-step"])
