@@ -75,6 +75,19 @@ def test_both_recipes_state_the_gpu_setup(local):
     assert load_recipe(GRPO).algorithm.adv_estimator == "grpo" and not load_recipe(GRPO).critic.enable
 
 
+def test_lora_recipe_is_the_grpo_recipe_with_adapters_and_validates_on_eight_devices(local):
+    lora, full = load_recipe(ROOT / "recipes/gsm8k_grpo_lora.yaml"), load_recipe(GRPO)
+    assert (lora.actor.lora.rank, lora.actor.lora.alpha) == (32, 64)
+    assert len(lora.actor.lora.target_modules) == 4 and lora.actor.optim.lr > full.actor.optim.lr
+    assert lora.actor.update.use_kl_loss and lora.trainer.output_dir != full.trainer.output_dir
+    local_files = [f"model.path={local['model']}", f"data.train_files=[{local['train']}]"]
+    local_files += ["data.max_prompt_length=256", "rollout.response_length=256"]  # 512 positions
+    hf_rollout = ["rollout.name=hf", "rollout.tensor_model_parallel_size=1"]  # no sglang here
+    overrides = [*local_files, f"data.val_files=[{local['test']}]", *hf_rollout]
+    cfg = load_recipe(ROOT / "recipes/gsm8k_grpo_lora.yaml", overrides)
+    assert validate_recipe(cfg, cuda_available=True).actor_devices == 8
+
+
 def test_qwen3_recipes_state_the_gpu_setup_and_validate_on_eight_devices(local):
     dense, moe = load_recipe(QWEN3), load_recipe(QWEN3_MOE)
     assert dense.actor.megatron.tensor_model_parallel_size == 2

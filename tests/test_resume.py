@@ -3,11 +3,13 @@ same command, says it resumed (`resumed from <checkpoint> at step N`), keeps the
 metrics rows up to N byte for byte (wall-clock timings included, so a rerun from scratch would not
 reproduce them), continues the step numbering, and ends with the same metrics (bit for bit) and
 the same exported weights as a run that was never interrupted. Once for GRPO, once for PPO with a
-critic and an adaptive KL controller (KL in the reward, so a reference policy too).
+critic and an adaptive KL controller (KL in the reward, so a reference policy too), once for GRPO
+with LoRA adapters and a KL loss (the reference is the actor with its adapters off).
 
 What has to come back for that: actor weights, Adam state and LR schedule (Megatron dist
 checkpoint), the worker and rollout sampling RNG, the driver RNG, the dataloader position, the
-global step, the critic's weights and Adam state, the KL coefficient. On CPU with one thread per
+global step, the critic's weights and Adam state, the KL coefficient; under LoRA the adapters and
+their Adam state (sharded like their base weights). On CPU with one thread per
 process every computation repeats exactly, so the comparison is exact; the timing and throughput
 metrics are wall-clock and are left out.
 
@@ -65,6 +67,14 @@ ALGORITHMS = {
         "algorithm.kl_ctrl.kl_coef=0.05",
         "algorithm.kl_ctrl.target_kl=0.01",
         "algorithm.kl_ctrl.horizon=10",
+    ],
+    # LoRA adapters and their Adam state; the KL loss's reference is the actor with adapters off
+    "grpo_lora_kl_loss": [
+        "actor.lora.rank=8",
+        "actor.lora.alpha=16",
+        "actor.optim.lr=2e-3",
+        "actor.update.use_kl_loss=true",
+        "actor.update.kl_loss_coef=0.1",
     ],
 }
 
@@ -178,7 +188,7 @@ def test_killed_run_resumes_to_the_same_metrics_and_weights(local, tmp_path, alg
     assert comparable(resumed) == comparable(reference)
     assert reference[0]["actor/grad_norm"] > 0 and "val/accuracy" in reference[2]
     assert len({r["reward/mean"] for r in reference}) > 1  # the runs did learn something
-    if algorithm != "grpo":  # the critic trained and the adaptive coefficient moved
+    if algorithm == "ppo_critic_adaptive_kl":  # the critic trained and the adaptive coefficient moved
         assert reference[0]["critic/grad_norm"] > 0
         assert len({r["kl/reward_coef"] for r in reference}) == TOTAL_STEPS
 
@@ -187,7 +197,11 @@ def test_killed_run_resumes_to_the_same_metrics_and_weights(local, tmp_path, alg
     initial = load_weights(local["model"])
     assert exported.keys() == expected.keys() == initial.keys()
     assert all(torch.equal(exported[k], expected[k]) for k in expected)  # bit-for-bit
-    assert not torch.equal(exported["model.embed_tokens.weight"], initial["model.embed_tokens.weight"])
+    lora = "lora" in algorithm  # adapters on the linears only, merged into the export
+    moved = "model.layers.0.self_attn.q_proj.weight" if lora else "model.embed_tokens.weight"
+    assert not torch.equal(exported[moved], initial[moved])
+    if lora:
+        assert torch.equal(exported["model.embed_tokens.weight"], initial["model.embed_tokens.weight"])
     generates_with_transformers(resumed_dir / "hf")
 
 
