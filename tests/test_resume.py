@@ -2,9 +2,9 @@
 same command, says it resumed (`resumed from <checkpoint> at step N`), keeps the killed run's
 metrics rows up to N byte for byte (wall-clock timings included, so a rerun from scratch would not
 reproduce them), continues the step numbering, and ends with the same metrics (bit for bit) and
-the same exported weights as a run that was never interrupted. Once for GRPO, once for PPO with a
-critic and an adaptive KL controller (KL in the reward, so a reference policy too), once for GRPO
-with LoRA adapters and a KL loss (the reference is the actor with its adapters off).
+the same exported weights as a run that was never interrupted. Once for PPO with a critic and an
+adaptive KL controller (KL in the reward, so a reference policy too), once for GRPO with LoRA
+adapters and a KL loss (the reference is the actor with its adapters off).
 
 What has to come back for that: actor weights, Adam state and LR schedule (Megatron dist
 checkpoint), the worker and rollout sampling RNG, the driver RNG, the dataloader position, the
@@ -55,8 +55,8 @@ def local(tmp_path_factory) -> dict:
     return {"root": root, "model": make_tiny_model(root / "tiny", num_layers=2), "data": data}
 
 
+# (plain GRPO's resume is the LoRA case without adapters: the PPO case covers full weights)
 ALGORITHMS = {
-    "grpo": [],
     "ppo_critic_adaptive_kl": [
         "algorithm.adv_estimator=gae",
         "critic.enable=true",
