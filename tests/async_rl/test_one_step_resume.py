@@ -3,13 +3,9 @@ batch generating at the save is finished and saved with the checkpoint (not disc
 rollout engine's sampling position and the policy version come back, and steps 2-3 log the same
 numbers and end with bit-identical weights. Actor 1 process, vLLM rollout 1 process."""
 
-import json
-
 import pytest
-from safetensors.torch import load_file
+from run_outputs import exported, trained_steps
 from test_recipes import cpu_overrides, local, run_recipe  # noqa: F401 (local is a fixture)
-
-TIMING_PREFIXES = ("timing/", "throughput/", "perf/")
 
 
 def one_step_run(files: dict, out, *extra: str) -> None:
@@ -32,24 +28,6 @@ def one_step_run(files: dict, out, *extra: str) -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
 
 
-def logged(out) -> dict[int, dict]:
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {
-        r["step"]: {key: value for key, value in r.items() if not key.startswith(TIMING_PREFIXES)}
-        for r in records
-        if "reward/mean" in r
-    }
-
-
-def exported(out) -> dict:
-    files = sorted((out / "hf").glob("*.safetensors"))
-    assert files, f"no exported weights in {out / 'hf'}"
-    tensors = {}
-    for path in files:
-        tensors.update(load_file(path))
-    return tensors
-
-
 @pytest.mark.slow
 def test_resumed_one_step_run_equals_the_uninterrupted_one(local, tmp_path):  # noqa: F811
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
@@ -57,7 +35,7 @@ def test_resumed_one_step_run_equals_the_uninterrupted_one(local, tmp_path):  # 
     checkpoint = whole / "checkpoints" / "global_step_1"
     assert (checkpoint / "actor" / "generation_ahead.pt").is_file()
     one_step_run(local, resumed, f"trainer.resume_from_path={checkpoint}")
-    whole_steps, resumed_steps = logged(whole), logged(resumed)
+    whole_steps, resumed_steps = ({r["step"]: r for r in trained_steps(out)} for out in (whole, resumed))
     assert sorted(resumed_steps) == [2, 3]
     assert resumed_steps == {step: whole_steps[step] for step in (2, 3)}
     whole_versions = (whole / "policy_versions.jsonl").read_text().splitlines()

@@ -6,10 +6,8 @@ bit (verl#6780 reports theirs is not): the same numbers, sample versions and exp
 import json
 
 import pytest
-from safetensors.torch import load_file
+from run_outputs import exported, trained_steps
 from test_recipes import cpu_overrides, local, run_recipe  # noqa: F401 (local is a fixture)
-
-TIMING_PREFIXES = ("timing/", "throughput/", "perf/")
 
 
 def run(files: dict, out, *mode: str) -> None:
@@ -30,35 +28,17 @@ def run(files: dict, out, *mode: str) -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
 
 
-def step_numbers(out) -> list[dict]:
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [
-        {key: value for key, value in r.items() if not key.startswith(TIMING_PREFIXES)}
-        for r in records
-        if "reward/mean" in r
-    ]
-
-
-def exported(out) -> dict:
-    files = sorted((out / "hf").glob("*.safetensors"))
-    assert files, f"no exported weights in {out / 'hf'}"
-    tensors = {}
-    for path in files:
-        tensors.update(load_file(path))
-    return tensors
-
-
 @pytest.mark.slow
 def test_async_with_max_staleness_zero_equals_sync_bit_for_bit(local, tmp_path):  # noqa: F811
     sync, zero = tmp_path / "sync", tmp_path / "async0"
     run(local, sync)
     run(local, zero, "trainer.async_training.mode=async", "trainer.async_training.max_staleness=0")
-    steps = step_numbers(sync)
+    steps = trained_steps(sync)
     assert [r["step"] for r in steps] == [1, 2]
     assert steps[1]["kl/mean"] != 0  # step 2 sampled from the updated policy, moved off the reference
     versions = [json.loads(line) for line in (sync / "policy_versions.jsonl").read_text().splitlines()]
     assert versions == [{"trained_on": v, "sample_versions": [v] * 8} for v in (0, 1)]  # 4 prompts x 2
-    assert step_numbers(zero) == step_numbers(sync)
+    assert trained_steps(zero) == trained_steps(sync)
     assert (zero / "policy_versions.jsonl").read_text() == (sync / "policy_versions.jsonl").read_text()
     weights, expected = exported(zero), exported(sync)
     assert weights.keys() == expected.keys()
