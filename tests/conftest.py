@@ -21,11 +21,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 def ray_cluster():
     """One local Ray instance for the session. Logical CPUs exceed the 2 real cores so that
     8-rank worker groups can be placed; tests that need their own cluster (multi-node
-    simulation) run in a subprocess instead of shutting this one down."""
+    simulation) run in a subprocess instead of shutting this one down. address="local": a new
+    instance even while another test (another pytest-xdist worker) runs a `ray start` head."""
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=16, include_dashboard=False, log_to_driver=True, configure_logging=False)
+        ray.init(
+            address="local", num_cpus=16, include_dashboard=False, log_to_driver=True, configure_logging=False
+        )
     yield ray
     ray.shutdown()
 
