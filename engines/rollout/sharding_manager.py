@@ -38,6 +38,11 @@ compared with the engine's copy after the sync; the first differing name stops t
 rank. vLLM repacks its weights (no exact read-back): there the engine's log-probs of fixed tokens
 are compared with the actor's instead, within a tolerance of the rollout dtype.
 
+LoRA with `actor.lora.sync=adapters` (vLLM, docs/lora.md): the first sync streams the frozen base
+weights (the stream inside `adapters_disabled`), then every sync gathers the adapters whole on
+every rank (`lora.iter_lora_tensors`, peft names) and each engine loads them as its new LoRA
+adapter (engines/rollout/vllm_lora.py); a failure there stops every rank with a WeightSyncError.
+
 Data. MEGATRON_COMPUTE_PROTO gives the same chunk to every rank of one actor data-parallel rank
 (its "replica group": all its TP/PP/CP ranks) and collects from one of them. So that each prompt
 is generated once:

@@ -18,6 +18,8 @@ Written against vLLM 0.32.0:
     registered and only activates it (`LRUCacheWorkerLoRAManager.add_adapter`); the path is never
     read. An id that is not registered would be loaded from that path and fail loudly
     (LoRAAdapterNotFoundError), never generate without the adapter;
+  - on CUDA between rollouts the engine sleeps at level 1 (weights kept in host memory), not 2:
+    the base weights are sent once (`sleep_level`);
   - a reload of base weights (`finalize_layerwise_reload`) is followed by
     `model_runner.reset_lora_state()` (what vLLM's own weight-transfer path runs,
     v1/worker/gpu_worker.py), which removes every adapter: the engine then generates with the
@@ -57,6 +59,13 @@ def lora_engine_args(rank: int, user_args: dict) -> dict[str, Any]:
         raise ValueError(problem)
     slots = {"max_loras": 1, "max_cpu_loras": 1}  # one version at a time (the previous one is dropped)
     return {"enable_lora": True, "max_lora_rank": vllm_max_lora_rank(rank), **slots}
+
+
+def sleep_level(lora_rank: int) -> int:
+    """vLLM's sleep level between rollouts on CUDA: 2 drops the weights (every sync resends them
+    all); with adapters synced alone the base weights arrive once, so level 1 keeps them in host
+    memory and `wake_up` brings them back (vllm/entrypoints/llm.py `LLM.sleep`)."""
+    return 1 if lora_rank else 2
 
 
 def adapter_sync_problems(

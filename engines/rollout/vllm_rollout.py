@@ -45,7 +45,7 @@ from engines.rollout.base import (
     row_seed,
 )
 from engines.rollout.config import RolloutConfig, SamplingConfig
-from engines.rollout.vllm_lora import AdapterSlot, lora_engine_args, reset_adapters
+from engines.rollout.vllm_lora import AdapterSlot, lora_engine_args, reset_adapters, sleep_level
 from engines.rollout.weight_sync import check_named_shapes, expected_hf_tensor_shapes
 from hybridflow.protocol import DataProto
 
@@ -138,6 +138,7 @@ class VLLMRolloutEngine(SeededGenerationMixin):
         if lora_rank:
             engine_args.update(lora_engine_args(lora_rank, cfg.vllm))
         self.llm = _build_llm(engine_args)
+        self.lora_rank = lora_rank
         self.adapter = AdapterSlot()
         self._calls = 0
 
@@ -216,9 +217,10 @@ class VLLMRolloutEngine(SeededGenerationMixin):
 
     # ------------------------------------------------------------------ memory
     def release_memory(self, tags: list[str] | None = None) -> None:
-        """On CUDA, drop weights and KV cache (vLLM sleeps all at once); on CPU a no-op."""
+        """On CUDA, drop weights and KV cache (vLLM sleeps all at once); on CPU a no-op. With LoRA
+        adapters synced alone the base weights are kept, in host memory (`sleep_level`)."""
         if torch.cuda.is_available() and self.cfg.free_cache_engine:
-            self.llm.sleep(level=2)
+            self.llm.sleep(level=sleep_level(self.lora_rank))
 
     def resume_memory(self, tags: list[str] | None = None) -> None:
         if torch.cuda.is_available() and self.cfg.free_cache_engine:

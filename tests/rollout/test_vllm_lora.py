@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.rollout.vllm_lora import adapter_sync_problems, lora_engine_args, vllm_max_lora_rank
+from engines.rollout.vllm_lora import adapter_sync_problems, lora_engine_args, sleep_level, vllm_max_lora_rank
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "megatron"))
 from launch import run_distributed
@@ -43,6 +43,8 @@ def test_engine_settings_come_from_actor_lora_and_the_recipe_may_not_set_them():
     }
     with pytest.raises(ValueError, match=r"rollout.vllm sets \['max_lora_rank'\].*remove them"):
         lora_engine_args(16, {"max_lora_rank": 64})
+    # on CUDA the engine keeps the base weights between rollouts only when adapters are synced alone
+    assert (sleep_level(16), sleep_level(0)) == (1, 2)
 
 
 @pytest.mark.parametrize(
