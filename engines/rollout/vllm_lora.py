@@ -148,9 +148,23 @@ def _replace_adapter(worker, tensors: dict[str, torch.Tensor], adapter_config: d
         dtype=manager.lora_config.lora_dtype,
         model_vocab_size=manager.vocab_size,
     )
+    unexpected = _unexpected_modules(manager, adapter.loras)
+    if unexpected:  # vLLM would skip them silently when activating the adapter
+        raise ValueError(f"LoRA adapters on modules {unexpected[:3]} that vLLM's model has no LoRA layer for")
     manager.remove_all_adapters()
     if not manager._adapter_manager.add_adapter(adapter):
         raise RuntimeError(f"vLLM did not register LoRA adapter {adapter_id}")
+
+
+def _unexpected_modules(manager, module_names) -> list[str]:
+    """The adapted modules whose last name part the model has no LoRA layer for: the check
+    `LoRAModel.from_local_checkpoint` runs on a directory's tensors (vllm/lora/lora_model.py), with
+    the expected names `WorkerLoRAManager._load_adapter` builds (packed modules unpacked)."""
+    models = manager._adapter_manager
+    expected = set()
+    for module in models.supported_lora_modules:
+        expected.update(models.packed_modules_mapping.get(module, [module]))
+    return [name for name in module_names if name.rsplit(".", 1)[-1] not in expected]
 
 
 def reset_adapters(worker) -> None:

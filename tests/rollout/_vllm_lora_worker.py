@@ -13,7 +13,9 @@ Checks, printing "OK <check>" on rank 0 after each:
   adapters-only     the next adapter-only sync sends exactly the adapter tensors (no base
                     weight) and vLLM holds one adapter, the new version;
   version-moves     after the adapters change, the adapter-only sync moves the log-probs, and
-                    they equal a merged sync's of the changed adapters within 1e-4.
+                    they equal a merged sync's of the changed adapters within 1e-4;
+  unknown-module    an adapter on a module vLLM's model has no LoRA layer for is refused by
+                    name (vLLM itself would skip it) and the engine's adapters stay as they were.
 (every sync runs with verify_weight_sync: the engine's log-probs of fixed tokens equal the
 actor's within 1e-3)
 """
@@ -77,6 +79,26 @@ def check_adapters_only(manager, chunks, engine) -> None:
     say(f"adapters-only ({stats.tensors} tensors, {stats.bytes} bytes, adapter id {engine.adapter.version})")
 
 
+def check_unknown_module_is_refused(engine: VLLMRolloutEngine, manager) -> None:
+    tensors = {
+        "base_model.model.model.layers.0.self_attn.rotary.lora_A.weight": torch.ones(4, 128),
+        "base_model.model.model.layers.0.self_attn.rotary.lora_B.weight": torch.ones(128, 4),
+    }
+
+    def loaded() -> list:
+        return engine.llm.collective_rpc(lambda worker: worker.model_runner.list_loras())
+
+    version, before = engine.adapter.version, loaded()
+    try:
+        engine.load_adapter(tensors, manager._adapter_config)
+    except ValueError as err:
+        assert "self_attn.rotary" in str(err) and "no LoRA layer" in str(err), err
+    else:
+        raise AssertionError("an adapter on an unknown module was loaded")
+    assert engine.adapter.version == version and loaded() == before, (version, before, loaded())
+    say("unknown-module")
+
+
 def main(hf_dir: Path, out_dir: Path) -> None:
     megatron_cfg = MegatronConfig(tensor_model_parallel_size=2)
     init_megatron(megatron_cfg)
@@ -111,6 +133,7 @@ def main(hf_dir: Path, out_dir: Path) -> None:
     worst = float((lp_merged_v2 - lp_v2).abs().max())
     assert worst < TOLERANCE, f"second adapter-only sync vs merged sync: max |difference| {worst:.2e}"
     say(f"version-moves (log-probs moved by up to {moved:.2f}; vs merged {worst:.1e})")
+    check_unknown_module_is_refused(engine, adapters)
     dist.barrier()
     engine.shutdown()  # vLLM's teardown destroys the process group too
 

@@ -24,7 +24,7 @@ def test_adapter_only_sync_generates_what_a_merged_sync_does(tmp_path):
         tmp_path / "hf", hidden_size=128, intermediate_size=256, vocab_size=ascii_vocab_size()
     )
     output = run_distributed(WORKER, 2, checkpoint, tmp_path, timeout=600)
-    for check in ("adapters-equal-merged", "adapters-only", "version-moves"):
+    for check in ("adapters-equal-merged", "adapters-only", "version-moves", "unknown-module"):
         assert f"OK {check}" in output, f"check {check!r} did not pass:\n{output[-4000:]}"
 
 
