@@ -128,26 +128,35 @@ def check_run(out: Path, extra_keys: tuple[str, ...]) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_grpo_recipe_runs_two_steps_with_tensor_parallel_2_and_vllm(local, tmp_path):
-    """The real vLLM engine (CPU build) in each of the two Ray workers, fed by the TP-2 actor."""
+def test_grpo_lora_recipe_runs_two_steps_with_tensor_parallel_2_and_vllm_adapter_sync(local, tmp_path):
+    """The real vLLM engine (CPU build) in each of the two Ray workers, fed by the TP-2 actor's
+    LoRA adapters alone (actor.lora.sync=adapters), each sync checked against the actor's
+    log-probs (rollout.verify_weight_sync)."""
     overrides = [
         *cpu_overrides(local, tmp_path / "grpo", tp=2),
         "rollout.name=vllm",
+        "actor.lora.sync=adapters",
+        "rollout.verify_weight_sync=true",
         "rollout.sampling.n=2",
         "actor.update.ppo_mini_batch_size=4",
         "trainer.export_hf=true",
     ]
-    result = run_recipe("recipes/gsm8k_grpo.yaml", overrides, pythonpath=local["root"])
+    result = run_recipe("recipes/gsm8k_grpo_lora.yaml", overrides, pythonpath=local["root"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    check_run(tmp_path / "grpo", extra_keys=("kl/mean", "actor/kl_loss", "timing/ref"))
-    # the trained actor, gathered from its two tensor-parallel shards, differs from the start
+    check_run(
+        tmp_path / "grpo", extra_keys=("kl/mean", "actor/kl_loss", "timing/ref", "actor/trainable_params")
+    )
+    # the exported actor (adapters merged, gathered from its two tensor-parallel shards) moved
+    # where the adapters are and nowhere else
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "grpo" / "hf")
     initial = AutoModelForCausalLM.from_pretrained(local["model"])
     for (name, param), (_, start) in zip(
         exported.named_parameters(), initial.named_parameters(), strict=True
     ):
         assert param.shape == start.shape, name
-    assert not torch.equal(exported.model.embed_tokens.weight, initial.model.embed_tokens.weight)
+    assert torch.equal(exported.model.embed_tokens.weight, initial.model.embed_tokens.weight)
+    layer, start = exported.model.layers[0], initial.model.layers[0]
+    assert not torch.equal(layer.self_attn.q_proj.weight, start.self_attn.q_proj.weight)
 
 
 @pytest.mark.slow

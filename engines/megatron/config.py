@@ -28,6 +28,9 @@ MoeTokenDispatcher = Literal["allgather", "alltoall"]
 # linear_fc1 = gate/up_proj, linear_fc2 = down_proj.
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 LoraTarget = Literal[LORA_TARGETS]
+# How the rollout engine gets the adapters: merged into the weights (any engine) or as a LoRA
+# adapter loaded next to unchanged base weights (vLLM; docs/lora.md)
+LoraSync = Literal["merged", "adapters"]
 # ||dw|| / ||w|| of one optimizer step above which the step is refused. An Adam step moves each
 # weight by about lr, so the ratio is about lr / rms(w): ~5e-5 for RL at lr 1e-6 on weights of rms
 # 0.02; the quickstart's SFT warm start (lr 1e-3, tiny model) peaks at 0.007 (measured). A step
@@ -82,6 +85,7 @@ class LoraConfig:
     dropout: float = 0.0  # on the adapter's input only
     target_modules: list[LoraTarget] = field(default_factory=lambda: list(LORA_TARGETS))
     seed: int = 0  # draws A (peft's kaiming-uniform); B starts at zero, so step 0 is the base model
+    sync: LoraSync = "merged"  # adapters: send only A and B each step (rollout.name=vllm)
 
     def __post_init__(self) -> None:
         validate_lora_config(self)

@@ -495,14 +495,14 @@ def iter_lora_tensors(chunks) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def lora_merger(chunks):
-    """None for a model without adapters; else `merge(hf_name, tensor)`, which returns the base
-    HF tensor plus `(B @ A) * alpha / rank` of its adapter (peft's merge order) or the tensor
-    itself. Collective for adapted tensors: call it for every HF tensor, in the same order on
-    every rank (as `weights.iter_hf_tensors` does)."""
+    """None for a model without adapters or with them disabled (`adapters_disabled`); else
+    `merge(hf_name, tensor)`, which returns the base HF tensor plus `(B @ A) * alpha / rank` of its
+    adapter (peft's merge order) or the tensor itself. Collective for adapted tensors: call it for
+    every HF tensor, in the same order on every rank (as `weights.iter_hf_tensors` does)."""
     model = unwrap_model(chunks[0])
     lora = getattr(model, "lora_config", None)
-    if lora is None or not lora.rank:
-        return None
+    if lora is None or not lora.rank or any(not adapter.enabled for _, adapter in adapters(chunks)):
+        return None  # inside `adapters_disabled` the stream is the base model's
     whole, scale = WholeAdapters(chunks), lora.alpha / lora.rank
     adapted = {
         f"model.layers.{g}.{part}.weight": (g, target, i, shape)

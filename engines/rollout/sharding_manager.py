@@ -38,6 +38,11 @@ compared with the engine's copy after the sync; the first differing name stops t
 rank. vLLM repacks its weights (no exact read-back): there the engine's log-probs of fixed tokens
 are compared with the actor's instead, within a tolerance of the rollout dtype.
 
+LoRA with `actor.lora.sync=adapters` (vLLM, docs/lora.md): the first sync streams the frozen base
+weights (the stream inside `adapters_disabled`), then every sync gathers the adapters whole on
+every rank (`lora.iter_lora_tensors`, peft names) and each engine loads them as its new LoRA
+adapter (engines/rollout/vllm_lora.py); a failure there stops every rank with a WeightSyncError.
+
 Data. MEGATRON_COMPUTE_PROTO gives the same chunk to every rank of one actor data-parallel rank
 (its "replica group": all its TP/PP/CP ranks) and collects from one of them. So that each prompt
 is generated once:
@@ -147,6 +152,8 @@ class MegatronRolloutShardingManager:
                 f"no other rank; this rank {'lacks' if holds_engine else 'has'} one"
             )
         self._check_weight_stream()
+        self._adapter_config = _adapter_sync_config(actor_chunks, hf_config)
+        self._base_synced = False
         self._slice_sizes: list[int] = []
         self._released: set[str] = set()
         if self.engine is not None and rollout_cfg.free_cache_engine:
@@ -198,6 +205,43 @@ class MegatronRolloutShardingManager:
         _raise_on_every_rank(problem and f"{problem} (rollout model {model_dir})", "weight sync check")
 
     def sync_weights(self) -> SyncStats:
+        """Bring the engine to the actor's weights (collective over all ranks): stream the actor's
+        HF-named tensors, or with `actor.lora.sync=adapters` only its LoRA adapters after a first
+        stream of the frozen base weights."""
+        if self._adapter_config is None:
+            self.last_sync = self._stream_weights()
+            return self.last_sync
+        from engines.megatron.lora import adapters_disabled
+
+        start = time.perf_counter()
+        base = SyncStats(tensors=0, bytes=0, seconds=0.0)
+        if not self._base_synced:
+            with adapters_disabled(self.actor_chunks):  # the stream is then the unmerged base
+                base = self._stream_weights()
+            self._base_synced = True
+        count, nbytes = self._send_adapters()
+        if self.cfg.verify_weight_sync:
+            self._verify_log_probs()
+        seconds = time.perf_counter() - start
+        self.last_sync = SyncStats(tensors=base.tensors + count, bytes=base.bytes + nbytes, seconds=seconds)
+        return self.last_sync
+
+    def _send_adapters(self) -> tuple[int, int]:
+        """Gather the whole adapters (peft names) on every rank and load them into this rank's
+        engine as its new LoRA adapter; the tensor count and bytes sent."""
+        from engines.megatron.lora import iter_lora_tensors
+
+        tensors = dict(iter_lora_tensors(self.actor_chunks))
+        failure = None
+        if self.engine is not None:
+            try:
+                self.engine.load_adapter(tensors, self._adapter_config)
+            except (ValueError, RuntimeError) as err:
+                failure = f"loading the LoRA adapters into {self.cfg.name}: {err}"
+        _raise_on_every_rank(failure, "adapter sync")
+        return len(tensors), sum(tensor_nbytes(tensor) for tensor in tensors.values())
+
+    def _stream_weights(self) -> SyncStats:
         """Stream the actor's HF-named tensors into the engine (collective over all ranks)."""
         from engines.megatron.weights import iter_hf_tensors
 
@@ -218,8 +262,7 @@ class MegatronRolloutShardingManager:
         _raise_on_every_rank(failure, "weight sync")
         if self.cfg.verify_weight_sync:
             self._verify(sent)
-        self.last_sync = SyncStats(tensors=count, bytes=nbytes, seconds=time.perf_counter() - start)
-        return self.last_sync
+        return SyncStats(tensors=count, bytes=nbytes, seconds=time.perf_counter() - start)
 
     def _session_call(self, method: str) -> str | None:
         """Open or close the engine's weight-update session; the failure, if any."""
@@ -352,6 +395,18 @@ class MegatronRolloutShardingManager:
         if rest or rows_per_prompt < 1:
             raise ValueError(f"engine returned {rows} rows for {sum(self._slice_sizes)} prompts")
         return _offsets([size * rows_per_prompt for size in self._slice_sizes])
+
+
+def _adapter_sync_config(actor_chunks, hf_config) -> dict | None:
+    """peft's adapter config of the actor's adapters when they are synced alone
+    (`actor.lora.sync=adapters`), else None (the weights are synced merged)."""
+    from engines.megatron.lora import peft_adapter_config
+    from engines.megatron.model import unwrap_model
+
+    lora = getattr(unwrap_model(actor_chunks[0]), "lora_config", None)
+    if lora is None or not lora.rank or lora.sync != "adapters":
+        return None
+    return peft_adapter_config(lora, str(hf_config.source_dir))
 
 
 def log_prob_probe(vocab_size: int, rows: int = 4, prompt: int = 4, response: int = 12) -> DataProto:

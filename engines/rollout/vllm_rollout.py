@@ -45,6 +45,7 @@ from engines.rollout.base import (
     row_seed,
 )
 from engines.rollout.config import RolloutConfig, SamplingConfig
+from engines.rollout.vllm_lora import AdapterSlot, lora_engine_args, reset_adapters, sleep_level
 from engines.rollout.weight_sync import check_named_shapes, expected_hf_tensor_shapes
 from hybridflow.protocol import DataProto
 
@@ -117,9 +118,10 @@ def sampling_params(cfg: RolloutConfig, sampling: SamplingConfig, seed: int, eos
 
 
 class VLLMRolloutEngine(SeededGenerationMixin):
-    """Generation and in-place weight updates through vLLM's offline engine in this process."""
+    """Generation and in-place weight updates through vLLM's offline engine in this process.
+    With `lora_rank` > 0 the engine also takes the actor's LoRA adapters (vllm_lora.py)."""
 
-    def __init__(self, model_path: str | Path, cfg: RolloutConfig):
+    def __init__(self, model_path: str | Path, cfg: RolloutConfig, lora_rank: int = 0):
         from transformers import AutoConfig
 
         model_path = Path(model_path)
@@ -132,7 +134,12 @@ class VLLMRolloutEngine(SeededGenerationMixin):
         uses_stop = bool(cfg.sampling.stop or cfg.val_sampling.stop)
         self.tokenizer = load_tokenizer(model_path) if uses_stop else None
         self.expected_shapes, _ = expected_hf_tensor_shapes(model_path)
-        self.llm = _build_llm(vllm_engine_args(cfg, str(model_path), on_cuda, uses_stop))
+        engine_args = vllm_engine_args(cfg, str(model_path), on_cuda, uses_stop)
+        if lora_rank:
+            engine_args.update(lora_engine_args(lora_rank, cfg.vllm))
+        self.llm = _build_llm(engine_args)
+        self.lora_rank = lora_rank
+        self.adapter = AdapterSlot()
         self._calls = 0
 
     # ------------------------------------------------------------------ generation
@@ -151,7 +158,7 @@ class VLLMRolloutEngine(SeededGenerationMixin):
             sampling_params(self.cfg, sampling, row_seed(seed, row), self.eos_token_ids)
             for row in range(len(requests))
         ]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.adapter.request)
         completions = [out.outputs[0] for out in outputs]
         length = max(len(c.token_ids) for c in completions)
         responses = torch.full((len(completions), length), self.pad_token_id, dtype=torch.long)
@@ -175,6 +182,14 @@ class VLLMRolloutEngine(SeededGenerationMixin):
 
     def end_weight_update(self) -> None:
         self.llm.collective_rpc(_finish_layerwise_reload)
+        if self.adapter.request is not None:  # vLLM drops adapters with a base-weight reload
+            self.llm.collective_rpc(reset_adapters)
+            self.adapter.clear()
+
+    def load_adapter(self, tensors: dict[str, torch.Tensor], adapter_config: dict) -> None:
+        """Generate from now on with these LoRA adapters (peft names, whole tensors) on the
+        current base weights; `adapter_config` is peft's adapter_config.json as a dict."""
+        self.adapter.load(self.llm, tensors, adapter_config)
 
     def flush_cache(self) -> None:
         self.llm.reset_prefix_cache()
@@ -192,7 +207,7 @@ class VLLMRolloutEngine(SeededGenerationMixin):
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in sequences]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.adapter.request)
         return torch.tensor(
             [
                 [entry[token].logprob for entry, token in zip(out.prompt_logprobs[1:], ids[1:], strict=True)]
@@ -202,9 +217,10 @@ class VLLMRolloutEngine(SeededGenerationMixin):
 
     # ------------------------------------------------------------------ memory
     def release_memory(self, tags: list[str] | None = None) -> None:
-        """On CUDA, drop weights and KV cache (vLLM sleeps all at once); on CPU a no-op."""
+        """On CUDA, drop weights and KV cache (vLLM sleeps all at once); on CPU a no-op. With LoRA
+        adapters synced alone the base weights are kept, in host memory (`sleep_level`)."""
         if torch.cuda.is_available() and self.cfg.free_cache_engine:
-            self.llm.sleep(level=2)
+            self.llm.sleep(level=sleep_level(self.lora_rank))
 
     def resume_memory(self, tags: list[str] | None = None) -> None:
         if torch.cuda.is_available() and self.cfg.free_cache_engine:

@@ -86,10 +86,22 @@ def validate_recipe(cfg: RecipeConfig, cuda_available: bool | None = None) -> La
             f"actor.lora.rank={cfg.actor.lora.rank} with actor.megatron.param_offload=true: the "
             "frozen base weights would stay on the GPU during generation; set param_offload=false"
         )
-    errors += _check_placement(cfg) + _check_async_training(cfg)
+    errors += _check_placement(cfg) + _check_async_training(cfg) + _check_lora_sync(cfg)
     if errors:
         raise RecipeError(errors)
     return layout
+
+
+def _check_lora_sync(cfg: RecipeConfig) -> list[str]:
+    """`actor.lora.sync=adapters` needs adapters and an engine that loads them (vLLM)."""
+    if cfg.actor.lora.sync != "adapters":
+        return []
+    from engines.rollout.vllm_lora import adapter_sync_problems
+
+    rollout = cfg.rollout
+    return adapter_sync_problems(
+        cfg.actor.lora.rank, rollout.name, rollout.vllm, rollout.agent.loop, cfg.trainer.placement
+    )
 
 
 def _check_placement(cfg: RecipeConfig) -> list[str]:

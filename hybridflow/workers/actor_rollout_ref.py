@@ -78,6 +78,8 @@ class ActorRolloutRefWorker(Worker):
         from engines.rollout.base import create_rollout_engine
 
         cfg = self.config
+        if cfg.rollout.name == "vllm" and cfg.actor.lora.sync == "adapters":  # takes LoRA adapters
+            return create_rollout_engine(cfg.rollout, cfg.model.path, lora_rank=cfg.actor.lora.rank)
         if cfg.rollout.name != "sglang":
             return create_rollout_engine(cfg.rollout, cfg.model.path)
         from engines.placement import gather_engine_devices
