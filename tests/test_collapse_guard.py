@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_weights import load_hf_tensors
 from process_group import run_in_own_session
-from safetensors.torch import load_file
 from tiny_run import command, environment, tiny_run_inputs
 
 from hybridflow.utils.tracking import read_metrics
@@ -70,10 +70,6 @@ def test_under_the_skip_policy_refused_updates_are_counted_and_the_weights_kept(
     assert "step 1 skipped: actor/update_ratio_max is " in result.stdout
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [(r["step"], r["nonfinite/skipped_steps"]) for r in rows] == [(1, 1), (2, 2)]
-    exported, initial = load_weights(tmp_path / "run" / "hf"), load_weights(Path(local["model"]))
+    exported, initial = load_hf_tensors(tmp_path / "run" / "hf"), load_hf_tensors(Path(local["model"]))
     assert exported.keys() == initial.keys()
     assert all(torch.equal(exported[k], initial[k]) for k in initial)
-
-
-def load_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
-    return {name: t for shard in sorted(hf_dir.glob("*.safetensors")) for name, t in load_file(shard).items()}

@@ -28,8 +28,8 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from hf_weights import load_hf_tensors
 from process_group import run_in_own_session
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hybridflow.data.arith import ArithConfig, write_arith_parquet
@@ -150,11 +150,6 @@ def run_and_kill_after(local: dict, output_dir: Path, step: int, algorithm: str)
         log.close()
 
 
-def load_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a Hugging Face directory, whatever its sharding."""
-    return {name: t for shard in sorted(hf_dir.glob("*.safetensors")) for name, t in load_file(shard).items()}
-
-
 def comparable(records: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(WALL_CLOCK_PREFIXES)} for r in records]
 
@@ -192,9 +187,9 @@ def test_killed_run_resumes_to_the_same_metrics_and_weights(local, tmp_path, alg
         assert reference[0]["critic/grad_norm"] > 0
         assert len({r["kl/reward_coef"] for r in reference}) == TOTAL_STEPS
 
-    exported = load_weights(resumed_dir / "hf")
-    expected = load_weights(reference_dir / "hf")
-    initial = load_weights(local["model"])
+    exported = load_hf_tensors(resumed_dir / "hf")
+    expected = load_hf_tensors(reference_dir / "hf")
+    initial = load_hf_tensors(local["model"])
     assert exported.keys() == expected.keys() == initial.keys()
     assert all(torch.equal(exported[k], expected[k]) for k in expected)  # bit-for-bit
     lora = "lora" in algorithm  # adapters on the linears only, merged into the export

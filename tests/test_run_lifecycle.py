@@ -28,9 +28,9 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from hf_weights import load_hf_tensors
 from multinode_helpers import processes_with_env
 from process_group import run_in_own_session
-from safetensors.torch import load_file
 from tiny_run import ROOT, command, environment, tiny_run_inputs
 
 from hybridflow.utils.tracking import read_metrics, records_up_to
@@ -126,11 +126,6 @@ def test_sigkill_of_the_driver_leaves_nothing(local, tmp_path):
         cleanup(proc, marker)
 
 
-def load_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a Hugging Face directory, whatever its sharding."""
-    return {name: t for shard in sorted(hf_dir.glob("*.safetensors")) for name, t in load_file(shard).items()}
-
-
 def run(local: dict, output_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
     return run_in_own_session(
         command(local, output_dir, "trainer.total_training_steps=2", "trainer.save_freq=1",
@@ -158,7 +153,7 @@ def test_skip_policy_counts_skipped_steps_and_keeps_the_weights(local, tmp_path)
     assert "step 1 skipped: reward function nan_reward.always_nan" in result.stdout
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [(r["step"], r["nonfinite/skipped_steps"]) for r in rows] == [(1, 1), (2, 2)]
-    exported, initial = load_weights(tmp_path / "run" / "hf"), load_weights(Path(local["model"]))
+    exported, initial = load_hf_tensors(tmp_path / "run" / "hf"), load_hf_tensors(Path(local["model"]))
     assert exported.keys() == initial.keys() and exported
     assert all(torch.equal(exported[k], initial[k]) for k in initial)  # no update was applied
 

@@ -3,7 +3,7 @@
 import json
 from pathlib import Path
 
-from safetensors.torch import load_file
+from hf_weights import load_hf_tensors
 
 TIMING_PREFIXES = ("timing/", "throughput/", "perf/")  # wall-clock: differ between equal runs
 
@@ -20,9 +20,4 @@ def trained_steps(out: Path) -> list[dict]:
 
 def exported(out: Path) -> dict:
     """Every tensor of the run's Hugging Face export; fails when there is none (never compare nothing)."""
-    files = sorted((out / "hf").glob("*.safetensors"))
-    assert files, f"no exported weights in {out / 'hf'}"
-    tensors = {}
-    for path in files:
-        tensors.update(load_file(path))
-    return tensors
+    return load_hf_tensors(out / "hf")
