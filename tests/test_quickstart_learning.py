@@ -1,5 +1,6 @@
 """The README's learning claim, checked: GRPO raises held-out accuracy above its SFT warm start,
-with full weights and with LoRA adapters (issue 26).
+with full weights, with LoRA adapters (issue 26), and in one_step mode (issue 22: each batch
+generated on the rollout's own process with the weights one update older; docs/async.md).
 
 Stage 1 is the warm start stored once per session (`quickstart_warm_start`, tests/conftest.py:
 the quickstart's model, data and SFT stage). Stage 2 is recipes/quickstart.yaml through
