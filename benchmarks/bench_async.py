@@ -1,0 +1,91 @@
+"""Step time of GRPO in the three `trainer.async_training` modes on the disaggregated placement.
+
+recipes/quickstart.yaml through scripts/run_recipe.sh, changed for the placement: the Megatron
+actor on 1 process (TP 1), the hf engine on 1 process of its own (`trainer.rollout_pool`), weights
+transferred over gloo after every update. The tiny quickstart model is used untrained (random
+init: responses seldom end early, so steps generate about RESPONSE_LENGTH tokens per row) on the
+quickstart's arithmetic data, with RESPONSE_LENGTH and the batch chosen so that generation and
+training (old log-probs + update) take similar time in the synchronous loop, which is where
+generating ahead can save the most (docs/async.md has the measurement behind the choice).
+
+Step time is the median `timing/step` over steps 2..STEPS (step 1 generates synchronously in
+every mode); `gen` is the step's wait for its responses (in one_step / async: what was left of
+the generation launched a step earlier), `train` the old log-probs plus the actor update.
+
+Run: `python -m benchmarks async`.
+"""
+
+import os
+import statistics
+import subprocess
+import tempfile
+from pathlib import Path
+
+from benchmarks._timing import REPO_ROOT
+
+TITLE = "Async RL: GRPO step time, sync vs one_step vs async (actor 1 process, hf rollout 1 process)"
+STEPS = 8
+RESPONSE_LENGTH = 128
+PROMPTS_PER_STEP = 8  # x 8 responses = 64 sequences
+MODES = {
+    "sync": ["trainer.async_training.mode=sync"],
+    "one_step": ["trainer.async_training.mode=one_step"],
+    "async, max_staleness 2": ["trainer.async_training.mode=async", "trainer.async_training.max_staleness=2"],
+}
+
+
+def run() -> list[dict]:
+    from hybridflow.data.arith import write_arith_parquet
+    from hybridflow.utils.tiny_model import make_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = make_tiny_model(Path(tmp) / "model")
+        data = write_arith_parquet(Path(tmp) / "data")
+        timings = {
+            mode: _step_timings(model, data, Path(tmp) / f"run{i}", extra)
+            for i, (mode, extra) in enumerate(MODES.items())
+        }
+    sync_step = timings["sync"]["step_s"]
+    return [{"mode": mode, **t, "vs_sync": t["step_s"] / sync_step} for mode, t in timings.items()]
+
+
+def _step_timings(model: Path, data: dict[str, Path], out: Path, extra: list[str]) -> dict[str, float]:
+    """Median seconds per step (steps 2..STEPS) of one run in a fresh local Ray cluster."""
+    from hybridflow.utils.tracking import read_metrics
+
+    overrides = [
+        f"model.path={model}",
+        f"data.train_files=[{data['train']}]",
+        f"data.val_files=[{data['test']}]",
+        f"data.train_batch_size={PROMPTS_PER_STEP}",
+        f"rollout.response_length={RESPONSE_LENGTH}",
+        f"trainer.output_dir={out}",
+        f"trainer.total_training_steps={STEPS}",
+        "trainer.placement=disaggregated",
+        "trainer.n_gpus_per_node=1",
+        "trainer.rollout_pool.n_gpus_per_node=1",
+        "actor.megatron.tensor_model_parallel_size=1",
+        "actor.update.ppo_mini_batch_size=" + str(PROMPTS_PER_STEP * 8),
+        "trainer.val_before_train=false",
+        "trainer.test_freq=0",
+        "trainer.save_freq=0",
+        "trainer.export_hf=false",
+        "trainer.logger=[console]",
+        *extra,
+    ]
+    cmd = [
+        "bash",
+        str(REPO_ROOT / "scripts/run_recipe.sh"),
+        str(REPO_ROOT / "recipes/quickstart.yaml"),
+        *overrides,
+    ]
+    env = {**os.environ, "RAY_ADDRESS": "local", "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        raise RuntimeError(f"GRPO run {extra} failed:\n{(done.stdout + done.stderr)[-4000:]}")
+    steps = [r for r in read_metrics(out / "metrics.jsonl") if r["step"] >= 2 and "timing/step" in r]
+    return {
+        "step_s": statistics.median(r["timing/step"] for r in steps),
+        "gen_s": statistics.median(r["timing/gen"] for r in steps),
+        "train_s": statistics.median(r["timing/old_log_prob"] + r["timing/update_actor"] for r in steps),
+    }
