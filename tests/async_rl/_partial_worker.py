@@ -11,6 +11,12 @@ before its `MAX_NEW_TOKENS`. Three runs of `PROMPTS` sampled at temperature 1 wi
   drain      partial rollouts off; at `SWITCH_AT` tokens version 2 is loaded: the request
              finishes under version 1 first.
 Writes each run's completions, and what each weight load saw in flight, to OUT_FILE (torch.save).
+
+Then a second engine, with a tokenizer (stop strings need one; vLLM then also stops on EOS):
+  split      row 0 as in `partial`, switched to version 1 after SWITCH_AT tokens;
+  stop       the same again from version 0, with the stop string `STOP_CHARS` characters around
+             the boundary of `split` (the last one before it and the first after): the request
+             must end on it, though vLLM's own matching sees only one side of it.
 """
 
 import asyncio
@@ -32,6 +38,7 @@ SEEDS = [101, 202]
 MAX_NEW_TOKENS = 24
 SWITCH_AT = 8
 SAMPLING = SamplingConfig(do_sample=True, temperature=1.0)
+STOP_CHARS = 2
 
 
 def loader(engine: VLLMRolloutEngine, requests: VLLMRequestEngine, model_dir: str, version: int, seen: dict):
@@ -53,10 +60,10 @@ def all_sampled(requests: VLLMRequestEngine, count: int, tokens: int) -> bool:
     return len(in_flight) == count and all(len(c.token_ids) >= tokens for c in in_flight)
 
 
-async def sample(requests: VLLMRequestEngine, rows: range, update=None, seen=None) -> list:
+async def sample(requests: VLLMRequestEngine, rows: range, update=None, seen=None, sampling=SAMPLING) -> list:
     """The completions of `rows`; `update` is awaited once each of them has SWITCH_AT tokens,
     and `seen["before"]` holds the tokens they had then."""
-    calls = [requests.generate(PROMPTS[r], SAMPLING, SEEDS[r], MAX_NEW_TOKENS) for r in rows]
+    calls = [requests.generate(PROMPTS[r], sampling, SEEDS[r], MAX_NEW_TOKENS) for r in rows]
     tasks = [asyncio.ensure_future(call) for call in calls]
     if update is not None:
         while not all_sampled(requests, len(rows), SWITCH_AT):
@@ -87,9 +94,30 @@ def main(model_dir: str, out_file: str) -> None:
     load_v2 = loader(engine, drain, model_dir, 2, result["drain_seen"])
     result["drain"] = asyncio.run(sample(drain, range(1), load_v2, result["drain_seen"]))
     result["drain_version"] = drain.policy_version
+    result.update(stop_split_by_the_update(model_dir, cfg))
     torch.save(result, out_file)
     print("OK partial-worker", flush=True)
     engine.shutdown()
+
+
+def stop_split_by_the_update(model_dir: str, cfg: RolloutConfig) -> dict:
+    """The `split` and `stop` runs, on an engine of their own (with a tokenizer)."""
+    engine = VLLMRolloutEngine(model_dir, dataclasses.replace(cfg, val_sampling=SamplingConfig(stop=["\n"])))
+    out = {"split_seen": {}}
+    requests = VLLMRequestEngine(engine, cfg, partial_rollout=True)
+    load_v1 = loader(engine, requests, model_dir, 1, out["split_seen"])
+    (out["split"],) = asyncio.run(sample(requests, range(1), load_v1, out["split_seen"]))
+    engine.begin_weight_update()
+    engine.update_weights(versioned_tensors(model_dir, 0))
+    engine.end_weight_update()
+    boundary = len(engine.tokenizer.decode(out["split_seen"]["before"][0]))
+    text = engine.tokenizer.decode(out["split"]["token_ids"])
+    out["stop_string"] = text[boundary - 1 : boundary - 1 + STOP_CHARS]
+    stop_sampling = dataclasses.replace(SAMPLING, stop=[out["stop_string"]])
+    requests = VLLMRequestEngine(engine, cfg, partial_rollout=True)
+    load_v1 = loader(engine, requests, model_dir, 1, {})
+    (out["stop"],) = asyncio.run(sample(requests, range(1), load_v1, {}, stop_sampling))
+    return out
 
 
 if __name__ == "__main__":

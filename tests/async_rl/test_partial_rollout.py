@@ -5,6 +5,7 @@ log-prob under that version, and the off-policy correction uses those per-token 
 The engine runs in `_partial_worker.py` (vLLM real, CPU build, in its own process); the
 log-probs it recorded are checked here against transformers on the same weights."""
 
+import functools
 import os
 import sys
 from pathlib import Path
@@ -17,6 +18,9 @@ from process_group import run_in_own_session
 
 from engines.rollout.partial import Segment, boundary_window_open, continuation, stop_across_boundary
 from hybridflow.utils.tiny_model import make_tiny_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "megatron"))
+from tiny_hf import ascii_vocab_size
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("_partial_worker.py")
@@ -45,7 +49,9 @@ def test_a_stop_string_split_by_the_update_is_found():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
-    return str(make_tiny_model(tmp_path_factory.mktemp("partial") / "tiny"))
+    """The shared tiny model, emitting only one-character tokens (and special tokens): the stop
+    string around the boundary is then made of the tokens on either side of it."""
+    return str(make_tiny_model(tmp_path_factory.mktemp("partial") / "tiny", vocab_size=ascii_vocab_size()))
 
 
 @pytest.fixture(scope="module")
@@ -58,16 +64,22 @@ def runs(model_dir, tmp_path_factory) -> dict:
     return torch.load(out)
 
 
-def hf_log_probs(model_dir: str, version: int, prompt: list[int], response: list[int]) -> torch.Tensor:
-    """log p(response[t] | prompt, response[:t]) under `versioned_tensors(version)`, (R,)."""
+@functools.cache
+def hf_model(model_dir: str, version: int):
+    """transformers' model of `versioned_tensors(version)`, fp32."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     loaded = model.load_state_dict(dict(versioned_tensors(model_dir, version)), strict=False)
     assert not loaded.unexpected_keys, loaded.unexpected_keys
+    return model
+
+
+def hf_log_probs(model_dir: str, version: int, prompt: list[int], response: list[int]) -> torch.Tensor:
+    """log p(response[t] | prompt, response[:t]) under `versioned_tensors(version)`, (R,)."""
     ids = torch.tensor([prompt + response])  # (1, P + R)
     with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1 : -1]  # (R, V): the positions predicting response
+        logits = hf_model(model_dir, version)(ids).logits[0, len(prompt) - 1 : -1]  # (R, V): the responses
     return torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
 
 
@@ -111,6 +123,24 @@ def test_the_correction_weighs_each_token_by_its_own_behaviour_policy(runs, mode
     expected = torch.where(versions == 1, torch.ones_like(old), (old - v0).exp())
     assert torch.allclose(weights, expected, rtol=1e-3), (weights - expected).abs().max()
     assert (weights[versions == 0] - 1).abs().max() > 1e-2  # the version-0 tokens are off-policy
+
+
+@pytest.mark.slow
+def test_a_stop_string_split_by_the_update_ends_the_request(runs, model_dir):
+    """`stop` is `split` again with a stop string made of the characters on either side of the
+    update: it ends at the first token after the update, as one uninterrupted request would."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    split, stop, before = runs["split"], runs["stop"], runs["split_seen"]["before"][0]
+    boundary = len(tokenizer.decode(before))
+    text = tokenizer.decode(split["token_ids"])
+    # the run is seeded: the stop string occurs first where the update split it
+    assert text.find(runs["stop_string"]) == boundary - 1 and len(runs["stop_string"]) == 2, (text, boundary)
+    after = range(len(before) + 1, len(split["token_ids"]) + 1)
+    end = next(k for k in after if len(tokenizer.decode(split["token_ids"][:k])) > boundary)  # tokens
+    assert stop["finish_reason"] == "stop" and stop["token_ids"] == split["token_ids"][:end], stop
+    assert stop["versions"] == [0] * len(before) + [1] * (end - len(before))
 
 
 @pytest.mark.slow
