@@ -6,13 +6,15 @@ CPU has AVX512-BF16, bf16. Each request has its own length limit, drawn log-norm
 bench_megatron's (median 39, log-std 1, capped at 256), and ignores EOS, so both engines produce
 the same useful tokens: vLLM stops each request at its limit; `generate` runs the whole batch to
 its longest limit (that is how the hf engine serves a batch). tokens/s counts useful tokens. One
-timed call per engine after a short warm-up call (4 prompts, 8 tokens).
+timed call per engine after a short warm-up call (4 prompts, 8 tokens). On the 76M shape vLLM runs
+twice: with its linears prepacked for oneDNN (`rollout.vllm_cpu_weights: packed`, the default)
+and on plain weights (`plain`).
 
 Weight sync: the 76M shape held by a Megatron actor at TP1 (1 process) and TP2 (2 gloo processes,
 torchrun), synced into each rank's vLLM engine by `MegatronRolloutShardingManager.sync_weights`
-(layerwise reload, 512 MiB buckets); against a plain copy of the same bytes into preallocated
-tensors (vLLM repacks its linear weights, so there is no parameter of the same layout to copy
-into). Median of 3 syncs after a warm-up.
+(512 MiB buckets), with packed weights (vLLM's layerwise reload, which re-packs every layer) and
+with plain ones (loaded in place); against a plain copy of the same bytes into preallocated
+tensors. Median of 3 syncs after a warm-up.
 
 Run: `python -m benchmarks vllm`.
 """
@@ -52,9 +54,11 @@ def run() -> list[dict]:
             for dtype in dtypes if label == "76M" else ["float32"]:
                 rows += _generation_rows(model_dir, label, dtype)
         for nproc in (1, 2):
-            result = tmp / f"sync{nproc}.json"
-            run_torchrun(__file__, nproc, big, result, what=f"vllm sync benchmark at TP{nproc}")
-            rows += json.loads(result.read_text())
+            for weights in ("packed", "plain"):
+                result = tmp / f"sync{nproc}{weights}.json"
+                what = f"vllm sync benchmark at TP{nproc} ({weights} weights)"
+                run_torchrun(__file__, nproc, big, result, weights, what=what)
+                rows += json.loads(result.read_text())
     return rows
 
 
@@ -90,7 +94,7 @@ def _prompts():
 def _generation_rows(model_dir: Path, label: str, dtype: str) -> list[dict]:
     """Each engine in a fresh process: vLLM changes process-wide torch settings."""
     rows = []
-    for engine in ("hf", "vllm"):
+    for engine in ("hf", "vllm", "vllm-plain") if label == "76M" else ("hf", "vllm"):
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
             _run_generation(engine, model_dir, dtype, Path(out.name))
             seconds, tokens, params = json.loads(Path(out.name).read_text())
@@ -102,8 +106,8 @@ def _generation_rows(model_dir: Path, label: str, dtype: str) -> list[dict]:
                 "throughput": f"{tokens / seconds:.0f} tokens/s",
             }
         )
-    speedup = float(rows[0]["seconds"]) / float(rows[1]["seconds"])
-    rows[1]["throughput"] += f" ({speedup:.2f}x hf)"
+    for row in rows[1:]:
+        row["throughput"] += f" ({float(rows[0]['seconds']) / float(row['seconds']):.2f}x hf)"
     return rows
 
 
@@ -122,9 +126,13 @@ def _generate_worker(engine_name: str, model_dir: Path, dtype: str, out: Path) -
     from engines.rollout.config import RolloutConfig
     from engines.rollout.weight_sync import expected_hf_tensor_shapes
 
-    cfg = RolloutConfig(name=engine_name, load_format="auto", dtype=dtype, response_length=MAX_NEW)
+    weights = "plain" if engine_name == "vllm-plain" else "packed"
+    name = engine_name.removesuffix("-plain")
+    cfg = RolloutConfig(
+        name=name, load_format="auto", dtype=dtype, response_length=MAX_NEW, vllm_cpu_weights=weights
+    )
     limits, prompts = _limits(), _prompts()
-    if engine_name == "vllm":
+    if name == "vllm":
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -162,7 +170,7 @@ def _generate_worker(engine_name: str, model_dir: Path, dtype: str, out: Path) -
 # ---------------------------------------------------------------- weight sync (torchrun)
 
 
-def _sync_worker(model_dir: Path, result_file: Path) -> None:
+def _sync_worker(model_dir: Path, result_file: Path, weights: str) -> None:
     """Runs on each torchrun rank; rank 0 writes the rows."""
     import torch
     import torch.distributed as dist
@@ -180,7 +188,7 @@ def _sync_worker(model_dir: Path, result_file: Path) -> None:
     init_megatron(megatron_cfg)
     chunks = build_model(model_dir, megatron_cfg, for_training=False)
     hf_config = unwrap_model(chunks[0]).hf_config
-    cfg = RolloutConfig(name="vllm", free_cache_engine=False)
+    cfg = RolloutConfig(name="vllm", free_cache_engine=False, vllm_cpu_weights=weights)
     engine = VLLMRolloutEngine(model_dir, cfg)
     manager = MegatronRolloutShardingManager(chunks, hf_config, engine, cfg)
     seconds = median_seconds(manager.sync_weights, REPEATS)
@@ -195,8 +203,8 @@ def _sync_worker(model_dir: Path, result_file: Path) -> None:
 
     copy_seconds = median_seconds(plain_copy, REPEATS)
     rows = [
-        _sync_row(f"weight sync actor TP{tp} -> vllm", nbytes, seconds, copy_seconds),
-        _sync_row(f"plain copy of the same bytes (TP{tp} run)", nbytes, copy_seconds, copy_seconds),
+        _sync_row(f"weight sync actor TP{tp} -> vllm, {weights} weights", nbytes, seconds, copy_seconds),
+        _sync_row(f"plain copy, same bytes (TP{tp}, {weights} run)", nbytes, copy_seconds, copy_seconds),
     ]
     if dist.get_rank() == 0:
         result_file.write_text(json.dumps(rows))
@@ -217,4 +225,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "generate":
         _generate_worker(sys.argv[2], Path(sys.argv[3]), sys.argv[4], Path(sys.argv[5]))
     else:
-        _sync_worker(Path(sys.argv[1]), Path(sys.argv[2]))
+        _sync_worker(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3])

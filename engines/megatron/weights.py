@@ -443,6 +443,8 @@ def _gather_expert(model, plan: TensorPlan, layout: ModelLayout, ep_rank: int, d
 def _to_hf(full: torch.Tensor, plan: TensorPlan, hf: HFModelConfig, tp: int) -> list[torch.Tensor]:
     if plan.kind == "vocab":
         return [full[: hf.vocab_size]]
+    if plan.kind == "gate_up" and tp == 1:
+        return list(full.chunk(2))  # views: one rank's [gate; up] is already the HF order
     if plan.kind == "gate_up":
         per_rank = [shard.chunk(2) for shard in full.chunk(tp)]
         return [torch.cat([g for g, _ in per_rank]), torch.cat([u for _, u in per_rank])]
@@ -462,15 +464,19 @@ def stream_tensor_shapes(chunks, hf_config: HFModelConfig) -> dict[str, tuple[in
     }
 
 
-def iter_hf_tensors(chunks, hf_config: HFModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_tensors(
+    chunks, hf_config: HFModelConfig, copies: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, full tensor) for the whole model on every rank, in lockstep.
 
     Collective: every rank of the model-parallel group must iterate to the end together. The
     owning pipeline stage all-gathers each parameter over its TP group, then broadcasts it over
     the pipeline group; an expert's owning expert-parallel rank all-gathers it over its expert-TP
-    group and broadcasts it over the expert-parallel group first. Tensors are contiguous copies in
-    the parameter dtype, vocab padding removed, fused QKV and gate/up split; `lm_head.weight` only
-    when embeddings are untied. With LoRA adapters (lora.py) the adapted tensors are merged,
+    group and broadcasts it over the expert-parallel group first. Tensors are contiguous, in the
+    parameter dtype, vocab padding removed, fused QKV and gate/up split; `lm_head.weight` only
+    when embeddings are untied. They are copies; with `copies=False` some are views of the
+    actor's parameters (TP 1, no pipeline), for a consumer that copies what it reads before the
+    actor's next update and never writes to it. With LoRA adapters (lora.py) the adapted tensors are merged,
     base + scale * B @ A, so every engine receives plain HF tensors.
     """
     from megatron.core import parallel_state
@@ -498,7 +504,8 @@ def iter_hf_tensors(chunks, hf_config: HFModelConfig) -> Iterator[tuple[str, tor
             dist.broadcast(full, group=pp_group, group_src=plan.owner_pp)
         split = layout.etp if plan.expert else layout.tp
         for name, tensor in zip(plan.hf_names, _to_hf(full, plan, hf_config, split), strict=True):
-            yield name, (merge(name, tensor) if merge else tensor).contiguous().clone()
+            tensor = merge(name, tensor) if merge else tensor
+            yield name, tensor.clone(memory_format=torch.contiguous_format) if copies else tensor.contiguous()
 
 
 def hf_export_config(hf_config: HFModelConfig, dtype: torch.dtype, value_head: bool) -> dict:

@@ -21,10 +21,13 @@ RolloutDtype = Literal["float32", "bfloat16", "float16"]
 # openai: a user function written against the openai client (hybridflow/agents/openai_loop.py)
 AgentLoopName = Literal["single_turn", "tool", "openai"]
 LoadFormat = Literal["dummy", "auto"]  # dummy: random init, weights arrive with the first sync
+# vLLM's CPU build: packed (oneDNN, vLLM's default) | plain (engines/rollout/vllm_cpu_weights.py)
+VLLMCPUWeights = Literal["packed", "plain"]
 OPENAI_AGENT = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")  # package.module:function
 ROLLOUT_ENGINES = get_args(RolloutName)
 ROLLOUT_DTYPES = get_args(RolloutDtype)
 LOAD_FORMATS = get_args(LoadFormat)
+VLLM_CPU_WEIGHTS = get_args(VLLMCPUWeights)
 
 # ServerArgs fields the sglang engine sets from the rollout settings (or needs as they are)
 SGLANG_SET_ELSEWHERE = {
@@ -173,6 +176,10 @@ class RolloutConfig:
     # e.g. {max_model_len: 2048, enforce_eager: false}. On CPU the KV cache is
     # kv_cache_memory_bytes (default 1 GiB there); on CUDA gpu_memory_utilization decides.
     vllm: dict[str, Any] = field(default_factory=dict)
+    # vLLM's CPU build only. packed: linears prepacked for oneDNN (vLLM's default: faster
+    # generation, but every sync re-packs every layer); plain: torch linears on plain weights (a
+    # sync loads them in place, about 5x faster; generation about 0.7x). docs/engines.md
+    vllm_cpu_weights: VLLMCPUWeights = "packed"
     agent: AgentConfig = field(default_factory=AgentConfig)
     server: ServerConfig = field(default_factory=ServerConfig)  # for rollout.agent.loop=openai
 
@@ -207,6 +214,10 @@ class RolloutConfig:
             raise ValueError(
                 f"rollout.gpu_memory_utilization must be in (0, 1), got {self.gpu_memory_utilization}"
             )
+        self._check_engine_specific_settings()
+
+    def _check_engine_specific_settings(self) -> None:
+        """Settings that only some engines take, and the engines' own pass-through settings."""
         if self.verify_weight_sync and self.name == "sglang":
             raise ValueError(
                 "rollout.verify_weight_sync needs rollout.name=hf or vllm: SGLang exposes no read-back "
@@ -217,6 +228,15 @@ class RolloutConfig:
                 f"rollout.agent.loop={self.agent.loop!r} runs requests one by one through vLLM: set "
                 f"rollout.name=vllm and rollout.tensor_model_parallel_size=1 (got {self.name!r}, "
                 f"{self.tensor_model_parallel_size})"
+            )
+        if self.vllm_cpu_weights not in VLLM_CPU_WEIGHTS:
+            raise ValueError(
+                f"rollout.vllm_cpu_weights must be one of {VLLM_CPU_WEIGHTS}, got {self.vllm_cpu_weights!r}"
+            )
+        if self.vllm_cpu_weights != "packed" and self.name != "vllm":
+            raise ValueError(
+                f"rollout.vllm_cpu_weights={self.vllm_cpu_weights!r} is a setting of the vllm engine, but "
+                f"rollout.name={self.name!r}; remove it or use rollout.name=vllm"
             )
         for engine in ("sglang", "vllm"):
             if getattr(self, engine) and self.name != engine:

@@ -248,7 +248,11 @@ class MegatronRolloutShardingManager:
         start = time.perf_counter()
         sent: dict[str, str] = {}
         count = nbytes = 0
-        stream = iter_hf_tensors(self.actor_chunks, self.hf_config)
+        # The hf and vllm engines copy what they load into their own parameters within this call, so
+        # the stream may hand them the actor's parameters; SGLang's scheduler reads the tensors
+        # from another process through CUDA-IPC handles, which must not expose the actor's memory.
+        copies = self.cfg.name == "sglang"
+        stream = iter_hf_tensors(self.actor_chunks, self.hf_config, copies=copies)
         if self.cfg.verify_weight_sync and self.engine is not None:
             stream = _recording_checksums(stream, sent, torch_dtype(self.cfg.dtype))
         failure = self._session_call("begin_weight_update")

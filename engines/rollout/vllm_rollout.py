@@ -17,7 +17,9 @@ vLLM 0.32.0; the calls it makes, as that version defines them:
     (`model_executor/model_loader/reload/layerwise.py`, what the weight-transfer engines of
     `distributed/weight_transfer/` run around their transport). A layer is re-processed (on CPU,
     repacked for oneDNN) once all its tensors have arrived, so a bucket may end inside a layer.
-    Plain `load_weights` outside this session fails on CPU: the packed linears are 0-element;
+    Plain `load_weights` outside this session fails on CPU: the packed linears are 0-element.
+    With `rollout.vllm_cpu_weights: plain` (CPU only) the linears keep plain weights and a sync is
+    `model.load_weights(bucket)` alone (engines/rollout/vllm_cpu_weights.py);
   - `reset_prefix_cache()` after a sync; `sleep(level=2)` / `wake_up(tags)` around training on
     CUDA (level 2 drops the weights: every sync sends all of them). On CPU vLLM has no sleep mode
     (`v1/worker/cpu_worker.py`): the engine keeps its weights and its KV cache
@@ -45,6 +47,7 @@ from engines.rollout.base import (
     row_seed,
 )
 from engines.rollout.config import RolloutConfig, SamplingConfig
+from engines.rollout.vllm_cpu_weights import check_plain_weights, onednn_dispatch
 from engines.rollout.vllm_lora import AdapterSlot, lora_engine_args, reset_adapters, sleep_level
 from engines.rollout.weight_sync import check_named_shapes, expected_hf_tensor_shapes
 from hybridflow.protocol import DataProto
@@ -129,6 +132,12 @@ class VLLMRolloutEngine(SeededGenerationMixin):
         on_cuda = torch.cuda.is_available()
         if not on_cuda:
             check_cpu_head_size(hf_config)
+        self.plain_weights = cfg.vllm_cpu_weights == "plain"
+        if self.plain_weights and on_cuda:
+            raise ValueError(
+                "rollout.vllm_cpu_weights=plain applies to vLLM's CPU build (on CUDA vLLM keeps plain "
+                "weights and reloads them in place already); remove it"
+            )
         self.cfg = cfg
         self.eos_token_ids, self.pad_token_id = read_special_token_ids(model_path, hf_config)
         uses_stop = bool(cfg.sampling.stop or cfg.val_sampling.stop)
@@ -137,7 +146,10 @@ class VLLMRolloutEngine(SeededGenerationMixin):
         engine_args = vllm_engine_args(cfg, str(model_path), on_cuda, uses_stop)
         if lora_rank:
             engine_args.update(lora_engine_args(lora_rank, cfg.vllm))
-        self.llm = _build_llm(engine_args)
+        with onednn_dispatch(enabled=not self.plain_weights):
+            self.llm = _build_llm(engine_args)
+        if self.plain_weights:
+            self.llm.collective_rpc(_check_plain_weights)
         self.lora_rank = lora_rank
         self.adapter = AdapterSlot()
         self._calls = 0
@@ -173,7 +185,8 @@ class VLLMRolloutEngine(SeededGenerationMixin):
 
     # ------------------------------------------------------------------ weights
     def begin_weight_update(self) -> None:
-        self.llm.collective_rpc(_start_layerwise_reload)
+        if not self.plain_weights:  # plain weights are loaded in place: nothing to re-process
+            self.llm.collective_rpc(_start_layerwise_reload)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         bucket = list(named_tensors)
@@ -181,7 +194,8 @@ class VLLMRolloutEngine(SeededGenerationMixin):
         self.llm.collective_rpc(_load_weights, args=(bucket,))
 
     def end_weight_update(self) -> None:
-        self.llm.collective_rpc(_finish_layerwise_reload)
+        if not self.plain_weights:
+            self.llm.collective_rpc(_finish_layerwise_reload)
         if self.adapter.request is not None:  # vLLM drops adapters with a base-weight reload
             self.llm.collective_rpc(reset_adapters)
             self.adapter.clear()
@@ -258,6 +272,10 @@ def _start_layerwise_reload(worker) -> None:
 
 def _load_weights(worker, bucket: list[tuple[str, torch.Tensor]]) -> None:
     worker.model_runner.get_model().load_weights(bucket)
+
+
+def _check_plain_weights(worker) -> None:
+    check_plain_weights(worker.model_runner.get_model())
 
 
 def _finish_layerwise_reload(worker) -> None:

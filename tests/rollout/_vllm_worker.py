@@ -4,7 +4,10 @@ at TP 2 over both ranks. Every rank holds one vLLM engine (N = 2: its TP shard) 
 engine, both started with random weights (`load_format: dummy`), so every weight they generate
 with came through the sync.
 
-    python -m torch.distributed.run --nproc_per_node N tests/rollout/_vllm_worker.py HF_DIR OUT_DIR
+    python -m torch.distributed.run --nproc_per_node N tests/rollout/_vllm_worker.py HF_DIR OUT_DIR [WEIGHTS]
+
+WEIGHTS is `rollout.vllm_cpu_weights` (packed, vLLM's default, or plain: engines/rollout/
+vllm_cpu_weights.py); every check below runs the same in both.
 
 Checks, printing "OK <check>" on rank 0 after each:
   greedy-equals-hf  after a sync of the perturbed actor, vLLM's greedy responses (and masks) equal
@@ -24,7 +27,11 @@ Checks, printing "OK <check>" on rank 0 after each:
   wrong-name        (N = 4) a sync stream with a misnamed tensor on rank 1 fails on every rank
                     with a WeightSyncError naming it; wrong-shape: the same for a wrong shape;
   verify-catches    (N = 4) a tensor changed in transit on rank 1 fails verify_weight_sync on
-                    every rank.
+                    every rank;
+  actor-untouched   the syncs into both engines, whose stream hands them views of the actor's
+                    parameters at TP 1, leave the actor's parameters bit for bit as they were;
+  plain-in-place    (plain) the engine's linear weights are plain parameters equal to the actor's
+                    tensors after the sync, bit for bit.
 """
 
 import os
@@ -258,7 +265,18 @@ def say(message: str) -> None:
         print(f"OK {message}", flush=True)
 
 
-def main(hf_dir: Path, out_dir: Path) -> None:
+def check_plain_in_place(engine: VLLMRolloutEngine, chunks, hf_config) -> None:
+    name = "model.layers.0.mlp.down_proj.weight"  # a linear layer, the same name in vLLM's model
+    held = engine.llm.collective_rpc(_read_parameter, args=(name,))[0]
+    sent = dict(megatron_weights.iter_hf_tensors(chunks, hf_config))[name]
+    assert torch.equal(held, sent), f"{name}: the engine holds other values than the actor sent"
+
+
+def _read_parameter(worker, name: str) -> torch.Tensor:
+    return dict(worker.model_runner.get_model().named_parameters())[name].detach().clone()
+
+
+def main(hf_dir: Path, out_dir: Path, weights: str) -> None:
     world = int(os.environ["WORLD_SIZE"])
     four = world == 4
     megatron_cfg = MegatronConfig(
@@ -281,15 +299,26 @@ def main(hf_dir: Path, out_dir: Path) -> None:
     hf_engine = HFRolloutEngine(hf_dir, cfg, device="cpu")
     # every sync below is verified; N = 2: one vLLM engine at TP 2 over both ranks
     vllm_cfg = replace(
-        cfg, name="vllm", verify_weight_sync=True, tensor_model_parallel_size=2 if world == 2 else 1
+        cfg,
+        name="vllm",
+        verify_weight_sync=True,
+        tensor_model_parallel_size=2 if world == 2 else 1,
+        vllm_cpu_weights=weights,
     )
     vllm_engine = VLLMRolloutEngine(hf_dir, vllm_cfg)
     hf_manager = MegatronRolloutShardingManager(chunks, hf_config, hf_engine, cfg)
     vllm_manager = MegatronRolloutShardingManager(chunks, hf_config, vllm_engine, vllm_cfg)
 
+    before = [param.detach().clone() for chunk in chunks for param in chunk.parameters()]
     vllm_greedy = generate(vllm_manager, vllm_engine, make_prompts(validate=True))
     hf_greedy = generate(hf_manager, hf_engine, make_prompts(validate=True))
+    after = [param.detach() for chunk in chunks for param in chunk.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True)), "a sync wrote to the actor"
+    say("actor-untouched")
     check_greedy_equals_hf(hf_engine, vllm_greedy, hf_greedy, model_dir=None if four else hf_dir)
+    if weights == "plain" and world == 1:
+        check_plain_in_place(vllm_engine, chunks, hf_config)
+        say("plain-in-place")
     sampled = generate(vllm_manager, vllm_engine, make_prompts(validate=False))
     check_log_probs(MegatronActor(chunks), sampled)
     check_seeds(vllm_manager, vllm_engine, make_prompts(validate=False))
@@ -308,4 +337,4 @@ def main(hf_dir: Path, out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]))
+    main(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else "packed")

@@ -1,7 +1,7 @@
 """The `vllm` engine, real (vLLM's CPU build, what `make install` installs): the engine fed by a
 Megatron actor at TP2 x PP2 (4 gloo processes), at TP1, and at TP2 into one vLLM engine at TP 2
-over both processes (vLLM's external launcher; see `_vllm_worker.py` for each check), and the
-plain functions that decide its settings."""
+over both processes (vLLM's external launcher; see `_vllm_worker.py` for each check), at TP1 again
+with `rollout.vllm_cpu_weights: plain`, and the plain functions that decide its settings."""
 
 import dataclasses
 import importlib.metadata
@@ -10,10 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoConfig
 
 from engines.rollout.base import check_rollout_available, row_seed
 from engines.rollout.config import RolloutConfig, SamplingConfig
+from engines.rollout.vllm_cpu_weights import check_plain_weights
 from engines.rollout.vllm_engine_args import ENGINE_ARGS_FIELDS, VLLM_VERSION
 from engines.rollout.vllm_rollout import check_cpu_head_size, sampling_params, vllm_engine_args
 
@@ -32,18 +34,22 @@ def checkpoint(tmp_path_factory):
     return make_tiny_hf_checkpoint(out, hidden_size=128, intermediate_size=256, vocab_size=ascii_vocab_size())
 
 
+ENGINE_CHECKS = ["greedy-equals-hf", "actor-untouched", "log-probs-match", "seeds"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("nproc", "checks"),
+    ("nproc", "weights", "checks"),
     [
-        (4, ["greedy-equals-hf", "log-probs-match", "seeds", "wrong-name", "wrong-shape", "verify-catches"]),
-        (1, ["greedy-equals-hf", "log-probs-match", "seeds", "requests-equal-batch", "beyond-one-step"]),
-        (2, ["greedy-equals-hf", "log-probs-match", "seeds"]),
+        (4, "packed", [*ENGINE_CHECKS, "wrong-name", "wrong-shape", "verify-catches"]),
+        (1, "packed", [*ENGINE_CHECKS, "requests-equal-batch", "beyond-one-step"]),
+        (2, "packed", ENGINE_CHECKS),
+        (1, "plain", [*ENGINE_CHECKS, "plain-in-place", "requests-equal-batch"]),
     ],
-    ids=["actor-tp2-pp2", "actor-tp1", "actor-tp2-vllm-tp2"],
+    ids=["actor-tp2-pp2", "actor-tp1", "actor-tp2-vllm-tp2", "actor-tp1-plain-weights"],
 )
-def test_vllm_engine_after_sync_from_the_actor(checkpoint, tmp_path, nproc, checks):
-    output = run_distributed(WORKER, nproc, checkpoint, tmp_path, timeout=600)
+def test_vllm_engine_after_sync_from_the_actor(checkpoint, tmp_path, nproc, weights, checks):
+    output = run_distributed(WORKER, nproc, checkpoint, tmp_path, weights, timeout=600)
     for check in checks:
         assert f"OK {check}" in output, f"check {check!r} did not pass:\n{output[-4000:]}"
 
@@ -113,6 +119,11 @@ def test_config_checks_vllm_settings_by_name():
     with pytest.raises(ValueError, match=r"rollout\.vllm is set but rollout\.name='hf'"):
         RolloutConfig(vllm={"max_model_len": 512})
     assert RolloutConfig(name="vllm", tensor_model_parallel_size=2).tensor_model_parallel_size == 2
+    assert RolloutConfig(name="vllm", vllm_cpu_weights="plain").vllm_cpu_weights == "plain"
+    with pytest.raises(ValueError, match=r"rollout\.vllm_cpu_weights='plain' is a setting of the vllm"):
+        RolloutConfig(vllm_cpu_weights="plain")
+    with pytest.raises(ValueError, match=r"rollout\.vllm_cpu_weights must be one of \('packed', 'plain'\)"):
+        RolloutConfig(name="vllm", vllm_cpu_weights="onednn")
 
 
 def test_cpu_head_size_is_checked_before_the_engine_starts(tmp_path):
@@ -120,3 +131,24 @@ def test_cpu_head_size_is_checked_before_the_engine_starts(tmp_path):
     with pytest.raises(ValueError, match=r"head size 16 .* use rollout\.name=hf"):
         check_cpu_head_size(AutoConfig.from_pretrained(narrow))
     check_cpu_head_size(AutoConfig.from_pretrained(make_tiny_hf_checkpoint(tmp_path / "ok", hidden_size=128)))
+
+
+class UnquantizedLinearMethod:  # the names vLLM's layers carry (vllm_cpu_weights.PLAIN_WEIGHT_METHODS)
+    pass
+
+
+class UnquantizedFusedMoEMethod:
+    pass
+
+
+def test_plain_cpu_weights_refuse_layers_that_process_their_weights_after_loading():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    model[0].quant_method = model[1].quant_method = UnquantizedLinearMethod()
+    check_plain_weights(model)
+    model[1].quant_method = UnquantizedFusedMoEMethod()
+    with pytest.raises(ValueError, match=r"1 \(UnquantizedFusedMoEMethod\).*=packed"):
+        check_plain_weights(model)
+    model[1].quant_method = UnquantizedLinearMethod()
+    model[1].weight = torch.nn.Parameter(torch.empty(0))  # what vLLM's oneDNN prepack leaves
+    with pytest.raises(ValueError, match=r"0-element parameters \['1\.weight'\]"):
+        check_plain_weights(model)
