@@ -91,10 +91,16 @@ def test_ctrl_c_stops_torchrun_and_its_workers(tmp_path):
         if wait_until(lambda: len(list(pid_dir.glob("*.pids"))) == NPROC, timeout_s=300):
             signal.pthread_kill(main_thread, signal.SIGINT)  # what Ctrl-C delivers to pytest
 
-    watcher = threading.Thread(target=interrupt_once_all_started, daemon=True)
-    watcher.start()
-    with pytest.raises(KeyboardInterrupt):
-        run_distributed(script, NPROC, pid_dir, tmp_path / "never", timeout=600)
-    watcher.join()
+    # Python's own Ctrl-C handler, whatever pytest inherited: started as a background job of a
+    # shell without job control, it begins with SIGINT ignored and would never see the signal.
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        watcher = threading.Thread(target=interrupt_once_all_started, daemon=True)
+        watcher.start()
+        with pytest.raises(KeyboardInterrupt):
+            run_distributed(script, NPROC, pid_dir, tmp_path / "never", timeout=600)
+        watcher.join()
+    finally:
+        signal.signal(signal.SIGINT, inherited)
     assert len(recorded_pids(pid_dir)) == NPROC + 1
     assert_all_gone(pid_dir)
