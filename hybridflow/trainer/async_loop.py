@@ -20,9 +20,16 @@ rollout worker runs one call at a time), so with depth > 1 a step also waits for
 launched batches to finish: the overlap is one batch's generation per step, the staleness `depth`.
 Loading weights between requests of a running engine (partial rollouts) is not built yet.
 
+Overlap: every generated row carries its rollout process's `generation_window` (B, 2), wall-clock
+start and end; the loop keeps the windows of its own work on each step (from the batch's arrival
+to the end of the actor's update) and reports, with each update, how many seconds of the batch's
+generation ran during earlier steps' work (`async/overlap_s`, `async/overlap_share` of
+`async/generation_s`).
+
 Checkpoints: what is in flight is saved (finished first), not discarded; see `save_checkpoint`.
 """
 
+import time
 from collections import deque
 from pathlib import Path
 
@@ -39,6 +46,12 @@ def generation_prompts(batch_dict: dict, n: int) -> DataProto:
     prompts = DataProto.from_single_dict(batch_dict).pop(batch_keys=PROMPT_KEYS)
     prompts.meta_info["n"] = 1  # the driver repeats the prompts itself
     return prompts.repeat(n, interleave=True)
+
+
+def overlap_seconds(window: tuple[float, float], others: list[tuple[float, float]]) -> float:
+    """Seconds of `window` (start, end) inside the disjoint intervals `others`."""
+    start, end = window
+    return sum(max(0.0, min(end, b) - max(start, a)) for a, b in others)
 
 
 def generation_depth(cfg) -> int:
@@ -59,6 +72,9 @@ class GenerationAhead:
         self.prefetched: deque[dict] = deque()  # the next steps' prompts, drawn already
         # their rows and responses (finished ones after a checkpoint)
         self.pending: deque[tuple[DataProto, DataProtoFuture | DataProto]] = deque()
+        self.work_windows: list[tuple[float, float]] = []  # the driver's work on each step (wall clock)
+        self.step_start = 0.0
+        self.overlap: dict[str, float] = {}  # of the step's batch, reported with its update
 
     @classmethod
     def attach(cls, trainer) -> "GenerationAhead":
@@ -79,8 +95,33 @@ class GenerationAhead:
         if prompts.meta_info.get("validate", False):
             return self.actor_rollout.generate_sequences(prompts)
         responses = self.collect(prompts) if self.pending else self.actor_rollout.generate_sequences(prompts)
+        self.overlap = self.generation_overlap(responses)
         self.fill()
+        self.step_start = time.time()
         return responses
+
+    def update_actor(self, batch: DataProto) -> DataProto:
+        """The actor's update; its metrics gain the overlap of the batch's generation."""
+        output = self.actor_rollout.update_actor(batch)
+        self.work_windows.append((self.step_start, time.time()))
+        metrics = output.meta_info.setdefault("metrics", {})
+        metrics.update({key: [value] for key, value in self.overlap.items()})
+        return output
+
+    def generation_overlap(self, responses: DataProto) -> dict[str, float]:
+        """Seconds of the batch's generation (first start to last end over the rollout processes)
+        that ran while the driver worked on earlier steps."""
+        windows = responses.batch["generation_window"]  # (B, 2)
+        start, end = windows[:, 0].min().item(), windows[:, 1].max().item()
+        # the rollout runs its calls in order: no later batch's generation starts before this one's
+        self.work_windows = [window for window in self.work_windows if window[1] > start]
+        overlap = overlap_seconds((start, end), self.work_windows)
+        seconds = end - start
+        return {
+            "async/generation_s": seconds,
+            "async/overlap_s": overlap,
+            "async/overlap_share": overlap / seconds if seconds > 0 else 0.0,
+        }
 
     def collect(self, prompts: DataProto) -> DataProto:
         """The oldest launched generation's output, once it is checked to be for these very prompts."""

@@ -6,10 +6,12 @@ actor's rank 0. Joining the group and receiving a transfer are collectives with 
 the driver calls one group at a time: so the rollout side runs them in a background thread
 (`start_join_transfer` / `start_receive_weights`) and the driver collects the outcome with
 `finish_transfer` after the actor's side returned. Every generated sample carries
-`policy_version` (B,): the version of the weights its engine served. Checkpoints hold each
-engine's sampling position (`save_rng_state`), as the colocated worker's do.
+`policy_version` (B,): the version of the weights its engine served, and `generation_window`
+(B, 2): the wall-clock start and end of the call that generated it (the async loop's overlap).
+Checkpoints hold each engine's sampling position (`save_rng_state`), as the colocated worker's do.
 """
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -75,8 +77,11 @@ class RolloutWorker(Worker):
         """Responses to this rank's prompts, each with the `policy_version` (B,) that produced it."""
         if self.receiver is None or self.receiver.serving is None:
             raise RuntimeError("generate_sequences before the rollout engine received the actor's weights")
+        start = time.time()  # wall clock: compared with the driver's (hybridflow/trainer/async_loop.py)
         output = self.engine.generate_sequences(prompts)
+        window = torch.tensor([start, time.time()], dtype=torch.float64)
         output.batch["policy_version"] = torch.full((len(output),), self.receiver.serving, dtype=torch.long)
+        output.batch["generation_window"] = window.expand(len(output), 2).clone()  # (B, 2)
         return output
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)

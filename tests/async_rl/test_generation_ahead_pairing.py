@@ -7,8 +7,10 @@ answers, so a shift between prompts / ground truth and responses shows), with th
 version max(0, k - 1 - depth) (the pool serves the newest weights when a generation is launched),
 the prompts come in the loader's order (the synchronous loop's data), and validation in the
 middle of a run generates with the newest weights and leaves the launched generations alone.
+Each update reports the overlap of its batch's generation with the driver's earlier work.
 """
 
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -16,7 +18,7 @@ import pytest
 import torch
 
 from hybridflow.protocol import DataProto
-from hybridflow.trainer.async_loop import GenerationAhead
+from hybridflow.trainer.async_loop import GenerationAhead, overlap_seconds
 from hybridflow.trainer.ppo_trainer import PPOTrainer
 
 PROMPTS, N, STEPS = 3, 2, 6
@@ -32,12 +34,15 @@ class FakeRolloutPool:
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         problem = prompts.batch["input_ids"][:, :1].clone()  # (B, 1): the problem the row asks
         versions = torch.full((len(prompts),), self.version)  # (B,)
-        return DataProto.from_dict({"responses": problem, "policy_version": versions})
+        window = torch.tensor([time.time(), time.time()], dtype=torch.float64).repeat(len(prompts), 1)
+        batch = {"responses": problem, "policy_version": versions, "generation_window": window}  # (B, 2)
+        return DataProto.from_dict(batch)
 
     generate_sequences_async = generate_sequences  # a finished DataProto stands for the future
 
-    def update_actor(self, batch: DataProto) -> None:
+    def update_actor(self, batch: DataProto) -> DataProto:
         self.version += 1
+        return DataProto(meta_info={"metrics": {}})
 
 
 def loader_batches():
@@ -98,4 +103,14 @@ def test_each_step_trains_on_its_own_prompts_generated_by_the_expected_version(m
             validation = pool.generate_sequences(validation_prompts())
             assert validation.batch["policy_version"].tolist() == [k - 1, k - 1]  # the newest weights
             assert len(getattr(pool, "pending", ())) == launched
-        pool.update_actor(batch)
+        metrics = pool.update_actor(batch).meta_info["metrics"]
+        if mode != "sync":
+            assert 0 <= metrics["async/overlap_s"][0] <= metrics["async/generation_s"][0], metrics
+
+
+def test_overlap_seconds_by_hand():
+    work = [(0.0, 2.0), (3.0, 5.0), (6.0, 7.0)]
+    assert overlap_seconds((1.0, 4.0), work) == 2.0  # 1-2 and 3-4
+    assert overlap_seconds((2.0, 3.0), work) == 0.0  # between two steps' work
+    assert overlap_seconds((0.5, 8.0), work) == 1.5 + 2.0 + 1.0
+    assert overlap_seconds((1.0, 4.0), []) == 0.0
