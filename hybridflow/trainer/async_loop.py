@@ -23,8 +23,8 @@ Loading weights between requests of a running engine (partial rollouts) is not b
 Overlap: every generated row carries its rollout process's `generation_window` (B, 2), wall-clock
 start and end; the loop keeps the windows of its own work on each step (from the batch's arrival
 to the end of the actor's update) and reports, with each update, how many seconds of the batch's
-generation ran during earlier steps' work (`async/overlap_s`, `async/overlap_share` of
-`async/generation_s`).
+generation ran during earlier steps' work (`timing/gen_overlap`, `perf/gen_overlap_share` of
+`timing/rollout_gen`).
 
 Checkpoints: what is in flight is saved (finished first), not discarded; see `save_checkpoint`.
 """
@@ -118,9 +118,9 @@ class GenerationAhead:
         overlap = overlap_seconds((start, end), self.work_windows)
         seconds = end - start
         return {
-            "async/generation_s": seconds,
-            "async/overlap_s": overlap,
-            "async/overlap_share": overlap / seconds if seconds > 0 else 0.0,
+            "timing/rollout_gen": seconds,
+            "timing/gen_overlap": overlap,
+            "perf/gen_overlap_share": overlap / seconds if seconds > 0 else 0.0,
         }
 
     def collect(self, prompts: DataProto) -> DataProto:

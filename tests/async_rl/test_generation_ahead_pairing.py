@@ -105,7 +105,7 @@ def test_each_step_trains_on_its_own_prompts_generated_by_the_expected_version(m
             assert len(getattr(pool, "pending", ())) == launched
         metrics = pool.update_actor(batch).meta_info["metrics"]
         if mode != "sync":
-            assert 0 <= metrics["async/overlap_s"][0] <= metrics["async/generation_s"][0], metrics
+            assert 0 <= metrics["timing/gen_overlap"][0] <= metrics["timing/rollout_gen"][0], metrics
 
 
 def test_overlap_seconds_by_hand():

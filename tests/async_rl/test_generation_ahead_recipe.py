@@ -49,8 +49,8 @@ def test_generation_ahead_trains_on_samples_no_staler_than_allowed(local, tmp_pa
     assert [r[f"async/staleness/{s}"] for r, s in zip(steps, staleness, strict=True)] == [1.0] * 4
     assert all(r["timing/weight_transfer"] >= 0 for r in steps)
     # how much of each batch's generation ran while the driver worked on earlier steps
-    assert steps[0]["async/overlap_s"] == 0.0  # the first batch is generated before any step's work
-    assert all(0 <= r["async/overlap_s"] <= r["async/generation_s"] for r in steps)
+    assert steps[0]["timing/gen_overlap"] == 0.0  # the first batch is generated before any step's work
+    assert all(0 <= r["timing/gen_overlap"] <= r["timing/rollout_gen"] for r in steps)
     # stale samples are off-policy: the actor's log-probs of them differ from the engine's
     assert all(r["actor/rollout_actor_kl"] > 0 for r in steps[1:])
     assert all("actor/is_weight_mean" in r for r in steps)
