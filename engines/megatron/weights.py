@@ -474,10 +474,10 @@ def iter_hf_tensors(
     the pipeline group; an expert's owning expert-parallel rank all-gathers it over its expert-TP
     group and broadcasts it over the expert-parallel group first. Tensors are contiguous, in the
     parameter dtype, vocab padding removed, fused QKV and gate/up split; `lm_head.weight` only
-    when embeddings are untied. They are copies; with `copies=False` some are views of the
-    actor's parameters (TP 1, no pipeline), for a consumer that copies what it reads before the
-    actor's next update and never writes to it. With LoRA adapters (lora.py) the adapted tensors are merged,
-    base + scale * B @ A, so every engine receives plain HF tensors.
+    when embeddings are untied. They are copies; with `copies=False` those that needed no gather
+    or reordering are views of the actor's parameters, for a consumer that copies what it reads
+    before the actor's next update and never writes to it. With LoRA adapters (lora.py) the
+    adapted tensors are merged, base + scale * B @ A, so every engine receives plain HF tensors.
     """
     from megatron.core import parallel_state
 

@@ -73,8 +73,7 @@ class GenerationAhead:
         # their rows and responses (finished ones after a checkpoint)
         self.pending: deque[tuple[DataProto, DataProtoFuture | DataProto]] = deque()
         self.work_windows: list[tuple[float, float]] = []  # the driver's work on each step (wall clock)
-        self.step_start = 0.0
-        self.overlap: dict[str, float] = {}  # of the step's batch, reported with its update
+        self.step_start = 0.0  # when the step's batch arrived (wall clock)
 
     @classmethod
     def attach(cls, trainer) -> "GenerationAhead":
@@ -95,23 +94,23 @@ class GenerationAhead:
         if prompts.meta_info.get("validate", False):
             return self.actor_rollout.generate_sequences(prompts)
         responses = self.collect(prompts) if self.pending else self.actor_rollout.generate_sequences(prompts)
-        self.overlap = self.generation_overlap(responses)
         self.fill()
         self.step_start = time.time()
         return responses
 
     def update_actor(self, batch: DataProto) -> DataProto:
         """The actor's update; its metrics gain the overlap of the batch's generation."""
+        overlap = self.generation_overlap(batch)
         output = self.actor_rollout.update_actor(batch)
         self.work_windows.append((self.step_start, time.time()))
         metrics = output.meta_info.setdefault("metrics", {})
-        metrics.update({key: [value] for key, value in self.overlap.items()})
+        metrics.update({key: [value] for key, value in overlap.items()})
         return output
 
-    def generation_overlap(self, responses: DataProto) -> dict[str, float]:
+    def generation_overlap(self, batch: DataProto) -> dict[str, float]:
         """Seconds of the batch's generation (first start to last end over the rollout processes)
         that ran while the driver worked on earlier steps."""
-        windows = responses.batch["generation_window"]  # (B, 2)
+        windows = batch.batch["generation_window"]  # (B, 2)
         start, end = windows[:, 0].min().item(), windows[:, 1].max().item()
         # the rollout runs its calls in order: no later batch's generation starts before this one's
         self.work_windows = [window for window in self.work_windows if window[1] > start]
