@@ -233,3 +233,18 @@ class PlacementProbe(Worker):
             "node": ray.get_runtime_context().get_node_id(),
             "engines": {str(k): v for k, v in engines.items()},
         }
+
+
+class GateWorker(Worker):
+    """A call that waits for a gate another call opens: both end only when the actor runs them
+    side by side (Ray's `max_concurrency`)."""
+
+    def __init__(self):
+        self.gate = threading.Event()
+
+    def wait_for_gate(self, timeout_s: float) -> bool:
+        return self.gate.wait(timeout_s)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def open_gate(self) -> None:
+        self.gate.set()

@@ -91,6 +91,16 @@ def test_defaults_are_synchronous_and_colocated(base):
             "transformers generate cannot do: use rollout.name=vllm",
         ),
         (
+            (
+                *DISAGGREGATED,
+                "trainer.async_training.mode=async",
+                "trainer.async_training.partial_rollout=true",
+                "rollout.name=vllm",
+            ),
+            "trainer.async_training.partial_rollout=true with max_staleness=1: no request is in "
+            "flight when weights arrive",
+        ),
+        (
             (*DISAGGREGATED, "trainer.async_training.mode=one_step", "algorithm.filter_groups.enable=true"),
             "with algorithm.filter_groups.enable=true (dynamic sampling draws more prompts inside a step) "
             "is not supported yet",
@@ -126,14 +136,17 @@ def test_refused_combinations_name_the_key_and_the_fix(base, overrides, message)
     assert any(message in error for error in found), found
 
 
-def test_disaggregated_modes_validate_and_partial_rollouts_are_refused_until_built(base):
+def test_disaggregated_modes_validate(base):
     assert errors(base, *DISAGGREGATED) == []
     assert errors(base, *DISAGGREGATED, "trainer.async_training.mode=one_step") == []
-    asynchronous = (*DISAGGREGATED, "trainer.async_training.mode=async")
-    assert errors(base, *asynchronous, "trainer.async_training.max_staleness=2") == []
-    assert errors(
-        base, *asynchronous, "rollout.name=vllm", "trainer.async_training.partial_rollout=true"
-    ) == ["trainer.async_training.partial_rollout=true is not built yet (docs/async.md); set it to false"]
+    asynchronous = (
+        *DISAGGREGATED,
+        "trainer.async_training.mode=async",
+        "trainer.async_training.max_staleness=2",
+    )
+    assert errors(base, *asynchronous) == []
+    partial = ("rollout.name=vllm", "trainer.async_training.partial_rollout=true")
+    assert errors(base, *asynchronous, *partial) == []
 
 
 def test_a_bare_off_is_not_a_mode(base):
@@ -142,3 +155,19 @@ def test_a_bare_off_is_not_a_mode(base):
         load_recipe(GRPO, [*base, "trainer.async_training.mode=off"])
     with pytest.raises(ValueError, match="did you mean 'one_step'"):
         load_recipe(GRPO, [*base, "trainer.async_training.mode=one-step"])
+
+
+def test_rollout_workers_take_calls_side_by_side_only_with_partial_rollouts(base):
+    """A thread per launched generation call (max_staleness), one for validation, one for the
+    transfer calls."""
+    from hybridflow.workers.rollout_worker import actor_options
+
+    asynchronous = [
+        *base,
+        *DISAGGREGATED,
+        "trainer.async_training.mode=async",
+        "trainer.async_training.max_staleness=3",
+    ]
+    partial = ["rollout.name=vllm", "trainer.async_training.partial_rollout=true"]
+    assert actor_options(load_recipe(GRPO, [*asynchronous, *partial])) == {"max_concurrency": 5}
+    assert actor_options(load_recipe(GRPO, asynchronous)) == {}

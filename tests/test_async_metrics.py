@@ -1,8 +1,10 @@
 """The staleness metrics of a trained batch against hand-counted values."""
 
 import pytest
+import torch
 
-from hybridflow.trainer.disaggregated import staleness_metrics
+from engines.rollout.base import pad_rows
+from hybridflow.trainer.disaggregated import mixed_version_share, staleness_metrics
 
 
 def test_staleness_mean_max_and_histogram():
@@ -22,3 +24,21 @@ def test_fresh_samples_are_all_at_staleness_zero():
         "async/staleness_max": 0.0,
         "async/staleness/0": 1.0,
     }
+
+
+def test_mixed_version_share_counts_rows_sampled_by_two_versions():
+    versions = torch.tensor(
+        [
+            [3, 3, 4, -1],  # interrupted by the update to 4
+            [3, 3, 3, 3],
+            [4, -1, -1, -1],  # started after it
+            [2, 3, 4, 4],  # two updates
+        ]
+    )  # (B, R)
+    assert mixed_version_share(versions) == 0.5
+
+
+def test_pad_rows_right_pads_to_the_longest_row():
+    padded = pad_rows([[1, 2], [3], []], -1, torch.long)
+    assert padded.tolist() == [[1, 2], [3, -1], [-1, -1]] and padded.dtype == torch.long
+    assert pad_rows([], 0, torch.float32).shape == (0, 0)

@@ -9,7 +9,7 @@ import time
 import pytest
 import ray
 import torch
-from single_controller_workers import ActorRole, CriticRole, ProbeWorker, TeardownRole
+from single_controller_workers import ActorRole, CriticRole, GateWorker, ProbeWorker, TeardownRole
 
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller import (
@@ -73,6 +73,24 @@ def test_colocated_method_names_must_not_collide():
         create_colocated_worker_cls(
             {"a": RayClassWithInitArgs(RoleWithXSetup, "x"), "a_x": RayClassWithInitArgs(ActorRole, "y")}
         )
+
+
+def test_a_colocated_role_cannot_ask_for_actor_options_of_its_own():
+    rollout = RayClassWithInitArgs(ActorRole, "x").with_actor_options(max_concurrency=4)
+    with pytest.raises(ValueError, match=r"class_dict\['rollout'\] asks for Ray actor options"):
+        create_colocated_worker_cls({"rollout": rollout, "critic": RayClassWithInitArgs(CriticRole, "y")})
+
+
+def test_actor_options_reach_ray_so_a_call_runs_beside_another(ray_cluster):
+    pool = RayResourcePool([1], name_prefix="test_actor_options")
+    group = RayWorkerGroup(pool, RayClassWithInitArgs(GateWorker).with_actor_options(max_concurrency=2))
+    try:
+        waiting = group.actors[0].wait_for_gate.remote(120.0)  # a bound for a failure, not a timing to meet
+        group.open_gate()
+        assert ray.get(waiting), "the gate opened after the waiting call gave up: calls ran one at a time"
+    finally:
+        group.shutdown()
+        pool.release()
 
 
 @pytest.mark.timeout(180)

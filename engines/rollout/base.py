@@ -217,6 +217,20 @@ def check_prompts(prompts: DataProto) -> None:
         raise ValueError("prompts must be left-padded: attention_mask must be 0s then 1s on each row")
 
 
+def unpadded_prompts(prompts: DataProto) -> list[list[int]]:
+    """Each prompt row's token ids without its left padding."""
+    ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]  # (B, P)
+    return [row[row_mask.bool()].tolist() for row, row_mask in zip(ids, mask, strict=True)]
+
+
+def pad_rows(rows: list[list], pad_value, dtype: torch.dtype) -> torch.Tensor:
+    """Rows of different lengths right-padded to the longest with `pad_value`. -> (B, L)"""
+    padded = torch.full((len(rows), max(map(len, rows), default=0)), pad_value, dtype=dtype)
+    for index, row in enumerate(rows):
+        padded[index, : len(row)] = torch.tensor(row, dtype=dtype)
+    return padded
+
+
 def response_mask_until_eos(responses: torch.Tensor, eos_token_ids: list[int]) -> torch.Tensor:
     """1 for each token up to and including the first EOS of its row, 0 after it. (B, L) -> (B, L)."""
     is_eos = torch.isin(responses, torch.tensor(eos_token_ids, device=responses.device))  # (B, L)

@@ -43,8 +43,10 @@ from engines.rollout.base import (
     WEIGHTS_TAG,
     SeededGenerationMixin,
     load_tokenizer,
+    pad_rows,
     read_special_token_ids,
     row_seed,
+    unpadded_prompts,
 )
 from engines.rollout.config import RolloutConfig, SamplingConfig
 from engines.rollout.vllm_cpu_weights import check_plain_weights, onednn_dispatch
@@ -159,11 +161,7 @@ class VLLMRolloutEngine(SeededGenerationMixin):
         """Generated ids (B, L) padded with the pad id, and their log-probs (B, L) or None."""
         from vllm.inputs import TokensPrompt
 
-        input_ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
-        requests = [
-            TokensPrompt(prompt_token_ids=row[row_mask.bool()].tolist())
-            for row, row_mask in zip(input_ids, mask, strict=True)
-        ]
+        requests = [TokensPrompt(prompt_token_ids=ids) for ids in unpadded_prompts(prompts)]
         if not requests:
             return torch.zeros(0, 0, dtype=torch.long), None
         params = [
@@ -172,16 +170,14 @@ class VLLMRolloutEngine(SeededGenerationMixin):
         ]
         outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.adapter.request)
         completions = [out.outputs[0] for out in outputs]
-        length = max(len(c.token_ids) for c in completions)
-        responses = torch.full((len(completions), length), self.pad_token_id, dtype=torch.long)
-        log_probs = torch.zeros(len(completions), length) if self.cfg.calculate_log_probs else None
-        for row, completion in enumerate(completions):
-            ids = list(completion.token_ids)
-            responses[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-            if log_probs is not None:
-                values = [entry[token].logprob for entry, token in zip(completion.logprobs, ids, strict=True)]
-                log_probs[row, : len(values)] = torch.tensor(values)
-        return responses, log_probs
+        responses = pad_rows([list(c.token_ids) for c in completions], self.pad_token_id, torch.long)
+        if not self.cfg.calculate_log_probs:
+            return responses, None
+        log_probs = [
+            [entry[token].logprob for entry, token in zip(c.logprobs, c.token_ids, strict=True)]
+            for c in completions
+        ]
+        return responses, pad_rows(log_probs, 0.0, torch.float32)
 
     # ------------------------------------------------------------------ weights
     def begin_weight_update(self) -> None:

@@ -18,16 +18,11 @@ import asyncio
 import numpy as np
 import torch
 
-from engines.rollout.base import SeededGenerationMixin, row_seed
+from engines.rollout.base import SeededGenerationMixin, row_seed, unpadded_prompts
 from hybridflow.agents.loop import TOOL_VERSION, Trajectory
 from hybridflow.protocol import DataProto
 
 TRAJECTORY_METRICS = ("turns", "tool_calls", "tool_errors", "tool_tokens")
-
-
-def unpadded_prompts(prompts: DataProto) -> list[list[int]]:
-    ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
-    return [row[row_mask.bool()].tolist() for row, row_mask in zip(ids, mask, strict=True)]
 
 
 async def run_loops(loop, prompt_ids: list[list[int]], seed: int) -> list[Trajectory]:

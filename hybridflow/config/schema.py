@@ -193,7 +193,7 @@ class AsyncTrainingConfig:
 
     mode: AsyncMode = "sync"
     max_staleness: int = 1  # async: older samples are dropped and regenerated; one_step is 1 by construction
-    partial_rollout: bool = False  # async: in-flight requests continue with new weights, tokens kept
+    partial_rollout: bool = False  # async, vllm: in-flight requests continue with new weights, tokens kept
 
 
 @dataclass

@@ -162,8 +162,6 @@ def _check_async_training(cfg: RecipeConfig) -> list[str]:
             f"{key}.mode={settings.mode} overlaps generation with training, which needs the rollout on "
             "its own devices: set trainer.placement=disaggregated and trainer.rollout_pool.n_gpus_per_node"
         )
-    if settings.partial_rollout:  # loading weights between requests of a running engine: next
-        errors.append(f"{key}.partial_rollout=true is not built yet (docs/async.md); set it to false")
     if settings.mode != "sync" and cfg.algorithm.adv_estimator == "remax":
         errors.append(
             f"{key}.mode={settings.mode} with algorithm.adv_estimator=remax: the greedy baseline would come "
@@ -183,6 +181,12 @@ def _check_async_training(cfg: RecipeConfig) -> list[str]:
         )
     if settings.partial_rollout and settings.mode != "async":
         errors.append(f"{key}.partial_rollout=true is used by mode=async only; set mode=async or remove it")
+    elif settings.partial_rollout and settings.max_staleness < 2:
+        errors.append(
+            f"{key}.partial_rollout=true with max_staleness={settings.max_staleness}: no request is in "
+            "flight when weights arrive (each launched batch is collected before the next transfer); set "
+            "max_staleness >= 2 or remove partial_rollout"
+        )
     if settings.partial_rollout and cfg.rollout.name == "hf":
         errors.append(
             f"{key}.partial_rollout=true pauses in-flight requests for a weight update, which transformers "

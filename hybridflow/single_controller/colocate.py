@@ -32,6 +32,11 @@ def create_colocated_worker_cls(class_dict: dict[str, RayClassWithInitArgs]) -> 
             raise TypeError(
                 f"class_dict[{role!r}] must be a RayClassWithInitArgs, got {type(cls_with_init).__name__}"
             )
+        if cls_with_init.actor_options:
+            raise ValueError(
+                f"class_dict[{role!r}] asks for Ray actor options {cls_with_init.actor_options}, which a "
+                "colocated class cannot give one role alone: give the role a resource pool of its own"
+            )
 
     class ColocatedWorker(Worker):
         """Hosts one worker per role; `<role>_<method>` delegates to that role's worker."""

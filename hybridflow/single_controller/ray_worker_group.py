@@ -184,6 +184,7 @@ def _start_actors(pool: RayResourcePool, cls_with_init: RayClassWithInitArgs) ->
         remote_cls.options(
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle),
             **pool.actor_resources(),
+            **cls_with_init.actor_options,
         ).remote(env, *cls_with_init.args, **cls_with_init.kwargs)
         for (pg, bundle), env in zip(slots, envs, strict=True)
     ]

@@ -82,7 +82,9 @@ class RayClassWithInitArgs:
     """A `Worker` subclass and the arguments to build it with, in every slot of a worker group.
 
     Pass the plain class, not a `ray.remote`-decorated one: the worker group adds the Ray
-    options (placement, resources, environment) itself. Needs no Ray (LocalWorkerGroup takes it).
+    options (placement, resources, environment) itself, and `actor_options` (e.g.
+    `max_concurrency`, for a worker that takes calls while others run) when a role asks for them
+    with `with_actor_options`. Needs no Ray (LocalWorkerGroup takes it and runs calls one by one).
     """
 
     def __init__(self, cls: type, *args, **kwargs):
@@ -96,6 +98,12 @@ class RayClassWithInitArgs:
         self.cls = cls
         self.args = args
         self.kwargs = kwargs
+        self.actor_options: dict = {}
+
+    def with_actor_options(self, **options) -> RayClassWithInitArgs:
+        """These Ray actor options on every actor of the class; returns self."""
+        self.actor_options = options
+        return self
 
     def instantiate(self) -> Worker:
         """Build the worker in this process (the SPMD environment must already be set)."""

@@ -18,7 +18,9 @@ are drawn from the loader ahead; the trainer's `next_batch` hands them out in or
 A weight transfer to the rollout pool waits for the generations queued there before it (the
 rollout worker runs one call at a time), so with depth > 1 a step also waits for the older
 launched batches to finish: the overlap is one batch's generation per step, the staleness `depth`.
-Loading weights between requests of a running engine (partial rollouts) is not built yet.
+With partial rollouts the launched batches generate side by side and a transfer lands between two
+of their decoding steps (hybridflow/workers/rollout_worker.py); nothing changes here: a sample's
+version is its oldest token's, still at most `depth` behind.
 
 Overlap: every generated row carries its rollout process's `generation_window` (B, 2), wall-clock
 start and end; the loop keeps the windows of its own work on each step (from the batch's arrival
@@ -112,7 +114,7 @@ class GenerationAhead:
         that ran while the driver worked on earlier steps."""
         windows = batch.batch["generation_window"]  # (B, 2)
         start, end = windows[:, 0].min().item(), windows[:, 1].max().item()
-        # the rollout runs its calls in order: no later batch's generation starts before this one's
+        # batches are launched in order: no later batch's generation starts before this one's
         self.work_windows = [window for window in self.work_windows if window[1] > start]
         overlap = overlap_seconds((start, end), self.work_windows)
         seconds = end - start

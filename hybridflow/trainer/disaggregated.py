@@ -9,13 +9,17 @@ versions are appended to `<output_dir>/policy_versions.jsonl`:
     {"trained_on": 3, "sample_versions": [2, 2, 3, ...]}   # staleness = trained_on - version
 
 and each step's metrics gain `async/staleness_mean`, `async/staleness_max`, the histogram
-`async/staleness/<s>` (share of samples s updates old) and `timing/weight_transfer`.
+`async/staleness/<s>` (share of samples s updates old) and `timing/weight_transfer`. With partial
+rollouts a sample's version is that of its oldest token, and `async/mixed_version_share` is the
+share of samples whose tokens come from more than one version (`rollout_versions`, per token).
 """
 
 import json
 import time
 from collections import Counter
 from pathlib import Path
+
+import torch
 
 from hybridflow.protocol import DataProto, DataProtoFuture
 
@@ -32,6 +36,15 @@ def staleness_metrics(trained_on: int, sample_versions: list[int]) -> dict[str, 
         "async/staleness_max": float(max(staleness)),
         **shares,
     }
+
+
+def mixed_version_share(versions: torch.Tensor) -> float:
+    """Share of rows sampled by more than one policy version; `versions` (B, R) holds each response
+    token's version, -1 where no token was sampled."""
+    sampled = versions >= 0  # (B, R)
+    newest = versions.max(dim=1).values  # (B,)
+    oldest = versions.masked_fill(~sampled, torch.iinfo(versions.dtype).max).min(dim=1).values  # (B,)
+    return (newest > oldest).float().mean().item()
 
 
 def connect_transfer(actor, rollout) -> None:
@@ -84,6 +97,8 @@ class DisaggregatedActorRollout:
         versions = self.record_versions(batch)
         output = self.actor.update_actor(batch)
         extra = {**staleness_metrics(self.version, versions), "timing/weight_transfer": self.transfer_seconds}
+        if "rollout_versions" in batch.batch:  # partial rollouts
+            extra["async/mixed_version_share"] = mixed_version_share(batch.batch["rollout_versions"])
         output.meta_info.setdefault("metrics", {}).update({key: [value] for key, value in extra.items()})
         self.version += 1
         self.transfer_seconds = 0.0

@@ -18,6 +18,7 @@ from hybridflow.workers.critic import CriticWorker
 from hybridflow.workers.disaggregated_actor import DisaggregatedActorWorker
 from hybridflow.workers.reward_model import RewardModelWorker
 from hybridflow.workers.rollout_worker import RolloutWorker
+from hybridflow.workers.rollout_worker import actor_options as rollout_actor_options
 
 
 @dataclass
@@ -49,7 +50,8 @@ def role_classes(cfg: RecipeConfig) -> dict[str, dict[str, RayClassWithInitArgs]
     if cfg.trainer.mode == "sft":  # supervised warm start: the policy alone
         return pools
     if disaggregated:
-        pools["rollout_pool"] = {"rollout": RayClassWithInitArgs(RolloutWorker, cfg)}
+        rollout = RayClassWithInitArgs(RolloutWorker, cfg).with_actor_options(**rollout_actor_options(cfg))
+        pools["rollout_pool"] = {"rollout": rollout}
     if cfg.critic.enable:
         pool = "critic_pool" if cfg.critic.n_gpus_per_node > 0 else "global_pool"
         pools.setdefault(pool, {})["critic"] = RayClassWithInitArgs(CriticWorker, cfg)

@@ -9,9 +9,16 @@ the driver calls one group at a time: so the rollout side runs them in a backgro
 `policy_version` (B,): the version of the weights its engine served, and `generation_window`
 (B, 2): the wall-clock start and end of the call that generated it (the async loop's overlap).
 Checkpoints hold each engine's sampling position (`save_rng_state`), as the colocated worker's do.
+
+With partial rollouts (trainer.async_training.partial_rollout) the worker's Ray actor runs several
+calls at once (`actor_options`): generation calls run their rows as requests on one event loop
+(engines/rollout/request_batches.py), and a transfer is loaded on that loop between two decoding
+steps, the rows in flight continuing under the new weights. Rows then carry `rollout_versions`
+(B, R), the version of each token, and `policy_version` is that of the row's oldest token.
 """
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -22,10 +29,18 @@ from hybridflow.protocol import DataProto
 from hybridflow.single_controller import Dispatch, Worker, register
 
 
+def actor_options(cfg: RecipeConfig) -> dict:
+    """Ray actor options of the rollout workers: with partial rollouts, a thread for each launched
+    generation call (up to max_staleness), a validation call, and the transfer calls beside them."""
+    settings = cfg.trainer.async_training
+    return {"max_concurrency": settings.max_staleness + 2} if settings.partial_rollout else {}
+
+
 class RolloutWorker(Worker):
     def __init__(self, config: RecipeConfig):
         self.config = config
         self.engine = None
+        self.batches = None  # RequestBatches with partial rollouts
         self.receiver = None
         self._background = ThreadPoolExecutor(max_workers=1)
         self._pending: Future | None = None
@@ -41,6 +56,10 @@ class RolloutWorker(Worker):
                 f"rollout.tensor_model_parallel_size=1, got {cfg.rollout.tensor_model_parallel_size}"
             )
         self.engine = create_rollout_engine(cfg.rollout, cfg.model.path)
+        if cfg.trainer.async_training.partial_rollout:
+            from engines.rollout.request_batches import RequestBatches
+
+            self.batches = RequestBatches(self.engine)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def start_join_transfer(self, host: str, port: int, size: int) -> None:
@@ -52,12 +71,20 @@ class RolloutWorker(Worker):
         def join() -> None:
             self.receiver = WeightReceiver(transfer_group(host, port, 1 + self.rank, size, backend))
 
-        self._start(join)
+        self._start(lambda: self._background.submit(join))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def start_receive_weights(self) -> None:
-        """Receive the next transfer into the engine (in the background)."""
-        self._start(lambda: self.receiver.load_into(self.engine))
+        """Receive the next transfer into the engine (in the background; with partial rollouts, on
+        the engine's event loop between two decoding steps of the rows in flight)."""
+
+        def load() -> int:
+            return self.receiver.load_into(self.engine)
+
+        if self.batches is not None:
+            self._start(lambda: self.batches.submit_update(load))
+        else:
+            self._start(lambda: self._background.submit(load))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def finish_transfer(self):
@@ -67,10 +94,10 @@ class RolloutWorker(Worker):
             raise RuntimeError("finish_transfer without a started join or transfer")
         return pending.result()
 
-    def _start(self, work) -> None:
+    def _start(self, start: Callable[[], Future]) -> None:
         if self._pending is not None:
             raise RuntimeError("a weight transfer is already under way on this rollout worker")
-        self._pending = self._background.submit(work)
+        self._pending = start()
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
@@ -78,9 +105,13 @@ class RolloutWorker(Worker):
         if self.receiver is None or self.receiver.serving is None:
             raise RuntimeError("generate_sequences before the rollout engine received the actor's weights")
         start = time.time()  # wall clock: compared with the driver's (hybridflow/trainer/async_loop.py)
-        output = self.engine.generate_sequences(prompts)
+        if self.batches is not None:  # versions per token, policy_version set from them
+            output = self.batches.generate_sequences(prompts)
+        else:
+            output = self.engine.generate_sequences(prompts)
+            served = torch.full((len(output),), self.receiver.serving, dtype=torch.long)  # (B,)
+            output.batch["policy_version"] = served
         window = torch.tensor([start, time.time()], dtype=torch.float64)
-        output.batch["policy_version"] = torch.full((len(output),), self.receiver.serving, dtype=torch.long)
         output.batch["generation_window"] = window.expand(len(output), 2).clone()  # (B, 2)
         return output
 
@@ -105,5 +136,7 @@ class RolloutWorker(Worker):
     def teardown(self) -> None:
         """Stop the engine (last: vLLM's teardown destroys torch.distributed's default group)."""
         self._background.shutdown(wait=False, cancel_futures=True)
+        if self.batches is not None:
+            self.batches.shutdown()
         if self.engine is not None:
             self.engine.shutdown()

@@ -12,6 +12,13 @@ before its `MAX_NEW_TOKENS`. Three runs of `PROMPTS` sampled at temperature 1 wi
              finishes under version 1 first.
 Writes each run's completions, and what each weight load saw in flight, to OUT_FILE (torch.save).
 
+Then whole batches of `PROMPTS` on the same engine, back at version 0, as the disaggregated rollout
+worker runs them with partial rollouts (`RequestBatches`, its event loop in a thread of its own):
+  batch_path     the engine's own `generate_sequences`, seeded;
+  batches        the same call through `RequestBatches`, no update;
+  batches_split  the same call again; a weight update submitted from another thread once every
+                 row has SWITCH_AT tokens (the loop is held there until the update is queued).
+
 Then a second engine, with a tokenizer (stop strings need one; vLLM then also stops on EOS):
   split      row 0 as in `partial`, switched to version 1 after SWITCH_AT tokens;
   stop       the same again from version 0, with the stop string `STOP_CHARS` characters around
@@ -22,6 +29,8 @@ Then a second engine, with a tokenizer (stop strings need one; vLLM then also st
 import asyncio
 import dataclasses
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -30,8 +39,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _transfer_worker import versioned_tensors
 
 from engines.rollout.config import RolloutConfig, SamplingConfig
+from engines.rollout.request_batches import RequestBatches
 from engines.rollout.requests import VLLMRequestEngine
 from engines.rollout.vllm_rollout import VLLMRolloutEngine
+from hybridflow.protocol import DataProto
 
 PROMPTS = [[5, 17, 42, 9, 33], [71, 8, 8, 23]]
 SEEDS = [101, 202]
@@ -81,7 +92,8 @@ def main(model_dir: str, out_file: str) -> None:
         calculate_log_probs=True, vllm={"max_model_len": 64},
     )  # fmt: skip
     engine = VLLMRolloutEngine(model_dir, cfg)
-    engine.eos_token_ids = []  # no stop token: vLLM without a tokenizer knows none of its own
+    eos_token_ids, engine.eos_token_ids = engine.eos_token_ids, []  # no stop token: vLLM without a
+    # tokenizer knows none of its own
     rows = range(len(PROMPTS))
     result = {"reference": asyncio.run(sample(VLLMRequestEngine(engine, cfg, partial_rollout=True), rows))}
     partial = VLLMRequestEngine(engine, cfg, partial_rollout=True)
@@ -94,10 +106,63 @@ def main(model_dir: str, out_file: str) -> None:
     load_v2 = loader(engine, drain, model_dir, 2, result["drain_seen"])
     result["drain"] = asyncio.run(sample(drain, range(1), load_v2, result["drain_seen"]))
     result["drain_version"] = drain.policy_version
+    engine.eos_token_ids = eos_token_ids  # batches: rows end at EOS, as in training
+    result.update(batches_split_by_an_update(engine, model_dir))
     result.update(stop_split_by_the_update(model_dir, cfg))
     torch.save(result, out_file)
     print("OK partial-worker", flush=True)
     engine.shutdown()
+
+
+def left_padded_prompts(seed: int) -> DataProto:
+    width = max(map(len, PROMPTS))
+    ids = torch.zeros(len(PROMPTS), width, dtype=torch.long)
+    mask = torch.zeros(len(PROMPTS), width, dtype=torch.long)
+    for row, prompt in enumerate(PROMPTS):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    tensors = {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0)}
+    return DataProto.from_dict(tensors, meta_info={"seed": seed})
+
+
+def batches_split_by_an_update(engine: VLLMRolloutEngine, model_dir: str) -> dict:
+    """The `batch_path`, `batches` and `batches_split` runs (tensors of each output batch)."""
+    engine.begin_weight_update()
+    engine.update_weights(versioned_tensors(model_dir, 0))
+    engine.end_weight_update()
+    out = {"batch_path": engine.generate_sequences(left_padded_prompts(seed=7)).batch.to_dict()}
+    batches = RequestBatches(engine)
+    out["batches"] = batches.generate_sequences(left_padded_prompts(seed=7)).batch.to_dict()
+    frozen, release = threading.Event(), threading.Event()
+
+    def load() -> int:
+        engine.begin_weight_update()
+        engine.update_weights(versioned_tensors(model_dir, 1))
+        engine.end_weight_update()
+        return 1
+
+    with ThreadPoolExecutor(max_workers=1) as caller:
+        generating = caller.submit(batches.generate_sequences, left_padded_prompts(seed=7))
+
+        async def hold_once_sampled() -> None:
+            while not all_sampled(batches.requests, len(PROMPTS), SWITCH_AT):
+                if generating.done():
+                    raise RuntimeError(f"a row ended before every row sampled {SWITCH_AT} tokens")
+                await asyncio.sleep(0)  # the engine steps between these checks
+            out["batches_seen"] = [len(c.token_ids) for c in batches.requests.in_flight()]
+            frozen.set()
+            release.wait()  # holds the loop: nothing steps until the update is queued behind this
+
+        holding = asyncio.run_coroutine_threadsafe(hold_once_sampled(), batches.loop)
+        while not frozen.wait(timeout=1):  # a check, not a deadline: the hold failed or waits on
+            if holding.done():
+                holding.result()
+        updated = batches.submit_update(load)
+        release.set()
+        out["batches_split_version"] = updated.result()
+        out["batches_split"] = generating.result().batch.to_dict()
+    batches.shutdown()
+    return out
 
 
 def stop_split_by_the_update(model_dir: str, cfg: RolloutConfig) -> dict:

@@ -17,6 +17,7 @@ from _transfer_worker import versioned_tensors
 from process_group import run_in_own_session
 
 from engines.rollout.partial import Segment, boundary_window_open, continuation, stop_across_boundary
+from hybridflow.trainer.disaggregated import mixed_version_share
 from hybridflow.utils.tiny_model import make_tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "megatron"))
@@ -149,3 +150,33 @@ def test_without_partial_rollouts_the_update_waits_for_the_requests(runs):
     assert runs["drain_seen"]["at_load"] == 0  # nothing in flight when the weights loaded
     assert done["versions"] == [1] * MAX_NEW_TOKENS and done["finish_reason"] == "length"
     assert runs["drain_version"] == 2
+
+
+@pytest.mark.slow
+def test_a_batch_through_requests_is_the_batch_paths_batch(runs):
+    """RequestBatches, no update: what the engine's own generate_sequences gives, every token of
+    version 0 (-1 on the padding after a row that ended early)."""
+    batch_path, batches = runs["batch_path"], runs["batches"]
+    for key, value in batch_path.items():
+        assert torch.allclose(batches[key], value, rtol=0, atol=1e-6), key
+    sampled = batches["response_mask"] == 1  # (B, R)
+    assert torch.equal(batches["rollout_versions"], torch.where(sampled, 0, -1))
+    assert batches["policy_version"].tolist() == [0, 0]
+
+
+@pytest.mark.slow
+def test_a_batch_split_by_an_update_records_the_version_of_every_token(runs):
+    """RequestBatches with an update submitted from another thread mid-call: each row continues
+    under version 1 keeping its version-0 tokens, which are those of the uninterrupted call; the
+    row's version is that of its oldest token."""
+    split, reference = runs["batches_split"], runs["batches"]
+    assert runs["batches_split_version"] == 1
+    for row, seen in enumerate(runs["batches_seen"]):
+        versions = split["rollout_versions"][row].tolist()
+        a, length = versions.count(0), int(split["response_mask"][row].sum())
+        assert SWITCH_AT <= seen <= a < length, (seen, versions)
+        assert versions == [0] * a + [1] * (length - a) + [-1] * (MAX_NEW_TOKENS - length)
+        assert torch.equal(split["responses"][row, :a], reference["responses"][row, :a])
+        assert torch.equal(split["rollout_log_probs"][row, :a], reference["rollout_log_probs"][row, :a])
+    assert split["policy_version"].tolist() == [0, 0]
+    assert mixed_version_share(split["rollout_versions"]) == 1.0
