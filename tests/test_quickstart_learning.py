@@ -30,19 +30,21 @@ MARGIN = 0.08  # held-out accuracy that GRPO_STEPS steps must add (8 points)
 # measured from the same warm start: 42.0% -> 61.5% (+19.5 points) in 20 steps (2026-11-24)
 LORA = ["actor.lora.rank=16", "actor.lora.alpha=32", "actor.optim.lr=2e-3"]
 # one_step (docs/async.md): the actor on 1 process, the hf engine on 1 of its own generating each
-# batch with the weights one update older than those trained; at half the lr (at 2e-4 one update
-# moves this tiny policy too far for a gradient on the previous policy's samples: 42.0% -> 21.5%)
-# with AReaL's decoupled PPO. Measured from the same warm start, seeds 1/42 (this test), 2/2, 3/3:
-# 42.0% -> 69.0%, 67.0%, 68.0% (+27.0, +25.0, +26.0 points) in 20 steps (2026-11-24)
+# batch with the weights one update older than those trained, at the quickstart's own lr (2e-4),
+# with truncated importance sampling (weights min(pi_old / mu, 2)): without a correction one update
+# at this lr moves this tiny policy too far for a gradient on the previous policy's samples
+# (42.0% -> 21.5%). Measured from the same warm start, seeds 1/42 (this test), 2/2, 3/3:
+# 42.0% -> 62.5%, 52.5%, 51.0% (+20.5, +10.5, +9.0 points) in 20 steps (2026-11-24; 62.5% again
+# on the code of partial rollouts). At lr 1e-4 with decoupled PPO: +27.0, +25.0, +26.0.
 ONE_STEP = [
     "trainer.placement=disaggregated",
     "trainer.n_gpus_per_node=1",
     "trainer.rollout_pool.n_gpus_per_node=1",
     "actor.megatron.tensor_model_parallel_size=1",
     "trainer.async_training.mode=one_step",
-    "actor.optim.lr=1e-4",
     "rollout.calculate_log_probs=true",
-    "actor.update.off_policy.mode=decoupled_ppo",
+    "actor.update.off_policy.mode=truncated_is",
+    "actor.update.off_policy.upper=2",
 ]
 
 
