@@ -14,9 +14,10 @@ from test_recipes import cpu_overrides, local, run_recipe  # noqa: F401 (local i
     ("mode", "staleness"),
     [
         (["trainer.async_training.mode=one_step"], [0, 1, 1, 1]),
+        (["trainer.async_training.mode=async", "trainer.async_training.max_staleness=1"], [0, 1, 1, 1]),
         (["trainer.async_training.mode=async", "trainer.async_training.max_staleness=2"], [0, 1, 2, 2]),
     ],
-    ids=["one_step", "async-max_staleness-2"],
+    ids=["one_step", "async-max_staleness-1", "async-max_staleness-2"],
 )
 def test_generation_ahead_trains_on_samples_no_staler_than_allowed(local, tmp_path, mode, staleness):  # noqa: F811
     out = tmp_path / "ahead"
