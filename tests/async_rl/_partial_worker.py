@@ -52,15 +52,20 @@ SAMPLING = SamplingConfig(do_sample=True, temperature=1.0)
 STOP_CHARS = 2
 
 
+def load_version(engine: VLLMRolloutEngine, model_dir: str, version: int) -> int:
+    """`versioned_tensors(version)` into the engine, through its weight-update session."""
+    engine.begin_weight_update()
+    engine.update_weights(versioned_tensors(model_dir, version))
+    engine.end_weight_update()
+    return version
+
+
 def loader(engine: VLLMRolloutEngine, requests: VLLMRequestEngine, model_dir: str, version: int, seen: dict):
     """A `load` for `update_weights`: records the requests still in flight, then loads `version`."""
 
     def load() -> int:
         seen["at_load"] = len(requests.in_flight())
-        engine.begin_weight_update()
-        engine.update_weights(versioned_tensors(model_dir, version))
-        engine.end_weight_update()
-        return version
+        return load_version(engine, model_dir, version)
 
     return load
 
@@ -127,19 +132,11 @@ def left_padded_prompts(seed: int) -> DataProto:
 
 def batches_split_by_an_update(engine: VLLMRolloutEngine, model_dir: str) -> dict:
     """The `batch_path`, `batches` and `batches_split` runs (tensors of each output batch)."""
-    engine.begin_weight_update()
-    engine.update_weights(versioned_tensors(model_dir, 0))
-    engine.end_weight_update()
+    load_version(engine, model_dir, 0)
     out = {"batch_path": engine.generate_sequences(left_padded_prompts(seed=7)).batch.to_dict()}
     batches = RequestBatches(engine)
     out["batches"] = batches.generate_sequences(left_padded_prompts(seed=7)).batch.to_dict()
     frozen, release = threading.Event(), threading.Event()
-
-    def load() -> int:
-        engine.begin_weight_update()
-        engine.update_weights(versioned_tensors(model_dir, 1))
-        engine.end_weight_update()
-        return 1
 
     with ThreadPoolExecutor(max_workers=1) as caller:
         generating = caller.submit(batches.generate_sequences, left_padded_prompts(seed=7))
@@ -157,7 +154,7 @@ def batches_split_by_an_update(engine: VLLMRolloutEngine, model_dir: str) -> dic
         while not frozen.wait(timeout=1):  # a check, not a deadline: the hold failed or waits on
             if holding.done():
                 holding.result()
-        updated = batches.submit_update(load)
+        updated = batches.submit_update(lambda: load_version(engine, model_dir, 1))
         release.set()
         out["batches_split_version"] = updated.result()
         out["batches_split"] = generating.result().batch.to_dict()
@@ -172,9 +169,7 @@ def stop_split_by_the_update(model_dir: str, cfg: RolloutConfig) -> dict:
     requests = VLLMRequestEngine(engine, cfg, partial_rollout=True)
     load_v1 = loader(engine, requests, model_dir, 1, out["split_seen"])
     (out["split"],) = asyncio.run(sample(requests, range(1), load_v1, out["split_seen"]))
-    engine.begin_weight_update()
-    engine.update_weights(versioned_tensors(model_dir, 0))
-    engine.end_weight_update()
+    load_version(engine, model_dir, 0)
     boundary = len(engine.tokenizer.decode(out["split_seen"]["before"][0]))
     text = engine.tokenizer.decode(out["split"]["token_ids"])
     out["stop_string"] = text[boundary - 1 : boundary - 1 + STOP_CHARS]
