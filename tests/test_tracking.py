@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from hybridflow.utils.plotting import PLOTS, matching_keys, plot_metrics_file
-from hybridflow.utils.tracking import Tracking, read_metrics
+from hybridflow.utils.plotting import PLOTS, matching_keys
+from hybridflow.utils.tracking import Tracking, plot_metrics_file, read_metrics
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -5,7 +5,9 @@ Each plot draws every metric whose name matches its pattern, so metric names cho
 (e.g. `val/arith/accuracy` beside `val/accuracy`) appear without changes here. Files are written
 to a temporary name and renamed, so an image viewer never reads a half-written PNG.
 
-    python -c "from hybridflow.utils.plotting import plot_metrics_file; plot_metrics_file('outputs/run')"
+`plot_metrics` takes the records; `tracking.plot_metrics_file` reads them from a run's metrics.jsonl:
+
+    python -c "from hybridflow.utils.tracking import plot_metrics_file; plot_metrics_file('outputs/run')"
 """
 
 import os
@@ -84,14 +86,3 @@ def plot_metrics(history: list[dict], plots_dir: str | Path) -> list[Path]:
             render(spec, history, keys, path)
             written.append(path)
     return written
-
-
-def plot_metrics_file(output_dir: str | Path) -> list[Path]:
-    """Plots <output_dir>/metrics.jsonl into <output_dir>/plots/ (for a finished or running run)."""
-    from hybridflow.utils.tracking import METRICS_FILE, read_metrics
-
-    output_dir = Path(output_dir)
-    history = read_metrics(output_dir / METRICS_FILE)
-    if not history:
-        raise ValueError(f"{output_dir / METRICS_FILE} has no metrics to plot")
-    return plot_metrics(history, output_dir / "plots")

@@ -52,6 +52,15 @@ def read_metrics(path: str | Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def plot_metrics_file(output_dir: str | Path) -> list[Path]:
+    """Plots <output_dir>/metrics.jsonl into <output_dir>/plots/ (for a finished or running run)."""
+    output_dir = Path(output_dir)
+    history = read_metrics(output_dir / METRICS_FILE)
+    if not history:
+        raise ValueError(f"{output_dir / METRICS_FILE} has no metrics to plot")
+    return plotting.plot_metrics(history, output_dir / "plots")
+
+
 def records_up_to(path: Path, step: int) -> tuple[list[dict], int]:
     """The leading records of metrics.jsonl `path` with a step <= `step`, and the byte offset where
     they end: the first record past `step`, or a line that is not complete JSON (a run killed
