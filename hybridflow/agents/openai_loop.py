@@ -21,10 +21,10 @@ import numpy as np
 
 from engines.rollout.base import SeededGenerationMixin, row_seed
 from engines.rollout.config import SamplingConfig
+from hybridflow.agents.batch import trajectories_to_batch
 from hybridflow.agents.chat_session import ChatSession
 from hybridflow.agents.loop import message_delta_renderer
 from hybridflow.agents.openai_api import ChatRequest
-from hybridflow.agents.rollout import trajectories_to_batch
 from hybridflow.agents.server import ChatServer
 from hybridflow.protocol import DataProto
 from hybridflow.utils.imports import import_by_path

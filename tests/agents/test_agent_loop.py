@@ -7,6 +7,7 @@ import asyncio
 import torch
 
 from engines.rollout.requests import Completion
+from hybridflow.agents.batch import trajectories_to_batch
 from hybridflow.agents.loop import (
     TOOL_VERSION,
     SingleTurnLoop,
@@ -14,7 +15,6 @@ from hybridflow.agents.loop import (
     ToolTurnResult,
     tool_response_renderer,
 )
-from hybridflow.agents.rollout import trajectories_to_batch
 from hybridflow.protocol import DataProto
 from hybridflow.utils.tiny_model import build_tokenizer
 

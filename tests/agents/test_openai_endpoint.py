@@ -281,8 +281,8 @@ def test_the_recipe_settings_are_checked():
 
 
 def test_a_trajectory_with_its_own_prompt_replaces_its_row_and_widens_the_prompts():
+    from hybridflow.agents.batch import trajectories_to_batch
     from hybridflow.agents.loop import Trajectory
-    from hybridflow.agents.rollout import trajectories_to_batch
 
     prompts = DataProto.from_dict(
         {
