@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 from hybridflow.config.loader import load_recipe
 from hybridflow.config.validate import validate_recipe
 from hybridflow.data.arith import ArithConfig, write_arith_parquet
-from hybridflow.trainer.sft import SFTDataset, collate_sft
+from hybridflow.data.sft_dataset import SFTDataset, collate_sft
 from hybridflow.utils.tiny_model import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]

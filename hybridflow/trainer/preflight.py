@@ -135,7 +135,7 @@ def check_data(cfg: RecipeConfig, tokenizer) -> None:
     """The datasets the trainer will build load, and hold at least one batch each."""
     data = cfg.data
     if cfg.trainer.mode == "sft":
-        from hybridflow.trainer.sft import SFTDataset
+        from hybridflow.data.sft_dataset import SFTDataset
 
         rows = read_located_rows(data.train_files, (data.prompt_key, "extra_info"))
         located = rows[: data.train_max_samples]

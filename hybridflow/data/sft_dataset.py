@@ -1,0 +1,88 @@
+"""The supervised warm start's data (`trainer.mode: sft`, trainer/sft.py): (prompt, reference answer)
+pairs and their rollout-shaped batches.
+
+The prompt is the row's chat `prompt` (rendered with the chat template, as RL renders it) and
+the answer is the row's `extra_info.answer` (what GSM8K and arith rows carry), followed by EOS.
+"""
+
+import logging
+
+import torch
+
+from hybridflow.data.prompt_dataset import read_parquet_rows, tokenize_chat
+
+logger = logging.getLogger(__name__)
+
+
+def answer_of(row: dict) -> str:
+    """The SFT target of a row: `extra_info.answer`."""
+    answer = (row.get("extra_info") or {}).get("answer")
+    if not isinstance(answer, str) or not answer:
+        raise ValueError(
+            f"SFT needs each row's extra_info.answer (the reference response); row {row.get('extra_info')} "
+            "has none"
+        )
+    return answer
+
+
+class SFTDataset(torch.utils.data.Dataset):
+    """(prompt ids, response ids + EOS) pairs; rows whose prompt or response is longer than the
+    limits are dropped and counted, like PromptDataset drops long prompts."""
+
+    def __init__(self, files: list[str], tokenizer, max_prompt_length: int, max_response_length: int,
+                 prompt_key: str = "prompt", max_samples: int | None = None):  # fmt: skip
+        rows = read_parquet_rows(files, (prompt_key, "extra_info"))
+        if max_samples is not None:
+            rows = rows[:max_samples]
+        self.pairs = []
+        for row in rows:
+            prompt = tokenize_chat(tokenizer, row[prompt_key])
+            response = tokenizer(answer_of(row), add_special_tokens=False)["input_ids"] + [
+                tokenizer.eos_token_id
+            ]
+            if len(prompt) <= max_prompt_length and len(response) <= max_response_length:
+                self.pairs.append((prompt, response))
+        self.num_dropped = len(rows) - len(self.pairs)
+        if self.num_dropped:
+            logger.warning(
+                "dropped %d of %d SFT rows from %s: prompt over data.max_prompt_length=%d or answer over "
+                "rollout.response_length=%d tokens",
+                self.num_dropped, len(rows), files, max_prompt_length, max_response_length,
+            )  # fmt: skip
+        if not self.pairs:
+            raise ValueError(
+                f"every SFT row in {files} exceeds data.max_prompt_length={max_prompt_length} or "
+                f"rollout.response_length={max_response_length}; raise them"
+            )
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def __getitem__(self, i: int) -> tuple[list[int], list[int]]:
+        return self.pairs[i]
+
+
+def collate_sft(pairs: list[tuple[list[int], list[int]]], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """A rollout-shaped batch: prompts left-padded to P, responses right-padded to R.
+
+    input_ids / attention_mask / position_ids (B, P+R); responses / response_mask (B, R)."""
+    prompt_len = max(len(p) for p, _ in pairs)
+    response_len = max(len(r) for _, r in pairs)
+    batch = len(pairs)
+    prompts = torch.full((batch, prompt_len), pad_token_id, dtype=torch.long)  # (B, P)
+    prompt_mask = torch.zeros((batch, prompt_len), dtype=torch.long)  # (B, P)
+    responses = torch.full((batch, response_len), pad_token_id, dtype=torch.long)  # (B, R)
+    response_mask = torch.zeros((batch, response_len), dtype=torch.long)  # (B, R)
+    for row, (prompt, response) in enumerate(pairs):
+        prompts[row, prompt_len - len(prompt) :] = torch.tensor(prompt)
+        prompt_mask[row, prompt_len - len(prompt) :] = 1
+        responses[row, : len(response)] = torch.tensor(response)
+        response_mask[row, : len(response)] = 1
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)  # (B, P+R)
+    return {
+        "input_ids": torch.cat([prompts, responses], dim=1),  # (B, P+R)
+        "attention_mask": attention_mask,
+        "position_ids": (attention_mask.cumsum(dim=1) - 1).clamp(min=0),  # (B, P+R)
+        "responses": responses,
+        "response_mask": response_mask,
+    }
