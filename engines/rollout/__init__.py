@@ -4,7 +4,8 @@ Import the submodule you need; this package imports nothing on its own, so that 
 can import `engines.rollout.config` cheaply and SGLang is only imported where an engine is built.
 
 - `config`: `RolloutConfig`, `SamplingConfig`
-- `base`: the `RolloutEngine` interface, output layout, `check_rollout_available`, `create_rollout_engine`
+- `base`: the `RolloutEngine` interface, output layout, seeds
+- `factory`: `create_rollout_engine`, `check_rollout_available`
 - `hf_rollout`: transformers `generate` engine (CPU or CUDA)
 - `sglang_rollout`: SGLang offline engine (CUDA only)
 - `weight_sync`: buckets and exact checksums

@@ -75,7 +75,7 @@ class ActorRolloutRefWorker(Worker):
     def _build_rollout_engine(self):
         """The hf engine on every rank; one SGLang engine per rollout group (SGLang TP), on the
         group's first rank, started on the group's GPUs (`engines.placement`)."""
-        from engines.rollout.base import create_rollout_engine
+        from engines.rollout.factory import create_rollout_engine
 
         cfg = self.config
         if cfg.rollout.name == "vllm" and cfg.actor.lora.sync == "adapters":  # takes LoRA adapters

@@ -47,7 +47,7 @@ class RolloutWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        from engines.rollout.base import create_rollout_engine
+        from engines.rollout.factory import create_rollout_engine
 
         cfg = self.config
         if cfg.rollout.tensor_model_parallel_size != 1:

@@ -61,7 +61,7 @@ def send(port: int, size: int, model_dir: str) -> None:
 
 
 def receive(port: int, size: int, model_dir: str, rank: int, engine_name: str, out_file: str) -> None:
-    from engines.rollout.base import create_rollout_engine
+    from engines.rollout.factory import create_rollout_engine
 
     engine = create_rollout_engine(rollout_cfg(engine_name), model_dir)
     receiver = WeightReceiver(transfer_group("127.0.0.1", port, rank, size, "gloo"))

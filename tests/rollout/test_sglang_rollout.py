@@ -16,8 +16,8 @@ from conftest import set_eos
 
 from engines.placement import EngineDevices
 from engines.process_env import PROCESS_ENV_KEYS, process_env
-from engines.rollout.base import check_rollout_available
 from engines.rollout.config import RolloutConfig, SamplingConfig
+from engines.rollout.factory import check_rollout_available
 from engines.rollout.sglang_rollout import SGLangRolloutEngine
 from hybridflow.protocol import DataProto
 

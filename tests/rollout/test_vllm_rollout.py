@@ -13,8 +13,9 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from engines.rollout.base import check_rollout_available, row_seed
+from engines.rollout.base import row_seed
 from engines.rollout.config import RolloutConfig, SamplingConfig
+from engines.rollout.factory import check_rollout_available
 from engines.rollout.vllm_cpu_weights import check_plain_weights
 from engines.rollout.vllm_engine_args import ENGINE_ARGS_FIELDS, VLLM_VERSION
 from engines.rollout.vllm_rollout import check_cpu_head_size, sampling_params, vllm_engine_args
