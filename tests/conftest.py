@@ -5,6 +5,7 @@ import os
 
 import pytest
 from process_group import run_recipe_script
+from working_tree import build_quickstart_working_tree
 
 from hybridflow.data.arith import write_arith_parquet
 from hybridflow.utils.tiny_model import make_tiny_model
@@ -40,6 +41,20 @@ def ray_cluster():
         )
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def quickstart_working_tree(tmp_path_factory):
+    """A directory laid out as `make quickstart` leaves the working tree (tests/working_tree.py)."""
+    return build_quickstart_working_tree(tmp_path_factory.mktemp("quickstart_working_tree"))
+
+
+@pytest.fixture
+def in_quickstart_working_tree(quickstart_working_tree, monkeypatch):
+    """Runs the test in that directory: the shipped recipes' relative paths (outputs/..., data/...,
+    models/...) exist, as after `make quickstart`, whatever the repository's own working tree holds."""
+    monkeypatch.chdir(quickstart_working_tree)
+    return quickstart_working_tree
 
 
 @pytest.fixture(scope="session")

@@ -23,6 +23,9 @@ from hybridflow.config.validate import RecipeError, validate_recipe
 from hybridflow.protocol import DataProto
 from hybridflow.utils.tiny_model import make_tiny_model
 
+# the shipped recipes' relative paths exist, as after `make quickstart` (tests/working_tree.py)
+pytestmark = pytest.mark.usefixtures("in_quickstart_working_tree")
+
 ROLLOUT = torch.full((2, 3), -1.0)  # (B, R) the engine's log-probs of the sampled tokens
 MASK = torch.tensor([[1, 1, 1], [1, 1, 0]])  # (B, R) the last token of row 1 is padding
 

@@ -9,6 +9,9 @@ from hybridflow.config.loader import load_recipe
 from hybridflow.config.validate import RecipeError, validate_recipe
 from hybridflow.utils.tiny_model import make_tiny_model
 
+# the shipped recipes' relative paths exist, as after `make quickstart` (tests/working_tree.py)
+pytestmark = pytest.mark.usefixtures("in_quickstart_working_tree")
+
 GRPO = Path(__file__).resolve().parents[1] / "recipes/gsm8k_grpo.yaml"
 DISAGGREGATED = ("trainer.placement=disaggregated", "trainer.rollout_pool.n_gpus_per_node=1")
 

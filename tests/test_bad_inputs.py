@@ -28,6 +28,9 @@ from hybridflow.trainer import main as entry
 from hybridflow.trainer.preflight import check_reward_inputs
 from hybridflow.utils.tiny_model import make_tiny_model
 
+# the shipped recipes' relative paths exist, as after `make quickstart` (tests/working_tree.py)
+pytestmark = pytest.mark.usefixtures("in_quickstart_working_tree")
+
 ROOT = Path(__file__).resolve().parents[1]
 TABLE = ROOT / "docs" / "bad-inputs.md"
 ROW = re.compile(r"^\| (?P<case>[^|`]+?) \| `(?P<command>[^`]+)` \| `(?P<message>[^`]+)` \|$")

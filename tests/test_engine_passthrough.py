@@ -16,6 +16,9 @@ from hybridflow.config.loader import load_recipe
 from hybridflow.trainer import main as trainer_main
 from hybridflow.utils.tiny_model import make_tiny_model
 
+# the shipped recipes' relative paths exist, as after `make quickstart` (tests/working_tree.py)
+pytestmark = pytest.mark.usefixtures("in_quickstart_working_tree")
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "gsm8k_grpo.yaml"
 

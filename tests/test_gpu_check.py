@@ -64,6 +64,7 @@ def test_an_empty_wheel_folder_is_refused(tmp_path):
     assert done.returncode == 2 and f"no .whl files in {tmp_path / 'wheels'}" in done.stderr
 
 
+@pytest.mark.usefixtures("in_quickstart_working_tree")
 def test_the_gpu_mode_recipe_passes_the_recipe_checks(tmp_path):
     from hybridflow.config.loader import load_recipe
     from hybridflow.config.validate import validate_recipe

@@ -15,6 +15,9 @@ from hybridflow.data.arith import ArithConfig, write_arith_parquet
 from hybridflow.data.sft_dataset import SFTDataset, collate_sft
 from hybridflow.utils.tiny_model import make_tiny_model
 
+# the shipped recipes' relative paths exist, as after `make quickstart` (tests/working_tree.py)
+pytestmark = pytest.mark.usefixtures("in_quickstart_working_tree")
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -257,6 +257,7 @@ def test_dapo_recipe_runs_two_steps_with_dynamic_sampling_and_overlong_shaping(l
     assert (out / "checkpoints" / "latest").read_text().strip() == "global_step_2"
 
 
+@pytest.mark.usefixtures("in_quickstart_working_tree")
 @pytest.mark.parametrize("recipe", ["recipes/gsm8k_dapo.yaml", "recipes/gsm8k_gspo.yaml"])
 def test_dapo_and_gspo_recipes_validate_with_their_algorithm_settings(local, tmp_path, recipe):
     from hybridflow.config.loader import load_recipe

@@ -148,6 +148,7 @@ def test_moe_models_take_attention_adapters():
     )
 
 
+@pytest.mark.usefixtures("in_quickstart_working_tree")
 def test_lora_with_param_offload_is_refused():
     from pathlib import Path
 
@@ -160,9 +161,7 @@ def test_lora_with_param_offload_is_refused():
         validate_recipe(load_recipe(recipe, overrides), cuda_available=False)
     refusal = "actor.lora.rank=8 with actor.megatron.param_offload=true"
     assert any(e.startswith(refusal) for e in err.value.errors), err.value.errors
-    with pytest.raises(RecipeError) as err:
-        validate_recipe(load_recipe(recipe, overrides[:1]), cuda_available=False)
-    assert not any(e.startswith("actor.lora") for e in err.value.errors), err.value.errors
+    validate_recipe(load_recipe(recipe, overrides[:1]), cuda_available=False)  # the stage-1 export is there
 
 
 def test_initial_adapters_are_peft_defaults_drawn_per_tensor_name():

@@ -68,6 +68,7 @@ def test_adapter_sync_is_refused_where_it_cannot_work(settings, expected):
     assert re.search(expected, problems[0]), problems
 
 
+@pytest.mark.usefixtures("in_quickstart_working_tree")
 def test_recipe_validation_refuses_adapter_sync_without_vllm_and_unknown_modes():
     from hybridflow.config.loader import load_recipe
     from hybridflow.config.validate import RecipeError, validate_recipe
