@@ -55,9 +55,10 @@ def _nonzero_adapters(hf_config, lora) -> dict:
 def _sync_worker(model_dir: Path, result_file: Path) -> None:
     """Runs on the torchrun rank: both syncs into one engine, merged first (an adapter-only
     manager's first sync sends the base weights, which its warm-up call pays)."""
+    from engines.megatron.build import build_model
     from engines.megatron.config import LoraConfig, MegatronConfig
     from engines.megatron.lora import load_lora_tensors
-    from engines.megatron.model import build_model, unwrap_model
+    from engines.megatron.model import unwrap_model
     from engines.megatron.parallel import init_megatron
     from engines.rollout.config import RolloutConfig
     from engines.rollout.sharding_manager import MegatronRolloutShardingManager

@@ -206,8 +206,9 @@ def _worker(model_dir: Path, tp: int, device: str, result_file: Path) -> None:
     import torch.distributed as dist
 
     from engines.megatron.actor import MegatronActor
+    from engines.megatron.build import build_model
     from engines.megatron.config import ActorUpdateConfig, MegatronConfig, OptimConfig
-    from engines.megatron.model import build_model, unwrap_model
+    from engines.megatron.model import unwrap_model
     from engines.megatron.optimizer import build_optimizer
     from engines.megatron.parallel import init_megatron
 

@@ -62,8 +62,9 @@ def _sync_worker(model_dir: Path, result_file: Path) -> None:
     import torch
     import torch.distributed as dist
 
+    from engines.megatron.build import build_model
     from engines.megatron.config import MegatronConfig
-    from engines.megatron.model import build_model, unwrap_model
+    from engines.megatron.model import unwrap_model
     from engines.megatron.parallel import init_megatron
     from engines.megatron.weights import iter_hf_tensors
     from engines.rollout.config import RolloutConfig

@@ -15,9 +15,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from engines.megatron.build import build_model
 from engines.megatron.config import MegatronConfig
 from engines.megatron.forward import compute_log_prob
-from engines.megatron.model import build_model, load_hf_config
+from engines.megatron.model import load_hf_config
 from engines.megatron.parallel import init_megatron
 from engines.megatron.weights import save_hf_checkpoint
 from hybridflow.protocol import DataProto

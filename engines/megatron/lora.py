@@ -7,7 +7,7 @@ targeted linear; the hook adds `alpha / rank * B A dropout(x)` to the linear's o
 names of the base model do not change, so the weight plan (weights.py) is untouched.
 
 One adapter per Hugging Face projection, as peft puts them: Megatron fuses q/k/v into linear_qkv
-(rows grouped per KV head, weights.py) and gate/up into linear_fc1, so a fused linear holds one
+(rows grouped per KV head, qkv_layout.py) and gate/up into linear_fc1, so a fused linear holds one
 (A, B) pair per part (`lora_A.q_proj`, `lora_B.q_proj`, ...) and lays the parts' outputs out in
 the fused order. A single (A, B) over the fused output would be a different (rank-r, not rank-3r
 per part) function and could not be exported to peft.
@@ -53,7 +53,7 @@ import torch.distributed as dist
 
 from engines.megatron.config import LoraConfig, MegatronConfig
 from engines.megatron.model import HFModelConfig, unwrap_model
-from engines.megatron.weights import qkv_row_sources
+from engines.megatron.qkv_layout import qkv_row_sources
 
 # Megatron-Core module (inside a decoder layer) -> its parallel style and the HF projections it holds.
 TARGETS = {

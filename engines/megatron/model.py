@@ -14,9 +14,10 @@ add; weight-gradient accumulation where apex's extension is built); otherwise Me
 spec with `SDPACoreAttention` (attention.py), no fusions, and torch's norms everywhere (Megatron
 would pick apex's FusedLayerNorm for the final norm when apex is installed, and it refuses RMSNorm).
 
-`build_model(..., value_head=True)` replaces the vocabulary output layer with a replicated
-`hidden -> 1` linear (critics, reward models): loaded from `score.weight` when the checkpoint
-has one (a `*ForSequenceClassification` export), else freshly initialised.
+`build_gpt_model(..., value_head=True)` (build.py's `build_model` calls it) replaces the vocabulary
+output layer with a replicated `hidden -> 1` linear (critics, reward models): loaded from
+`score.weight` when the checkpoint has one (a `*ForSequenceClassification` export), else freshly
+initialised.
 """
 
 import json
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 
 from engines.megatron import cpu_compat
-from engines.megatron.config import LoraConfig, MegatronConfig
+from engines.megatron.config import MegatronConfig
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -415,71 +416,3 @@ def build_gpt_model(hf_config: HFModelConfig, cfg: MegatronConfig, *, value_head
     if not cpu_compat.cuda_available():
         return model
     return model.cuda(torch.cuda.current_device())
-
-
-def _wrap_for_training(model, tf_config, cfg: MegatronConfig):
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-
-    settings = dict(
-        grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
-        use_distributed_optimizer=cfg.use_distributed_optimizer and cpu_compat.cuda_available(),
-    )
-    ddp_config = DistributedDataParallelConfig(**{**settings, **cfg.ddp})
-    wrapped = DistributedDataParallel(config=tf_config, ddp_config=ddp_config, module=model)
-    # What Megatron's training loop wires up: the schedule syncs grads through these.
-    tf_config.no_sync_func = wrapped.no_sync
-    tf_config.finalize_model_grads_func = finalize_model_grads
-    return wrapped
-
-
-def build_model(
-    hf_dir,
-    cfg: MegatronConfig,
-    *,
-    value_head: bool = False,
-    load_weights: bool = True,
-    for_training: bool = True,
-    lora: LoraConfig | None = None,
-) -> list:
-    """Model chunks of this pipeline stage (one chunk: no virtual pipeline), built from `hf_dir`.
-
-    Requires `init_megatron(cfg)` first. The returned GPTModel carries `hf_config` (the
-    HFModelConfig it was built from), `megatron_config` and `value_head`, which the weight and
-    log-prob functions read. `for_training` wraps
-    the chunk in Megatron-Core's DistributedDataParallel and sets the schedule's grad-sync hooks.
-    `lora` with rank > 0 freezes the loaded weights and adds LoRA adapters (lora.py), the only
-    trainable parameters then.
-    """
-    from engines.megatron.lora import attach_lora, validate_lora_layout
-    from engines.megatron.parallel import validate_parallel_layout
-    from engines.megatron.weights import load_hf_weights
-
-    hf_config = load_hf_config(hf_dir)
-    validate_parallel_layout(
-        hf_config,
-        cfg.tensor_model_parallel_size,
-        cfg.pipeline_model_parallel_size,
-        cfg.expert_model_parallel_size,
-        expert_tp_size(cfg),
-    )
-    if hf_config.architecture.endswith("ForSequenceClassification") and not value_head:
-        raise ValueError(
-            f"{hf_dir} holds a {hf_config.architecture} (a scalar head): build it with value_head=True"
-        )
-    lora = lora or LoraConfig()
-    validate_lora_layout(hf_config, cfg, lora, use_transformer_engine())
-    with cpu_compat.cuda_calls_on_cpu():  # tied embeddings under PP call .cuda() at construction
-        model = build_gpt_model(hf_config, cfg, value_head=value_head)
-    model.hf_config = hf_config
-    model.megatron_config = cfg
-    model.value_head = value_head
-    if load_weights:
-        load_hf_weights([model], hf_dir, hf_config)
-    if lora.rank:
-        attach_lora(model, lora)
-    if not for_training:
-        return [model]
-    with cpu_compat.cuda_calls_on_cpu():
-        return [_wrap_for_training(model, model.config, cfg)]

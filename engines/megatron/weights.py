@@ -10,8 +10,8 @@ Layouts (Megatron-Core 0.16, checked against its source):
   make_vocab_size_divisible_by x TP, padded rows are zero on load and dropped on export.
 - "row" (RowParallelLinear: o_proj, down_proj): input columns split over TP.
 - "qkv": the fused QKV rows are grouped per KV head, [q heads of group g, k_g, v_g] for each g,
-  and TP rank r holds the r-th contiguous chunk of that layout. When TP exceeds the KV head
-  count, a chunk is a part of one group (Megatron all-gathers and re-slices in attention).
+  and TP rank r holds the r-th contiguous chunk of that layout (qkv_layout.py). When TP exceeds
+  the KV head count, a chunk is a part of one group (Megatron all-gathers and re-slices in attention).
 - "gate_up": TP rank r holds [gate rows of r; up rows of r] (split with chunk(2) in the MLP).
 - "replicated": norms, QK norms, the MoE router (and the value head) are whole on every TP rank.
 - Experts (`expert=True`): expert e lives on expert-parallel rank e // (E / EP) as its local
@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from engines.megatron.model import HFModelConfig, padded_vocab_size, unwrap_model, use_transformer_engine
+from engines.megatron.qkv_layout import qkv_row_sources, split_fused_qkv
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -209,38 +210,6 @@ def model_layout(model) -> ModelLayout:
 def _split_ranks(plan: TensorPlan, layout: ModelLayout, tp_rank: int, etp_rank: int) -> tuple[int, int]:
     """(rank, size) of the group `plan`'s parameter is split over: expert-TP for experts, else TP."""
     return (etp_rank, layout.etp) if plan.expert else (tp_rank, layout.tp)
-
-
-# ---------------------------------------------------------------- fused QKV layout
-
-
-def qkv_row_sources(start: int, end: int, groups: int, q_per_group: int, head_dim: int):
-    """Rows [start, end) of the fused QKV layout as (0=q|1=k|2=v, src_start, src_end) segments."""
-    block = (q_per_group + 2) * head_dim
-    parts = (
-        (0, 0, q_per_group * head_dim),
-        (1, q_per_group * head_dim, block - head_dim),
-        (2, block - head_dim, block),
-    )
-    segments = []
-    for g in range(start // block, -(-end // block)):
-        for which, lo, hi in parts:
-            a, b = max(start, g * block + lo), min(end, g * block + hi)
-            if a < b:
-                src = g * (hi - lo) + (a - g * block - lo)
-                segments.append((which, src, src + b - a))
-    return segments
-
-
-def split_fused_qkv(full: torch.Tensor, groups: int, q_per_group: int, head_dim: int):
-    """Full fused QKV (rows grouped per KV head) -> (q, k, v) in HF row order."""
-    rest = full.shape[1:]
-    blocks = full.reshape(groups, (q_per_group + 2) * head_dim, *rest)
-    q_rows = q_per_group * head_dim
-    q = blocks[:, :q_rows].reshape(-1, *rest)  # (heads * d, ...)
-    k = blocks[:, q_rows : q_rows + head_dim].reshape(-1, *rest)  # (groups * d, ...)
-    v = blocks[:, q_rows + head_dim :].reshape(-1, *rest)  # (groups * d, ...)
-    return q, k, v
 
 
 # ---------------------------------------------------------------- loading

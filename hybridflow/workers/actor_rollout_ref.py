@@ -33,7 +33,7 @@ class ActorRolloutRefWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        from engines.megatron.model import build_model
+        from engines.megatron.build import build_model
 
         cfg = self.config
         init_parallel_state(self, cfg.actor.megatron, cfg.rollout)
@@ -48,7 +48,8 @@ class ActorRolloutRefWorker(Worker):
 
     def _build_actor_and_rollout(self) -> None:
         from engines.megatron.actor import MegatronActor
-        from engines.megatron.model import build_model, unwrap_model
+        from engines.megatron.build import build_model
+        from engines.megatron.model import unwrap_model
         from engines.megatron.offload import actor_offload_hooks
         from engines.megatron.optimizer import build_optimizer
         from engines.rollout.sharding_manager import MegatronRolloutShardingManager

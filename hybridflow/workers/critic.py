@@ -16,8 +16,8 @@ class CriticWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
+        from engines.megatron.build import build_model
         from engines.megatron.critic import MegatronCritic
-        from engines.megatron.model import build_model
         from engines.megatron.optimizer import build_optimizer
 
         cfg = self.config.critic

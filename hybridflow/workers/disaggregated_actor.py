@@ -13,7 +13,8 @@ from hybridflow.workers.actor_rollout_ref import ActorRolloutRefWorker
 class DisaggregatedActorWorker(ActorRolloutRefWorker):
     def _build_actor_and_rollout(self) -> None:
         from engines.megatron.actor import MegatronActor
-        from engines.megatron.model import build_model, unwrap_model
+        from engines.megatron.build import build_model
+        from engines.megatron.model import unwrap_model
         from engines.megatron.optimizer import build_optimizer
 
         cfg = self.config

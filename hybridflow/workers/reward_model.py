@@ -17,8 +17,8 @@ class RewardModelWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
+        from engines.megatron.build import build_model
         from engines.megatron.critic import MegatronCritic
-        from engines.megatron.model import build_model
 
         cfg = self.config.reward_model
         init_parallel_state(self, cfg.megatron, self.config.rollout)

@@ -16,8 +16,9 @@ import torch
 from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
 
 from engines.megatron.attention import SDPACoreAttention
+from engines.megatron.build import build_model
 from engines.megatron.config import MegatronConfig
-from engines.megatron.model import build_model, unwrap_model
+from engines.megatron.model import unwrap_model
 from engines.megatron.parallel import init_megatron
 
 

@@ -35,6 +35,7 @@ from _train_parity import last_stage_value
 from _train_settings import OPTIM
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
+from engines.megatron.build import build_model
 from engines.megatron.checkpoint import load_checkpoint, save_checkpoint
 from engines.megatron.config import LoraConfig, MegatronConfig
 from engines.megatron.forward import run_micro_batches
@@ -46,7 +47,7 @@ from engines.megatron.lora import (
     parameter_counts,
     save_peft_adapter,
 )
-from engines.megatron.model import build_model, unwrap_model
+from engines.megatron.model import unwrap_model
 from engines.megatron.optimizer import build_optimizer
 from engines.megatron.parallel import init_megatron
 from engines.megatron.training import optimizer_step, train_step

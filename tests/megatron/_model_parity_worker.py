@@ -31,9 +31,10 @@ from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_regi
 from safetensors.torch import load_file
 from tiny_hf import make_tiny_hf_checkpoint, padded_batch
 
+from engines.megatron.build import build_model
 from engines.megatron.config import MegatronConfig
 from engines.megatron.forward import compute_log_prob, run_micro_batches
-from engines.megatron.model import build_model, load_hf_config, unwrap_model
+from engines.megatron.model import load_hf_config, unwrap_model
 from engines.megatron.parallel import init_megatron
 from engines.megatron.weights import iter_hf_tensors, save_hf_checkpoint
 from hybridflow.protocol import DataProto

@@ -11,9 +11,9 @@ from pathlib import Path
 
 from tiny_hf import make_tiny_hf_checkpoint
 
+from engines.megatron.build import build_model
 from engines.megatron.checkpoint import save_checkpoint
 from engines.megatron.config import MegatronConfig, OptimConfig
-from engines.megatron.model import build_model
 from engines.megatron.optimizer import build_optimizer
 from engines.megatron.parallel import init_megatron
 

@@ -39,10 +39,11 @@ from _train_settings import (
 
 from engines.megatron import forward
 from engines.megatron.actor import MegatronActor
+from engines.megatron.build import build_model
 from engines.megatron.checkpoint import load_checkpoint, save_checkpoint
 from engines.megatron.config import ActorUpdateConfig, MegatronConfig
 from engines.megatron.critic import MegatronCritic
-from engines.megatron.model import build_model, unwrap_model
+from engines.megatron.model import unwrap_model
 from engines.megatron.offload import offload_model, offload_optimizer, reload_model, reload_optimizer
 from engines.megatron.optimizer import build_optimizer
 from engines.megatron.parallel import init_megatron, parallel_ranks

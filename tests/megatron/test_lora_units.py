@@ -8,7 +8,7 @@ import torch
 from engines.megatron.config import LoraConfig, MegatronConfig
 from engines.megatron.lora import LoraAdapter, adapter_layout, load_adapter_tensors, validate_lora_layout
 from engines.megatron.model import HFModelConfig
-from engines.megatron.weights import split_fused_qkv
+from engines.megatron.qkv_layout import split_fused_qkv
 
 RANK = 2
 

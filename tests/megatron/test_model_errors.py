@@ -6,8 +6,9 @@ import pytest
 import torch.distributed as dist
 from tiny_hf import make_tiny_hf_checkpoint
 
+from engines.megatron.build import build_model
 from engines.megatron.config import MegatronConfig
-from engines.megatron.model import build_model, load_hf_config
+from engines.megatron.model import load_hf_config
 from engines.megatron.parallel import init_megatron, validate_parallel_layout
 
 

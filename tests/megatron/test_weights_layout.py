@@ -12,14 +12,8 @@ from safetensors.torch import save_file
 
 from engines.megatron.config import MegatronConfig
 from engines.megatron.model import HFModelConfig, padded_vocab_size
-from engines.megatron.weights import (
-    ModelLayout,
-    SafetensorsReader,
-    qkv_row_sources,
-    read_shard,
-    split_fused_qkv,
-    weight_plan,
-)
+from engines.megatron.qkv_layout import qkv_row_sources, split_fused_qkv
+from engines.megatron.weights import ModelLayout, SafetensorsReader, read_shard, weight_plan
 
 HIDDEN, HEAD_DIM = 6, 2
 

@@ -28,8 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "doubles"))
 
 import torch.distributed as dist
 
+from engines.megatron.build import build_model
 from engines.megatron.config import MegatronConfig
-from engines.megatron.model import build_model, unwrap_model
+from engines.megatron.model import unwrap_model
 from engines.placement import gather_engine_devices
 from engines.process_env import PROCESS_ENV_KEYS, check_env_agrees
 from engines.rollout.config import RolloutConfig, SamplingConfig

@@ -43,8 +43,9 @@ import torch
 import torch.distributed as dist
 from actor_noise import perturb
 
+from engines.megatron.build import build_model
 from engines.megatron.config import MegatronConfig
-from engines.megatron.model import build_model, unwrap_model
+from engines.megatron.model import unwrap_model
 from engines.megatron.parallel import init_megatron
 from engines.megatron.weights import save_hf_checkpoint
 from engines.placement import gather_engine_devices

@@ -28,9 +28,10 @@ import torch
 import torch.distributed as dist
 from _vllm_worker import generate, make_prompts, say
 
+from engines.megatron.build import build_model
 from engines.megatron.config import LoraConfig, MegatronConfig
 from engines.megatron.lora import adapter_names, adapter_tensor_shapes, iter_lora_tensors, load_lora_tensors
-from engines.megatron.model import build_model, unwrap_model
+from engines.megatron.model import unwrap_model
 from engines.megatron.parallel import init_megatron
 from engines.rollout.config import RolloutConfig, SamplingConfig
 from engines.rollout.sharding_manager import MegatronRolloutShardingManager, log_prob_probe

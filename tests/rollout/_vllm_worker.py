@@ -46,8 +46,9 @@ from actor_noise import perturb
 
 from engines.megatron import weights as megatron_weights
 from engines.megatron.actor import MegatronActor
+from engines.megatron.build import build_model
 from engines.megatron.config import MegatronConfig
-from engines.megatron.model import build_model, unwrap_model
+from engines.megatron.model import unwrap_model
 from engines.megatron.parallel import init_megatron
 from engines.megatron.weights import save_hf_checkpoint
 from engines.rollout.config import RolloutConfig, SamplingConfig
