@@ -16,6 +16,7 @@ from pathlib import Path
 from hybridflow.config.schema import RecipeConfig
 from hybridflow.reward.registry import load_reward_fn
 from hybridflow.utils.hub import HOW_TO_FETCH
+from hybridflow.utils.imports import DottedPathError
 from hybridflow.utils.warning_filters import known_warnings_ignored
 
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
@@ -203,9 +204,11 @@ def _check_agent_tools(cfg: RecipeConfig) -> list[str]:
     errors = []
     for index, path in enumerate(cfg.rollout.agent.tools):
         try:
-            load_tool(path)
-        except (ImportError, AttributeError, TypeError, ValueError) as err:
-            errors.append(f"rollout.agent.tools[{index}]={path!r}: {err}")
+            load_tool(path, recipe_key=f"rollout.agent.tools[{index}]")
+        except DottedPathError as err:  # names the key and the path
+            errors.append(str(err))
+        except (TypeError, ValueError) as err:  # check_tool's: names the path
+            errors.append(f"rollout.agent.tools[{index}]: {err}")
     if cfg.rollout.agent.loop == "openai":
         from hybridflow.agents.openai_loop import load_openai_agent
 

@@ -311,7 +311,8 @@ def test_the_recipe_check_loads_the_agent_before_any_worker_starts():
         name="vllm", agent=AgentConfig(loop="openai", openai_agent="nowhere.agents:run")
     )
     assert _check_agent_tools(cfg) == [
-        "rollout.agent.openai_agent='nowhere.agents:run' cannot be imported: No module named 'nowhere'"
+        "rollout.agent.openai_agent='nowhere.agents:run' cannot be imported: ModuleNotFoundError: No module "
+        "named 'nowhere'"
     ]
     cfg.rollout.agent.openai_agent = "hybridflow.agents.openai_example:calculator_agent"
     assert _check_agent_tools(cfg) == []

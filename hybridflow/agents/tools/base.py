@@ -14,7 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import jsonschema
 
-from hybridflow.utils.imports import import_by_path
+from hybridflow.utils.imports import load_by_path
 
 # The function-name rule of the OpenAI tools API, which chat templates (Qwen, Hermes) follow.
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -34,15 +34,18 @@ class Tool(Protocol):
     async def call(self, arguments: dict[str, Any]) -> str: ...
 
 
-def load_tool(dotted_path: str, **kwargs: Any) -> Tool:
-    """Imports `package.module.Name`: a Tool class (built with kwargs) or a Tool instance."""
-    obj = import_by_path(dotted_path, "rollout.agent.tools", "package.module.ToolClass")
-    if inspect.isclass(obj):
-        tool = obj(**kwargs)
-    elif kwargs:
-        raise TypeError(f"tool {dotted_path!r} is an instance, not a class: it takes no arguments {kwargs}")
-    else:
-        tool = obj
+def load_tool(dotted_path: str, recipe_key: str = "rollout.agent.tools", **kwargs: Any) -> Tool:
+    """Imports `package.module.Name`: a Tool class (built with kwargs) or a Tool instance. Whatever
+    importing or building it raises is a DottedPathError naming `recipe_key`."""
+
+    def build(obj: Any) -> Any:
+        if inspect.isclass(obj):
+            return obj(**kwargs)
+        if kwargs:
+            raise TypeError(f"an instance, not a class, takes no arguments {kwargs}")
+        return obj
+
+    tool = load_by_path(dotted_path, recipe_key, "package.module.ToolClass", build)
     check_tool(tool, dotted_path)
     return tool
 
