@@ -103,7 +103,7 @@ class RolloutWorker(Worker):
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Responses to this rank's prompts, each with the `policy_version` (B,) that produced it."""
         if self.receiver is None or self.receiver.serving is None:
-            raise RuntimeError("generate_sequences before the rollout engine received the actor's weights")
+            raise RuntimeError(self._why_not_serving())
         start = time.time()  # wall clock: compared with the driver's (hybridflow/trainer/async_loop.py)
         if self.batches is not None:  # versions per token, policy_version set from them
             output = self.batches.generate_sequences(prompts)
@@ -114,6 +114,11 @@ class RolloutWorker(Worker):
         window = torch.tensor([start, time.time()], dtype=torch.float64)
         output.batch["generation_window"] = window.expand(len(output), 2).clone()  # (B, 2)
         return output
+
+    def _why_not_serving(self) -> str:
+        if self.receiver is None or self.receiver.failure is None:
+            return "generate_sequences before the rollout engine received the actor's weights"
+        return f"generate_sequences after a failed weight transfer: {self.receiver.failure}"
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
     def generate_sequences_async(self, prompts: DataProto) -> DataProto:

@@ -16,16 +16,19 @@ One transfer is a sequence of broadcasts from rank 0, one header and one payload
 
 Buckets are those of the colocated sync (`bucket_named_tensors`, `rollout.weight_sync_bucket_mb`).
 Each receiver loads the buckets into its engine inside one weight-update session (the engine's own
-load path, as the colocated sharding manager does) and then serves policy version v.
+load path, as the colocated sharding manager does) and then serves policy version v. A receiver
+whose engine fails still receives the rest of the transfer, so the sender returns and the driver
+gets the receiver's error (WeightSyncError, from the rollout worker's `finish_transfer`) instead of
+a collective timeout; that engine then serves no known version until a transfer succeeds.
 
     sender = WeightSender(transfer_group(host, port, 0, 1 + engines, "gloo"), bucket_mb=512)
     sender.send(iter_hf_tensors(chunks, hf_config), version=step)
     receiver = WeightReceiver(transfer_group(host, port, rank, 1 + engines, "gloo"))
-    receiver.load_into(engine)  # -> the policy version the engine now serves
+    receiver.load_into(engine)  # -> the policy version the engine now serves, or WeightSyncError
 """
 
 import pickle
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -132,39 +135,89 @@ class WeightReceiver:
         if group.rank == SENDER:
             raise ValueError(f"rank {SENDER} of a transfer group sends; receivers are 1..{group.size - 1}")
         self.group = group
-        self.version: int | None = None  # the policy version last received
-        self.serving: int | None = None  # the policy version last loaded into the engine
+        self.version: int | None = None  # of the transfer under way (once a header came) or last received
+        self.serving: int | None = None  # the version the engine holds in full; None after a failure
+        self.failure: WeightSyncError | None = None  # the last transfer's error; None after a success
 
-    def buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """The buckets of one transfer, in order, as they arrive; sets `version` at its end."""
+    def receive(self) -> Iterator[tuple[list[tuple], torch.Tensor]]:
+        """The buckets of one transfer, in order, as they arrive: (specs, (N,) uint8 payload)."""
         while True:
             header = _broadcast_object(self.group, None)
+            self.version = header["version"]
             if header["tensors"] is None:
-                self.version = header["version"]
                 return
             flat = torch.empty(payload_size(header["tensors"]), dtype=torch.uint8, device=self.group.device)
             _broadcast(self.group, flat)
-            yield unpack_bucket(header["tensors"], flat)
+            yield header["tensors"], flat
 
     def load_into(self, engine) -> int:
         """One transfer into `engine` through its own load path (a weight-update session, then its
-        cache flushed); returns the policy version it now serves. A bucket the engine refuses
-        raises WeightSyncError after the transfer is received in full (the sender is never left
-        waiting), and the engine keeps its previous version."""
-        engine.begin_weight_update()
-        failure = None
-        for index, bucket in enumerate(self.buckets()):
-            if failure is None:
-                try:
-                    engine.update_weights(bucket)
-                except (ValueError, WeightSyncError) as err:
-                    failure = f"bucket {index} ({bucket[0][0]} .. {bucket[-1][0]}): {err}"
-        engine.end_weight_update()
-        if failure is not None:
-            raise WeightSyncError(f"weight transfer of policy version {self.version}: {failure}")
-        engine.flush_cache()
+        cache flushed); returns the policy version it now serves.
+
+        Whatever a step raises (`begin_weight_update`, a bucket's `update_weights`, e.g. an
+        out-of-memory in vLLM's layerwise reload, `end_weight_update`, `flush_cache`), the rest of
+        the transfer is still received and dropped, so the sender's broadcasts complete and the
+        group stays usable; the session is closed if it was opened; then WeightSyncError names the
+        version, the bucket or call that failed and the cause (chained). Buckets loaded before the
+        failure stay loaded: the engine holds a mix of versions, so `serving` is None until a
+        transfer succeeds. A failure of the transfer itself (a collective of the group, a receive
+        buffer's allocation) cannot be drained: it raises the same way, and the group is unusable.
+        """
+        self.version = None
+        steps = _FirstFailure()
+        opened = steps.run("begin_weight_update", engine.begin_weight_update)
+        steps.run("receiving the transfer", self._load_buckets, engine, steps)
+        if opened:
+            steps.run("end_weight_update", engine.end_weight_update)
+        if steps.error is None:
+            steps.run("flush_cache", engine.flush_cache)
+        self.failure = steps.failure(self.version)
+        if self.failure is not None:
+            self.serving = None
+            raise self.failure from steps.error
         self.serving = self.version
         return self.serving
+
+    def _load_buckets(self, engine, steps: "_FirstFailure") -> None:
+        """Each bucket into `engine` until a step fails; the buckets after that are only received."""
+        for index, (specs, flat) in enumerate(self.receive()):
+            if steps.error is None:
+                step = f"bucket {index} ({specs[0][0]} .. {specs[-1][0]})"
+                steps.run(step, _load_bucket, engine, specs, flat)
+
+
+def _load_bucket(engine, specs: list[tuple], flat: torch.Tensor) -> None:
+    engine.update_weights(unpack_bucket(specs, flat))
+
+
+class _FirstFailure:
+    """The steps of one transfer: each runs; the first to raise is the transfer's failure."""
+
+    def __init__(self):
+        self.step = ""
+        self.error: Exception | None = None
+
+    def run(self, step: str, call: Callable, *args) -> bool:
+        """call(*args); whether it returned. A later failure is noted on the first one."""
+        try:
+            call(*args)
+        except Exception as err:  # any: the sender waits on every broadcast of the transfer
+            if self.error is None:
+                self.step, self.error = step, err
+            else:
+                self.error.add_note(f"then {step} raised {type(err).__name__}: {err}")
+            return False
+        return True
+
+    def failure(self, version: int | None) -> WeightSyncError | None:
+        """The transfer's error, None when every step returned."""
+        if self.error is None:
+            return None
+        return WeightSyncError(
+            f"weight transfer of policy version {version}: {self.step} raised "
+            f"{type(self.error).__name__}: {self.error}; what was loaded before it stays loaded, so "
+            "the engine serves no known version until a transfer succeeds"
+        )
 
 
 def _broadcast(group: TransferGroup, tensor: torch.Tensor) -> None:

@@ -1,15 +1,18 @@
 """Weights from a sender process to rollout engines in other processes over a process group of
 their own (gloo, from a TCPStore rendezvous): the engines then generate exactly what an engine
-that loaded the same tensors the colocated way generates, and know the version they serve."""
+that loaded the same tensors the colocated way generates, and know the version they serve. A
+receiver whose engine fails drains the transfer, so the driver gets its error, not a timeout."""
 
 import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from _receiver_failure_worker import GROUP_TIMEOUT_S, version_tensors
 from _transfer_worker import VERSIONS, prompts, rollout_cfg, versioned_tensors
 from process_group import read_rest, stop_process_tree
 
@@ -19,6 +22,7 @@ from hybridflow.workers.weight_transfer import ALIGN, pack_bucket, payload_size,
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("_transfer_worker.py")
+FAILURE_WORKER = Path(__file__).with_name("_receiver_failure_worker.py")
 
 
 @pytest.fixture(scope="module")
@@ -50,13 +54,19 @@ def free_port() -> int:
 def run_transfer(model_dir: str, engines: list[str], out_dir: Path) -> list[dict]:
     """A sender and one receiver process per engine; each receiver's results."""
     port, size = free_port(), 1 + len(engines)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
     commands = [[sys.executable, WORKER, "send", str(port), str(size), model_dir]]
     outs = [out_dir / f"receiver_{rank}.pt" for rank in range(1, size)]
     for rank, (engine, out) in enumerate(zip(engines, outs, strict=True), start=1):
         commands.append(
             [sys.executable, WORKER, "receive", str(port), str(size), model_dir, str(rank), engine, out]
         )
+    run_processes(commands, timeout_s=300)
+    return [torch.load(out, weights_only=True) for out in outs]
+
+
+def run_processes(commands: list[list], timeout_s: float) -> None:
+    """Every command at once, each in a session of its own; each must exit 0 within timeout_s."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
     procs = [
         subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
@@ -65,14 +75,13 @@ def run_transfer(model_dir: str, engines: list[str], out_dir: Path) -> list[dict
     ]
     try:
         for proc in procs:
-            stdout, stderr = proc.communicate(timeout=300)
+            stdout, stderr = proc.communicate(timeout=timeout_s)
             assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
     finally:
         for proc in procs:
             if proc.poll() is None:
                 stop_process_tree(proc, grace_s=10)
                 read_rest(proc)
-    return [torch.load(out, weights_only=True) for out in outs]
 
 
 def colocated_engine(model_dir: str, version: int) -> HFRolloutEngine:
@@ -108,3 +117,50 @@ def test_a_vllm_engine_serves_the_transferred_weights(model_dir, tmp_path):
     assert result["served"] == list(VERSIONS)
     assert torch.equal(result["responses"], expected.batch["responses"])
     torch.testing.assert_close(result["log_probs"], expected.batch["rollout_log_probs"], atol=1e-4, rtol=0)
+
+
+BEGIN, UPDATE, END, FLUSH = "begin_weight_update", "update_weights", "end_weight_update", "flush_cache"
+FAILURES = {  # failing call: the step named, the calls of the failed transfer, the tensors it left loaded
+    UPDATE: ("bucket 1 (layers.2.weight .. layers.3.weight)", [BEGIN, UPDATE, UPDATE, END], [0, 1]),
+    BEGIN: (BEGIN, [BEGIN], []),
+}
+
+
+def run_failing_transfer(failing_call: str, out_dir: Path) -> tuple[dict, dict]:
+    """The sender's and the receiver's results (`_receiver_failure_worker.py`); exiting after
+    half the group's timeout fails the test: a sender left waiting would only return at the timeout."""
+    port, sent, received = free_port(), out_dir / "sender.pt", out_dir / "receiver.pt"
+    commands = [
+        [sys.executable, FAILURE_WORKER, "send", str(port), sent],
+        [sys.executable, FAILURE_WORKER, "receive", str(port), failing_call, received],
+    ]
+    run_processes(commands, timeout_s=GROUP_TIMEOUT_S / 2)
+    return torch.load(sent, weights_only=True), torch.load(received, weights_only=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("failing_call", [UPDATE, BEGIN])
+def test_a_failing_receiver_drains_the_transfer_and_the_driver_gets_its_error(failing_call, tmp_path):
+    """The engine raises RuntimeError during version 1 (group timeout 600 s): the sender's sends
+    return, `finish_transfer` raises WeightSyncError naming the version, the step and the cause,
+    and the engine, holding what it loaded before the failure, serves no version and refuses to
+    generate; version 2 then loads in full and is served (the group stays usable)."""
+    step, calls, loaded = FAILURES[failing_call]
+    start = time.monotonic()
+    sent, received = run_failing_transfer(failing_call, tmp_path)
+    elapsed = time.monotonic() - start
+    print(f"{failing_call} failing: exchange {elapsed:.1f} s, sends {sent['send_seconds']} s")
+    assert elapsed < GROUP_TIMEOUT_S / 2  # drained, not waited out
+    cause = f"RuntimeError: {failing_call} failed on purpose"
+    assert received["failed"]["type"] == "WeightSyncError"
+    assert f"weight transfer of policy version 1: {step} raised {cause};" in received["failed"]["message"]
+    assert received["failed"]["cause"] == f"RuntimeError('{failing_call} failed on purpose')"
+    assert received["serving_after_failure"] is None
+    assert received["calls_failed"] == calls
+    assert sorted(received["weights_after_failure"]) == [f"layers.{i}.weight" for i in loaded]
+    assert received["refusal"].startswith(
+        f"generate_sequences after a failed weight transfer: weight transfer of policy version 1: {step}"
+    )
+    assert received["served"] == 2 and received["calls_good"] == [BEGIN, UPDATE, UPDATE, UPDATE, END, FLUSH]
+    for name, tensor in version_tensors(2):
+        assert torch.equal(received["weights"][name], tensor)
