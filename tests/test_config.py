@@ -375,3 +375,33 @@ def test_token_budgets_in_use_must_fit_the_longest_sequence(local):
     assert "actor.update.max_token_len_per_gpu=500 is below the longest sequence" in message
     assert "512 tokens" in message and "critic.forward_max_token_len_per_gpu" not in message
     load_valid(PPO, local, "actor.update.use_dynamic_bsz=false", "actor.update.max_token_len_per_gpu=10")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["rollout.name=vllm", "rollout.vllm.max_model_len=384"],
+            "rollout.vllm.max_model_len=384 is below the longest sequence the engine serves, "
+            "data.max_prompt_length=256 + rollout.response_length=256 = 512 tokens",
+        ),
+        (
+            ["rollout.name=vllm", "data.max_prompt_length=100", "rollout.vllm.max_model_len=1024"],
+            "rollout.vllm.max_model_len=1024 exceeds max_position_embeddings=512 of the model in",
+        ),
+        (
+            ["rollout.name=vllm", "rollout.vllm.max_model_len=big"],
+            "rollout.vllm.max_model_len='big' must be a whole number of tokens",
+        ),
+    ],
+)
+def test_the_engine_context_length_must_hold_prompt_and_response(local, overrides, message):
+    """vLLM refuses a longer request (or cuts its response short) only after the workers started."""
+    assert message in invalid(GRPO, local, *overrides)
+
+
+def test_an_agent_loop_budget_is_named_in_the_context_length_refusal(local):
+    tool = ["rollout.agent.loop=tool", "rollout.agent.tools=[hybridflow.agents.tools.calculator.Calculator]"]
+    message = invalid(GRPO, local, "rollout.name=vllm", "rollout.vllm.max_model_len=300", *tool)
+    assert "(rollout.agent.loop=tool: every turn, tool responses included, fits in the response)" in message
+    load_valid(GRPO, local, "rollout.name=vllm", "rollout.vllm.max_model_len=512", *tool)

@@ -521,7 +521,40 @@ def _check_models(cfg: RecipeConfig, path_errors: list[str], cuda_available: boo
                 f"{cfg.rollout.response_length} = {longest} tokens exceed max_position_embeddings="
                 f"{hf_config.max_position_embeddings} of the model in {path}; lower them"
             )
+        if role == "actor":
+            errors += _check_engine_context(cfg, hf_config.max_position_embeddings, path)
     return errors
+
+
+# The engines' own name for the longest sequence they serve (prompt + generated tokens)
+CONTEXT_LENGTH_KEYS = {"vllm": "max_model_len", "sglang": "context_length"}
+
+
+def _check_engine_context(cfg: RecipeConfig, positions: int, path: str) -> list[str]:
+    """An engine context length the recipe sets must hold the longest sequence and fit the model."""
+    name = cfg.rollout.name
+    if name not in CONTEXT_LENGTH_KEYS or CONTEXT_LENGTH_KEYS[name] not in getattr(cfg.rollout, name):
+        return []
+    key = f"rollout.{name}.{CONTEXT_LENGTH_KEYS[name]}"
+    length = getattr(cfg.rollout, name)[CONTEXT_LENGTH_KEYS[name]]
+    if isinstance(length, bool) or not isinstance(length, int):
+        return [f"{key}={length!r} must be a whole number of tokens (or removed: the model's positions)"]
+    longest = cfg.data.max_prompt_length + cfg.rollout.response_length
+    if length < longest:
+        agent = cfg.rollout.agent.loop
+        turns = f" (rollout.agent.loop={agent}: every turn, tool responses included, fits in the response)"
+        return [
+            f"{key}={length} is below the longest sequence the engine serves, data.max_prompt_length="
+            f"{cfg.data.max_prompt_length} + rollout.response_length={cfg.rollout.response_length} = "
+            f"{longest} tokens{turns if agent != 'single_turn' else ''}: the engine would refuse longer "
+            f"requests or cut responses short; raise it to at least {longest}, or remove it"
+        ]
+    if length > positions:
+        return [
+            f"{key}={length} exceeds max_position_embeddings={positions} of the model in {path}, which the "
+            f"engine refuses; lower it to at most {positions}, or remove it"
+        ]
+    return []
 
 
 def _model_parallel(megatron) -> int:
