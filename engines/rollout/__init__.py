@@ -1,4 +1,4 @@
-"""Rollout engines and the hybrid engine's weight sync.
+"""Rollout engines and the hybrid engine's switch to generation (the weight sync: `engines.weight_sync`).
 
 Import the submodule you need; this package imports nothing on its own, so that the recipe schema
 can import `engines.rollout.config` cheaply and SGLang is only imported where an engine is built.
@@ -8,6 +8,6 @@ can import `engines.rollout.config` cheaply and SGLang is only imported where an
 - `factory`: `create_rollout_engine`, `check_rollout_available`
 - `hf_rollout`: transformers `generate` engine (CPU or CUDA)
 - `sglang_rollout`: SGLang offline engine (CUDA only)
-- `weight_sync`: buckets and exact checksums
-- `sharding_manager`: `MegatronRolloutShardingManager` (actor weights in, data resharded)
+- `sharding_manager`: `MegatronRolloutShardingManager` (engine memory released and resumed, actor
+  weights in through `engines.weight_sync`, data resharded)
 """

@@ -19,7 +19,7 @@ import torch
 
 from engines.rollout.base import WEIGHTS_TAG, SeededGenerationMixin, load_tokenizer, read_special_token_ids
 from engines.rollout.config import RolloutConfig, SamplingConfig
-from engines.rollout.weight_sync import check_named_shapes, tensor_checksum, torch_dtype
+from engines.weight_sync.common import check_named_shapes, tensor_checksum, torch_dtype
 from hybridflow.protocol import DataProto
 
 # model_type -> (router name, one expert's tensor name, its (gate, up, down) names) in checkpoints.

@@ -55,7 +55,7 @@ from engines.placement import EngineDevices
 from engines.process_env import PROCESS_ENV_KEYS
 from engines.rollout.base import SeededGenerationMixin, load_tokenizer, read_special_token_ids, row_seed
 from engines.rollout.config import RolloutConfig, SamplingConfig
-from engines.rollout.weight_sync import WeightSyncError
+from engines.weight_sync.common import WeightSyncError
 from hybridflow.protocol import DataProto
 
 logger = logging.getLogger(__name__)

@@ -17,31 +17,10 @@ releases everything, then the `after_release` hook brings the actor's state back
 tracks what is released and never resumes memory that is not (SGLang's scheduler dies on that).
 With `free_cache_engine: false` nothing is ever released or resumed; entries only sync and flush.
 
-Weights. On entry every rank of the actor's model-parallel group iterates
-`engines.megatron.weights.iter_hf_tensors` in lockstep (it is a collective); the stream is cut into
-buckets of `rollout.weight_sync_bucket_mb`, loaded inside one weight-update session per sync
-(`begin_weight_update` / `end_weight_update`). The hf engine (one rank per engine) loads full
-tensors with `engine.update_weights`. For SGLang every rank of a rollout group serialises its own
-copy of the bucket as CUDA-IPC handles on its own GPU (`sglang_rollout.serialize_bucket`), the
-group's first rank gathers them and hands scheduler i the handles of member i (on that GPU); the
-bucket stays alive until the group's first rank says it was loaded. An update SGLang refuses
-(outside a session) becomes a `WeightSyncError` naming the bucket and SGLang's message, raised on
-every rank after the stream is consumed (so that no rank is left waiting in the collective).
-A load that *fails* inside SGLang returns nothing: the scheduler's exception kills the engine's
-whole process tree, this worker included (sglang 0.5.23 managers/scheduler.py 6369,
-tokenizer_manager.py 4072-4081), and an unknown name is skipped with only a warning (models/qwen2.py
-719). So the names and shapes of the stream are checked when the manager is built, against the
-model in `hf_config.source_dir` (the directory the rollout engine serves) built on the meta device,
-and a mismatch stops every rank with a `WeightSyncError` naming the tensor, before anything is
-sent. With `rollout.verify_weight_sync`, each tensor's checksum (cast to the rollout dtype) is
-compared with the engine's copy after the sync; the first differing name stops the run on every
-rank. vLLM repacks its weights (no exact read-back): there the engine's log-probs of fixed tokens
-are compared with the actor's instead, within a tolerance of the rollout dtype.
-
-LoRA with `actor.lora.sync=adapters` (vLLM, docs/lora.md): the first sync streams the frozen base
-weights (the stream inside `adapters_disabled`), then every sync gathers the adapters whole on
-every rank (`lora.iter_lora_tensors`, peft names) and each engine loads them as its new LoRA
-adapter (engines/rollout/vllm_lora.py); a failure there stops every rank with a WeightSyncError.
+Weights (`engines.weight_sync`, whose docstring says what is checked and when). The manager
+holds the colocated sync (`ColocatedWeightSync`: the actor's HF-named stream into the engine in
+memory, its names and shapes checked when the manager is built), or with `actor.lora.sync=adapters`
+the adapter-only sync over it (`AdapterWeightSync`), and calls it on every entry.
 
 Data. MEGATRON_COMPUTE_PROTO gives the same chunk to every rank of one actor data-parallel rank
 (its "replica group": all its TP/PP/CP ranks) and collects from one of them. So that each prompt
@@ -60,11 +39,9 @@ shard each): all members get the group's prompts and the same seed stream, load 
 of every bucket (vLLM's loaders keep their shard), and each keeps its own slice's output rows.
 """
 
-import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 
 from engines.rollout.base import (
@@ -75,21 +52,11 @@ from engines.rollout.base import (
     RolloutEngine,
 )
 from engines.rollout.config import RolloutConfig
-from engines.rollout.weight_sync import (
-    WeightSyncError,
-    bucket_named_tensors,
-    expected_hf_tensor_shapes,
-    first_checksum_mismatch,
-    tensor_checksum,
-    tensor_nbytes,
-    torch_dtype,
-    weight_stream_problem,
-)
+from engines.weight_sync.adapters import AdapterWeightSync, adapter_sync_config
+from engines.weight_sync.colocated import ColocatedWeightSync, SyncStats
 from hybridflow.protocol import DataProto, all_gather_data_proto
 
 ALL_TAGS = [WEIGHTS_TAG, KV_CACHE_TAG, CUDA_GRAPH_TAG]
-# A wrong or missing tensor moves log-probs by O(1); the rest is kernel rounding in that dtype.
-VERIFY_LOG_PROB_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.15, "float16": 0.05}
 
 
 @dataclass
@@ -99,15 +66,6 @@ class OffloadHooks:
     before_resume: Callable[[], None] | None = None  # e.g. the optimizer state and gradients to host
     after_sync: Callable[[], None] | None = None  # e.g. the parameters to host (synced, unused now)
     after_release: Callable[[], None] | None = None  # e.g. bring it all back before the next update
-
-
-@dataclass
-class SyncStats:
-    """One weight sync: tensors and bytes streamed, wall time."""
-
-    tensors: int
-    bytes: int
-    seconds: float
 
 
 @dataclass
@@ -132,8 +90,6 @@ class MegatronRolloutShardingManager:
     ):
         from megatron.core import parallel_state
 
-        self.actor_chunks = actor_chunks
-        self.hf_config = hf_config
         self.engine = rollout_engine
         self.cfg = rollout_cfg
         self.hooks = offload_hooks or OffloadHooks()
@@ -151,9 +107,7 @@ class MegatronRolloutShardingManager:
                 f"{rollout_cfg.tensor_model_parallel_size} ranks must hold a {rollout_cfg.name} engine and "
                 f"no other rank; this rank {'lacks' if holds_engine else 'has'} one"
             )
-        self._check_weight_stream()
-        self._adapter_config = _adapter_sync_config(actor_chunks, hf_config)
-        self._base_synced = False
+        self.weights = _weight_sync(actor_chunks, hf_config, rollout_engine, rollout_cfg, self._rollout.group)
         self._slice_sizes: list[int] = []
         self._released: set[str] = set()
         if self.engine is not None and rollout_cfg.free_cache_engine:
@@ -192,162 +146,10 @@ class MegatronRolloutShardingManager:
             self._released.difference_update(pending)
 
     # ------------------------------------------------------------------ weights
-    def _check_weight_stream(self) -> None:
-        """Collective: a WeightSyncError on every rank, naming the tensor, when the actor's stream
-        has a name or shape the rollout model does not take (see the module docstring)."""
-        from engines.megatron.weights import stream_tensor_shapes
-
-        model_dir = self.hf_config.source_dir
-        expected, required = expected_hf_tensor_shapes(model_dir)
-        problem = weight_stream_problem(
-            stream_tensor_shapes(self.actor_chunks, self.hf_config), expected, required
-        )
-        _raise_on_every_rank(problem and f"{problem} (rollout model {model_dir})", "weight sync check")
-
     def sync_weights(self) -> SyncStats:
-        """Bring the engine to the actor's weights (collective over all ranks): stream the actor's
-        HF-named tensors, or with `actor.lora.sync=adapters` only its LoRA adapters after a first
-        stream of the frozen base weights."""
-        if self._adapter_config is None:
-            self.last_sync = self._stream_weights()
-            return self.last_sync
-        from engines.megatron.lora import adapters_disabled
-
-        start = time.perf_counter()
-        base = SyncStats(tensors=0, bytes=0, seconds=0.0)
-        if not self._base_synced:
-            with adapters_disabled(self.actor_chunks):  # the stream is then the unmerged base
-                base = self._stream_weights()
-            self._base_synced = True
-        count, nbytes = self._send_adapters()
-        if self.cfg.verify_weight_sync:
-            self._verify_log_probs()
-        seconds = time.perf_counter() - start
-        self.last_sync = SyncStats(tensors=base.tensors + count, bytes=base.bytes + nbytes, seconds=seconds)
+        """Bring the engine to the actor's weights (collective over all ranks); kept in `last_sync`."""
+        self.last_sync = self.weights.sync()
         return self.last_sync
-
-    def _send_adapters(self) -> tuple[int, int]:
-        """Gather the whole adapters (peft names) on every rank and load them into this rank's
-        engine as its new LoRA adapter; the tensor count and bytes sent."""
-        from engines.megatron.lora import iter_lora_tensors
-
-        tensors = dict(iter_lora_tensors(self.actor_chunks))
-        failure = None
-        if self.engine is not None:
-            try:
-                self.engine.load_adapter(tensors, self._adapter_config)
-            except (ValueError, RuntimeError) as err:
-                failure = f"loading the LoRA adapters into {self.cfg.name}: {err}"
-        _raise_on_every_rank(failure, "adapter sync")
-        return len(tensors), sum(tensor_nbytes(tensor) for tensor in tensors.values())
-
-    def _stream_weights(self) -> SyncStats:
-        """Stream the actor's HF-named tensors into the engine (collective over all ranks)."""
-        from engines.megatron.weights import iter_hf_tensors
-
-        start = time.perf_counter()
-        sent: dict[str, str] = {}
-        count = nbytes = 0
-        # The hf and vllm engines copy what they load into their own parameters within this call, so
-        # the stream may hand them the actor's parameters; SGLang's scheduler reads the tensors
-        # from another process through CUDA-IPC handles, which must not expose the actor's memory.
-        copies = self.cfg.name == "sglang"
-        stream = iter_hf_tensors(self.actor_chunks, self.hf_config, copies=copies)
-        if self.cfg.verify_weight_sync and self.engine is not None:
-            stream = _recording_checksums(stream, sent, torch_dtype(self.cfg.dtype))
-        failure = self._session_call("begin_weight_update")
-        for index, bucket in enumerate(bucket_named_tensors(stream, self.cfg.weight_sync_bucket_mb)):
-            count += len(bucket)
-            nbytes += sum(tensor_nbytes(tensor) for _, tensor in bucket)
-            # After a failure the stream is still consumed (it is a collective), not loaded.
-            failure = failure or self._load_bucket(index, bucket)
-        closing_failure = self._session_call("end_weight_update")  # closed even after a failure
-        failure = failure or closing_failure
-        _raise_on_every_rank(failure, "weight sync")
-        if self.cfg.verify_weight_sync:
-            self._verify(sent)
-        return SyncStats(tensors=count, bytes=nbytes, seconds=time.perf_counter() - start)
-
-    def _session_call(self, method: str) -> str | None:
-        """Open or close the engine's weight-update session; the failure, if any."""
-        if self.engine is None:
-            return None
-        try:
-            getattr(self.engine, method)()
-        except WeightSyncError as err:
-            return str(err)
-        return None
-
-    def _load_bucket(self, index: int, bucket: list[tuple[str, torch.Tensor]]) -> str | None:
-        """Load one bucket into this rank's engine (or its rollout group's); the failure, if any."""
-        where = f"bucket {index} ({bucket[0][0]} .. {bucket[-1][0]})"
-        if self.cfg.name != "sglang":
-            if self.engine is None:
-                return None
-            try:
-                self.engine.update_weights(bucket)
-            except (ValueError, WeightSyncError) as err:
-                return f"{where}: {err}"
-            return None
-        from engines.rollout.sglang_rollout import serialize_bucket
-
-        payloads: list | None = [None] * self._rollout.size if self.engine is not None else None
-        leader = dist.get_global_rank(self._rollout.group, 0)
-        dist.gather_object(serialize_bucket(bucket), payloads, dst=leader, group=self._rollout.group)
-        outcome: list[str | None] = [None]
-        if self.engine is not None:
-            try:
-                self.engine.update_weights_from_rank_payloads(payloads)
-            except WeightSyncError as err:
-                outcome[0] = f"{where}: {err}"
-        # The handles point into this rank's bucket: keep it alive until the engine has loaded it.
-        dist.broadcast_object_list(outcome, src=leader, group=self._rollout.group)
-        return outcome[0]
-
-    def _verify(self, sent: dict[str, str]) -> None:
-        """Compare the engine's checksums with the sent ones; raise on every rank if any rank differs."""
-        if self.cfg.name == "vllm":
-            self._verify_log_probs()
-            return
-        problem = None
-        if self.engine is not None:
-            received = self.engine.weight_checksums()
-            aliases = [name for name in sent if name not in received]  # e.g. a tied lm_head.weight
-            received.update(self.engine.weight_checksums(aliases))
-            mismatch = first_checksum_mismatch(sent, received)
-            unsynced = [name for name in received if name not in sent]
-            if mismatch is not None:
-                problem = (
-                    f"rollout weight {mismatch!r} differs from the actor's after the sync "
-                    f"(first mismatch in sync order, of {len(sent)} tensors)"
-                )
-            elif unsynced:
-                problem = f"rollout weights {unsynced[:5]} were not in the actor's weight stream"
-        _raise_on_every_rank(problem, "verify_weight_sync")
-
-    def _verify_log_probs(self) -> None:
-        """vLLM repacks its weights, so no exact read-back: its log-probs of fixed tokens must equal
-        the actor's within the rollout dtype's tolerance (collective; raises on every rank)."""
-        from engines.megatron.forward import compute_log_prob
-
-        probe = log_prob_probe(self.hf_config.vocab_size)
-        result = compute_log_prob(self.actor_chunks, probe, len(probe), calculate_entropy=False)
-        # Only last pipeline stages hold the result; every rank's engine is checked against it.
-        results: list[torch.Tensor | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(results, None if result is None else result.batch["old_log_probs"])
-        actor = next(r for r in results if r is not None)  # (B, R)
-        problem = None
-        if self.engine is not None:
-            engine = self.engine.score_log_probs(probe.batch["input_ids"].tolist())[:, -actor.shape[1] :]
-            worst = float((actor - engine).abs().max())
-            tolerance = VERIFY_LOG_PROB_TOLERANCE[self.cfg.dtype]
-            if not worst <= tolerance:
-                problem = (
-                    f"the rollout engine's log-probs of fixed tokens differ from the actor's by up to "
-                    f"{worst:.3g} (tolerance {tolerance} for rollout.dtype={self.cfg.dtype}): its weights "
-                    "are not the actor's"
-                )
-        _raise_on_every_rank(problem, "verify_weight_sync")
 
     # ------------------------------------------------------------------ data
     def preprocess_data(self, data: DataProto) -> DataProto:
@@ -401,42 +203,13 @@ class MegatronRolloutShardingManager:
         return _offsets([size * rows_per_prompt for size in self._slice_sizes])
 
 
-def _adapter_sync_config(actor_chunks, hf_config) -> dict | None:
-    """peft's adapter config of the actor's adapters when they are synced alone
-    (`actor.lora.sync=adapters`), else None (the weights are synced merged)."""
-    from engines.megatron.lora import peft_adapter_config
-    from engines.megatron.model import unwrap_model
-
-    lora = getattr(unwrap_model(actor_chunks[0]), "lora_config", None)
-    if lora is None or not lora.rank or lora.sync != "adapters":
-        return None
-    return peft_adapter_config(lora, str(hf_config.source_dir))
-
-
-def log_prob_probe(vocab_size: int, rows: int = 4, prompt: int = 4, response: int = 12) -> DataProto:
-    """Fixed token sequences (the same on every rank) whose log-probs the actor and an engine compare."""
-    ids = torch.randint(0, vocab_size, (rows, prompt + response), generator=torch.Generator().manual_seed(0))
-    positions = torch.arange(prompt + response).expand(rows, -1)
-    tensors = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "position_ids": positions}
-    return DataProto.from_dict({**tensors, "responses": ids[:, prompt:]})
-
-
-def _raise_on_every_rank(problem: str | None, what: str) -> None:
-    """Collective: raise WeightSyncError on every rank if any rank had a problem (the first one)."""
-    problems: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(problems, problem)
-    for rank, text in enumerate(problems):
-        if text is not None:
-            raise WeightSyncError(f"{what} on rank {rank}: {text}")
-
-
-def _recording_checksums(
-    stream: Iterable[tuple[str, torch.Tensor]], sent: dict[str, str], dtype: torch.dtype
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Pass the stream through, recording each tensor's checksum as the engine will store it."""
-    for name, tensor in stream:
-        sent[name] = tensor_checksum(tensor.to(dtype))
-        yield name, tensor
+def _weight_sync(
+    actor_chunks, hf_config, engine: RolloutEngine | None, cfg: RolloutConfig, rollout_group
+) -> ColocatedWeightSync | AdapterWeightSync:
+    """The adapter-only sync with `actor.lora.sync=adapters`, else the full stream (collective)."""
+    stream = ColocatedWeightSync(actor_chunks, hf_config, engine, cfg, rollout_group)
+    adapter_config = adapter_sync_config(actor_chunks, hf_config)
+    return stream if adapter_config is None else AdapterWeightSync(stream, adapter_config)
 
 
 def _group_by_key(key: int) -> _Group:

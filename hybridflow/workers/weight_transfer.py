@@ -35,7 +35,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from engines.rollout.weight_sync import WeightSyncError, bucket_named_tensors, tensor_nbytes
+from engines.weight_sync.common import WeightSyncError, bucket_named_tensors, tensor_nbytes
 
 ALIGN = 16  # bytes: every tensor of a payload starts at a multiple, so its dtype view is aligned
 SENDER = 0

@@ -36,7 +36,7 @@ from engines.process_env import PROCESS_ENV_KEYS, check_env_agrees
 from engines.rollout.config import RolloutConfig, SamplingConfig
 from engines.rollout.sglang_rollout import SGLangRolloutEngine
 from engines.rollout.sharding_manager import MegatronRolloutShardingManager, OffloadHooks
-from engines.rollout.weight_sync import WeightSyncError
+from engines.weight_sync.common import WeightSyncError
 from hybridflow.single_controller import Worker
 from hybridflow.workers.megatron_setup import init_parallel_state
 

@@ -53,7 +53,7 @@ from engines.rollout.config import RolloutConfig, SamplingConfig
 from engines.rollout.hf_rollout import HFRolloutEngine, checkpoint_tensors
 from engines.rollout.sglang_rollout import SGLangRolloutEngine
 from engines.rollout.sharding_manager import ALL_TAGS, MegatronRolloutShardingManager
-from engines.rollout.weight_sync import WeightSyncError
+from engines.weight_sync.common import WeightSyncError
 from hybridflow.protocol import DataProto
 
 EOS, PAD = 1, 0

@@ -34,8 +34,9 @@ from engines.megatron.lora import adapter_names, adapter_tensor_shapes, iter_lor
 from engines.megatron.model import unwrap_model
 from engines.megatron.parallel import init_megatron
 from engines.rollout.config import RolloutConfig, SamplingConfig
-from engines.rollout.sharding_manager import MegatronRolloutShardingManager, log_prob_probe
+from engines.rollout.sharding_manager import MegatronRolloutShardingManager
 from engines.rollout.vllm_rollout import VLLMRolloutEngine
+from engines.weight_sync.colocated import log_prob_probe
 
 TOLERANCE = 1e-4
 LORA = LoraConfig(rank=4, alpha=8.0, sync="adapters")
@@ -91,7 +92,7 @@ def check_unknown_module_is_refused(engine: VLLMRolloutEngine, manager) -> None:
 
     version, before = engine.adapter.version, loaded()
     try:
-        engine.load_adapter(tensors, manager._adapter_config)
+        engine.load_adapter(tensors, manager.weights.adapter_config)
     except ValueError as err:
         assert "self_attn.rotary" in str(err) and "no LoRA layer" in str(err), err
     else:

@@ -55,7 +55,7 @@ from engines.rollout.config import RolloutConfig, SamplingConfig
 from engines.rollout.hf_rollout import HFRolloutEngine
 from engines.rollout.sharding_manager import MegatronRolloutShardingManager
 from engines.rollout.vllm_rollout import VLLMRolloutEngine
-from engines.rollout.weight_sync import WeightSyncError
+from engines.weight_sync.common import WeightSyncError
 from hybridflow.protocol import DataProto
 
 PROMPTS = 32

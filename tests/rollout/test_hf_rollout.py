@@ -17,7 +17,7 @@ from tiny_hf import ascii_vocab_size, make_tiny_hf_checkpoint
 
 from engines.rollout.config import RolloutConfig, SamplingConfig
 from engines.rollout.hf_rollout import HFRolloutEngine
-from engines.rollout.weight_sync import tensor_checksum
+from engines.weight_sync.common import tensor_checksum
 from hybridflow.protocol import DataProto
 
 EOS, PAD = 1, 0

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engines.rollout.weight_sync import (
+from engines.weight_sync.common import (
     MB,
     bucket_named_tensors,
     first_checksum_mismatch,

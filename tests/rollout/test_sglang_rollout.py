@@ -139,7 +139,7 @@ def test_sglang_generates_greedy_like_transformers_and_takes_new_weights(tmp_pat
     from engines.placement import EngineDevices, this_process_slot
     from engines.rollout.config import RolloutConfig, SamplingConfig
     from engines.rollout.sglang_rollout import SGLangRolloutEngine
-    from engines.rollout.weight_sync import WeightSyncError
+    from engines.weight_sync.common import WeightSyncError
     from hybridflow.protocol import DataProto
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "megatron"))

@@ -1,4 +1,5 @@
-"""Moving named weight tensors into a rollout engine: size-bounded buckets and exact checksums.
+"""What every way of moving weights into an engine shares: size-bounded buckets, the name and shape
+checks, exact checksums and `WeightSyncError`.
 
 `expected_hf_tensor_shapes` reads the names and shapes a rollout model takes from its config
 alone (a model built on the meta device), and `weight_stream_problem` compares them with what the
