@@ -8,6 +8,7 @@ holding the table's message, no traceback, and Ray never started: in-process, `c
 does reach it); in a subprocess, RAY_TMPDIR is a fresh folder Ray would write its session into.
 """
 
+import functools
 import json
 import os
 import re
@@ -23,8 +24,10 @@ import yaml
 from process_group import run_in_own_session
 from safetensors import safe_open
 
+from hybridflow.config.loader import load_recipe, to_dict, write_resolved_recipe
 from hybridflow.data.arith import ArithConfig, write_arith_parquet
 from hybridflow.trainer import main as entry
+from hybridflow.trainer.checkpoint import CheckpointManager, save_trainer_state
 from hybridflow.trainer.preflight import check_reward_inputs
 from hybridflow.utils.tiny_model import make_tiny_model
 
@@ -170,7 +173,38 @@ def files(tmp_path_factory) -> dict[str, Path]:
     files.update(broken_recipes_and_checkpoints(root))
     files["recipe"] = root / "recipe.yaml"
     files["recipe"].write_text(yaml.safe_dump(base_recipe(files)))
+    files.update(finished_runs(files["recipe"], root))
     return files
+
+
+# the runs whose checkpoints the resume rows continue: the valid recipe, and it generating ahead
+FINISHED_RUNS = {
+    "resumable": [],
+    "resumable_one_step": [
+        "trainer.placement=disaggregated",
+        "trainer.rollout_pool.n_gpus_per_node=1",
+        "trainer.async_training.mode=one_step",
+    ],
+}
+
+
+def finished_runs(recipe: Path, root: Path) -> dict[str, Path]:
+    """Output directories holding a complete checkpoint of `recipe` (with FINISHED_RUNS' changes)
+    and its config.yaml, as a run that saved at step 2 leaves them."""
+    runs = {}
+    for name, overrides in FINISHED_RUNS.items():
+        runs[name] = root / name
+        cfg = load_recipe(recipe, [*overrides, f"trainer.output_dir={runs[name]}"])
+        write_resolved_recipe(cfg, runs[name])
+        write = functools.partial(write_checkpoint, config=to_dict(cfg))
+        CheckpointManager(runs[name] / "checkpoints").save(2, write, ["actor", "trainer_state.pt"])
+    return runs
+
+
+def write_checkpoint(directory: Path, config: dict) -> None:
+    (directory / "actor").mkdir()
+    (directory / "actor" / "shard.bin").write_bytes(b"w")
+    save_trainer_state(directory / "trainer_state.pt", 2, {"epoch": 0, "batch_index": 2}, config)
 
 
 def resolve(text: str, files: dict[str, Path]) -> str:
@@ -290,3 +324,13 @@ def test_an_output_filesystem_smaller_than_one_checkpoint_is_warned_about_before
         assert "the first save will fail with 'No space left on device'" in caplog.text
     finally:
         subprocess.run(["umount", "--lazy", str(mount_point)], check=False)
+
+
+def test_a_refused_resume_leaves_the_run_directory_as_it_was(files, monkeypatch, capsys):
+    """The recipe change is refused before the resolved recipe is written: config.yaml still
+    describes the run the checkpoints belong to."""
+    written = (files["resumable"] / "config.yaml").read_text()
+    argv = [str(files["recipe"]), f"trainer.output_dir={files['resumable']}", "data.seed=7"]
+    code, err = run_in_process(argv, monkeypatch, capsys)
+    assert code == 2 and "error: cannot resume from" in err and "data.seed: 1 -> 7" in err, err
+    assert (files["resumable"] / "config.yaml").read_text() == written

@@ -97,3 +97,63 @@ def test_explicit_corrupted_checkpoint_is_refused_by_name(tmp_path):
         plan_resume(cfg)
     cfg.trainer.resume_from_path = None
     assert plan_resume(cfg) is None  # auto mode: skipped, fresh start
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "shown"),
+    [("actor.lora.rank", 16, "8 -> 16"), ("actor.lora.target_modules", ["linear_qkv"], "-> ['linear_qkv']")],
+)
+def test_a_change_of_the_checkpoint_shapes_is_refused_even_when_accepted(tmp_path, key, value, shown):
+    """A LoRA rank or target change makes the saved adapters unloadable (each rank's loader would fail
+    with a raw CheckpointException): refused before anything starts, acceptance or not."""
+    cfg = recipe(tmp_path)
+    cfg.actor.lora.rank = 8
+    checkpoint(cfg)
+    setattr(cfg.actor.lora, key.rpartition(".")[2], value)
+    cfg.trainer.resume_accept_changes = [key]
+    with pytest.raises(RecipeChangedError) as err:
+        plan_resume(cfg)
+    message = str(err.value)
+    assert f"{key}: " in message and shown in message
+    assert "changes the shapes of the tensors the checkpoint holds" in message
+    assert "resume_accept_changes=" not in message  # nothing to accept: it cannot load
+
+
+@pytest.mark.parametrize(
+    ("changes", "listed"),
+    [
+        ({"mode": "sync"}, "trainer.async_training.mode: 'async' -> 'sync'"),
+        ({"max_staleness": 1}, "trainer.async_training.max_staleness: 2 -> 1"),
+        ({"partial_rollout": False}, "trainer.async_training.partial_rollout: True -> False"),
+    ],
+)
+def test_an_async_run_resumed_otherwise_is_refused_unless_accepted(tmp_path, changes, listed):
+    """An async run's checkpoint holds the prompts drawn ahead; another mode or bound would train on
+    other data than the uninterrupted run."""
+    cfg = recipe(tmp_path)
+    settings = cfg.trainer.async_training
+    settings.mode, settings.max_staleness, settings.partial_rollout = "async", 2, True
+    checkpoint(cfg)
+    for name, value in changes.items():
+        setattr(settings, name, value)
+    with pytest.raises(RecipeChangedError, match=listed):
+        plan_resume(cfg)
+    cfg.trainer.resume_accept_changes = [f"trainer.async_training.{name}" for name in changes]
+    assert plan_resume(cfg) is not None
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["actor.lora.alpha", "actor.update.use_dynamic_bsz", "critic.update.use_dynamic_bsz", "rollout.seed"],
+)
+def test_update_scale_packing_and_sampling_seed_are_position_and_update_keys(tmp_path, key):
+    cfg = recipe(tmp_path)
+    checkpoint(cfg)
+    section, _, leaf = key.rpartition(".")
+    node = cfg
+    for part in section.split("."):
+        node = getattr(node, part)
+    old = getattr(node, leaf)
+    setattr(node, leaf, not old if isinstance(old, bool) else old + 1)
+    with pytest.raises(RecipeChangedError, match=key):
+        plan_resume(cfg)

@@ -5,8 +5,9 @@
 
 The recipe is loaded and checked before anything starts: `validate_recipe` (every key, the engine
 validators, each model's config.json) and `check_run_inputs` (weights headers, tokenizer, prompt
-data, resume point). A bad recipe or input exits with status 2 and one line per problem, no
-traceback. Then the resolved recipe goes to <output_dir>/config.yaml, an earlier run's unfinished
+data, resume point), then `plan_resume` (a recipe change the checkpoint cannot continue under). A
+bad recipe or input exits with status 2 and one line per problem, no traceback, and writes
+nothing. Then the resolved recipe goes to <output_dir>/config.yaml, an earlier run's unfinished
 checkpoint save is removed (said so on the console), and the trainer joins a Ray cluster
 (RAY_ADDRESS, or one already running on this machine; RAY_ADDRESS=local forces a fresh one) or
 starts a local one sized to the machine, and runs. A run that stops on a non-finite number, a
@@ -77,14 +78,25 @@ def connect_ray(cfg: RecipeConfig) -> None:
 
 def prepare(argv: list[str] | None) -> tuple[RecipeConfig, Layout]:
     """Load, check and record the recipe; nothing has started yet."""
+    cfg, layout = checked_recipe(argv)
+    record(cfg)
+    return cfg, layout
+
+
+def checked_recipe(argv: list[str] | None) -> tuple[RecipeConfig, Layout]:
+    """The recipe of the command line, loaded and checked with the files it names."""
     args = parse_args(argv)
     cfg = load_recipe(args.recipe, args.overrides)
     cfg = resolve_recipe_models(cfg)
     layout = validate_recipe(cfg)
     check_run_inputs(cfg)
+    return cfg, layout
+
+
+def record(cfg: RecipeConfig) -> None:
+    """The resolved recipe into <output_dir>/config.yaml; an earlier run's unfinished save removed."""
     write_resolved_recipe(cfg, cfg.trainer.output_dir)
     remove_partial_saves(cfg)
-    return cfg, layout
 
 
 def remove_partial_saves(cfg: RecipeConfig) -> None:
@@ -120,8 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     # a connection the caller made (an in-process call) is the caller's to close
     disconnect = disconnect_ray if not ray_is_connected() else lambda: None
     try:
-        cfg, layout = prepare(argv)
-        resume_plan = plan_resume(cfg)  # a bad checkpoint or refused recipe change fails before Ray
+        cfg, layout = checked_recipe(argv)
+        resume_plan = plan_resume(cfg)  # a bad checkpoint or refused change: before anything is written
+        record(cfg)
         connect_and_check_cluster(cfg)
     except (ValueError, TypeError, OSError) as err:
         disconnect()

@@ -2,10 +2,12 @@
 
 `plan_resume(cfg)` picks the checkpoint (trainer.resume_from_path, else the latest valid one
 when trainer.resume_mode is auto), reads its driver state and compares the recipe stored in it
-with the current one. A change to a key that moves the data position or changes what one update
-is (batch sizes, seeds, samples per prompt, ...) is refused with the list of differing keys,
-unless each is named in trainer.resume_accept_changes; any other difference is logged.
-Nothing here needs Ray or a worker: the check runs before anything starts.
+with the current one. A change to a key that changes the shapes of the saved tensors (the LoRA
+adapters) is refused: no acceptance makes them loadable. A change to a key that moves the data
+position or changes what one update is (batch sizes, seeds, samples per prompt, async mode and
+staleness, packing, ...) is refused with the list of differing keys, unless each is named in
+trainer.resume_accept_changes; any other difference is logged. Nothing here needs Ray or a
+worker: the check runs before anything starts.
 """
 
 import logging
@@ -28,16 +30,26 @@ POSITION_AND_UPDATE_KEYS = (
     "data.shuffle",
     "data.seed",
     "rollout.sampling.n",
+    "rollout.seed",  # the responses sampled for the same prompts
     "actor.update.ppo_mini_batch_size",
     "actor.update.ppo_epochs",
     "actor.update.shuffle",
     "actor.update.seed",
+    "actor.update.use_dynamic_bsz",  # packing: which sequences share a micro-batch
+    "actor.lora.alpha",  # the adapters' update is scaled by alpha / rank
     "critic.enable",
     "critic.update.ppo_mini_batch_size",
     "critic.update.ppo_epochs",
+    "critic.update.use_dynamic_bsz",
     "algorithm.adv_estimator",
     "trainer.mode",
+    # an async run's checkpoint holds the prompts drawn ahead and their generations
+    "trainer.async_training.mode",
+    "trainer.async_training.max_staleness",
+    "trainer.async_training.partial_rollout",
 )
+# Keys whose change alters the shapes of the tensors a checkpoint holds: it cannot be loaded.
+SHAPE_KEYS = ("actor.lora.rank", "actor.lora.target_modules")
 # Keys that say where and how to resume; they differ between the runs by design.
 RESUME_KEYS = ("trainer.resume_mode", "trainer.resume_from_path", "trainer.resume_accept_changes")
 
@@ -74,7 +86,9 @@ def recipe_changes(saved: dict, current: dict) -> dict[str, tuple]:
 
 
 def check_recipe_changes(changes: dict[str, tuple], accepted: list[str], checkpoint) -> None:
-    """RecipeChangedError listing the position / update keys that changed and are not accepted."""
+    """RecipeChangedError listing the shape keys that changed, else the position / update keys that
+    changed and are not accepted."""
+    check_shapes_unchanged(changes, checkpoint)
     unknown = [key for key in accepted if key not in POSITION_AND_UPDATE_KEYS]
     if unknown:
         raise ValueError(
@@ -83,13 +97,29 @@ def check_recipe_changes(changes: dict[str, tuple], accepted: list[str], checkpo
         )
     refused = {k: v for k, v in changes.items() if k in POSITION_AND_UPDATE_KEYS and k not in accepted}
     if refused:
-        listed = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in refused.items())
         raise RecipeChangedError(
             f"cannot resume from {checkpoint}: the recipe changed keys that move the data position or "
-            f"change the update ({listed}). Resume with the checkpoint's values, start a fresh run "
+            f"change the update ({listed(refused)}). Resume with the checkpoint's values, start a fresh run "
             f"(another trainer.output_dir, or trainer.resume_mode=disable), or accept the change with "
             f"trainer.resume_accept_changes=[{','.join(refused)}]"
         )
+
+
+def check_shapes_unchanged(changes: dict[str, tuple], checkpoint) -> None:
+    """RecipeChangedError when a SHAPE_KEYS change makes the checkpoint unloadable (each rank's
+    loader would fail with Megatron's raw CheckpointException); no acceptance helps."""
+    unloadable = {k: v for k, v in changes.items() if k in SHAPE_KEYS}
+    if unloadable:
+        raise RecipeChangedError(
+            f"cannot resume from {checkpoint}: {listed(unloadable)} changes the shapes of the tensors the "
+            "checkpoint holds (the LoRA adapters and their optimizer state), so it cannot be loaded. Resume "
+            "with the checkpoint's values, or start a fresh run (another trainer.output_dir, or "
+            "trainer.resume_mode=disable)"
+        )
+
+
+def listed(changes: dict[str, tuple]) -> str:
+    return "; ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in changes.items())
 
 
 def plan_resume(cfg: RecipeConfig) -> ResumePlan | None:
