@@ -128,3 +128,50 @@ def test_real_cluster(ray_cluster):
         check_cluster_resources(2, 1, use_gpu=False)
     with pytest.raises(ValueError, match="lacks 1 GPU"):
         check_cluster_resources(1, 1, use_gpu=True)
+
+
+def test_the_rollout_pool_shares_nodes_with_the_trainer_when_they_have_room():
+    pool = {"rollout_pool": (1, 4)}
+    check_cluster_resources(1, 4, use_gpu=True, nodes=[node("10.0.0.1", 64, 8)], **pool)
+    check_cluster_resources(1, 8, use_gpu=True, nodes=EIGHT_GPU_NODES, **pool)
+    # two rollout nodes: one beside the trainer, one on the third node
+    three = [*EIGHT_GPU_NODES, node("10.0.0.3", 8, 4)]
+    check_cluster_resources(1, 8, use_gpu=True, nodes=three, rollout_pool=(2, 4))
+
+
+def test_a_rollout_pool_the_cluster_cannot_place_names_its_keys_and_the_fix():
+    with pytest.raises(ValueError) as err:
+        check_cluster_resources(1, 8, use_gpu=True, nodes=[node("10.0.0.1", 64, 8)], rollout_pool=(1, 2))
+    message = str(err.value)
+    assert (
+        "the Ray cluster cannot place the rollout pool beside the trainer: trainer.rollout_pool.nnodes=1, "
+        "trainer.rollout_pool.n_gpus_per_node=2 need 1 node(s) with 2 CPU, 2 GPU each" in message
+    )
+    assert "once trainer.nnodes=1 x trainer.n_gpus_per_node=8 are placed, 0 of the 1 alive node(s)" in message
+    assert "10.0.0.1 (host-10.0.0.1): 0 GPU, 56 CPU left" in message
+    assert "lower trainer.rollout_pool.n_gpus_per_node / trainer.rollout_pool.nnodes" in message
+
+
+@pytest.mark.usefixtures("in_quickstart_working_tree")
+def test_the_entry_point_checks_the_rollout_pool_before_any_worker_starts(tmp_path, monkeypatch, capsys):
+    """A disaggregated recipe on a cluster of one 2-CPU node: the trainer's 2 processes fit, the
+    rollout pool's does not; the run ends with the named error before start_roles."""
+    import hybridflow.launch.cluster as cluster
+    from hybridflow.data.arith import ArithConfig, write_arith_parquet
+    from hybridflow.trainer import main as entry
+    from hybridflow.utils.tiny_model import make_tiny_model
+
+    data = write_arith_parquet(tmp_path / "data", ArithConfig(num_train=8, num_test=4))
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "quickstart.yaml"
+    argv = [
+        str(recipe), f"model.path={make_tiny_model(tmp_path / 'tiny')}", f"trainer.output_dir={tmp_path}/out",
+        f"data.train_files=[{data['train']}]", f"data.val_files=[{data['test']}]", "data.train_batch_size=4",
+        "rollout.sampling.n=2", "actor.update.ppo_mini_batch_size=8", "actor.log_prob_micro_batch_size=4",
+        "actor.update.ppo_micro_batch_size=4", "trainer.placement=disaggregated",
+        "trainer.rollout_pool.n_gpus_per_node=1", "trainer.logger=[console]",
+    ]  # fmt: skip
+    monkeypatch.setattr(entry, "connect_ray", lambda cfg: None)
+    monkeypatch.setattr(cluster, "_connected_cluster_nodes", lambda: [node("10.0.0.1", 2)])
+    monkeypatch.setattr(entry, "run", lambda *args: pytest.fail("workers were started"))
+    assert entry.main(argv) == 2
+    assert "error: the Ray cluster cannot place the rollout pool" in capsys.readouterr().err

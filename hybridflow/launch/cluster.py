@@ -52,11 +52,14 @@ def check_cluster_resources(
     use_gpu: bool,
     nodes: Sequence[dict] | None = None,
     cpus_per_device: float = 1.0,
+    rollout_pool: tuple[int, int] | None = None,
 ) -> None:
     """Raise ValueError naming what is missing unless `nnodes` distinct alive nodes each have
     `devices_per_node` GPUs (with `use_gpu`) and a CPU per worker process. The resource pool keeps
     each node's ranks on one node and different nodes apart, so this is exactly what it can place.
     `devices_per_node` is the sum over the pools on every node (trainer.n_gpus_per_node).
+    `rollout_pool` (trainer.rollout_pool's nnodes, n_gpus_per_node; disaggregated placement) must
+    then fit in what the trainer's nodes leave and the other nodes have.
     `nodes` is a `ray.nodes()` table; None queries the Ray cluster this process is connected to."""
     for key, value in (("trainer.nnodes", nnodes), ("trainer.n_gpus_per_node", devices_per_node)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -66,21 +69,66 @@ def check_cluster_resources(
     alive = [node for node in nodes if node.get("Alive", False)]
     need = node_requirement(devices_per_node, use_gpu, cpus_per_device)
     fitting = [node for node in alive if not shortfall(node, need)]
-    if len(fitting) >= nnodes:
-        return
+    if len(fitting) < nnodes:
+        raise ValueError(trainer_shortfall(nnodes, devices_per_node, use_gpu, alive, need))
+    if rollout_pool is not None:
+        placed = f"trainer.nnodes={nnodes} x trainer.n_gpus_per_node={devices_per_node}"
+        pool_need = node_requirement(rollout_pool[1], use_gpu, cpus_per_device)
+        check_rollout_pool(rollout_pool, after_placing(alive, nnodes, need), pool_need, placed)
+
+
+def trainer_shortfall(nnodes: int, devices: int, use_gpu: bool, alive: list[dict], need: dict) -> str:
+    """What the nodes lack for the trainer's processes (the trainer.* keys, the fix)."""
+    fitting = [node for node in alive if not shortfall(node, need)]
     lacking = [
         f"{describe_node(node)} lacks " + ", ".join(f"{v:g} {k}" for k, v in shortfall(node, need).items())
         for node in alive
         if shortfall(node, need)
     ]
     wanted = ", ".join(f"{v:g} {k}" for k, v in need.items())
-    raise ValueError(
+    return (
         f"the Ray cluster cannot run this recipe: trainer.nnodes={nnodes}, "
-        f"trainer.n_gpus_per_node={devices_per_node}, trainer.use_gpu={str(use_gpu).lower()} need "
+        f"trainer.n_gpus_per_node={devices}, trainer.use_gpu={str(use_gpu).lower()} need "
         f"{nnodes} node(s) with {wanted} each; {len(fitting)} of the {len(alive)} alive node(s) have "
         f"that, so {nnodes - len(fitting)} more are missing. "
         + (f"Too small: {'; '.join(lacking)}. " if lacking else "")
         + "Add nodes, or lower trainer.nnodes / trainer.n_gpus_per_node."
+    )
+
+
+def after_placing(nodes: Sequence[dict], count: int, need: dict[str, float]) -> list[dict]:
+    """`nodes` with `need` taken from `count` of them, each time the fitting node with the least
+    room (best fit: the big nodes stay free for the next pool)."""
+    left = [{**node, "Resources": dict(node.get("Resources", {}))} for node in nodes]
+    for _ in range(count):
+        fitting = [node for node in left if not shortfall(node, need)]
+        chosen = min(fitting, key=lambda node: [node["Resources"].get(key, 0.0) for key in ("GPU", "CPU")])
+        for key, amount in need.items():
+            chosen["Resources"][key] -= amount
+        left.remove(chosen)
+        left.append(chosen)  # a pool's node entries go to distinct nodes: it is not chosen again
+    return left
+
+
+def check_rollout_pool(pool: tuple[int, int], left: list[dict], need: dict[str, float], placed: str) -> None:
+    """ValueError naming trainer.rollout_pool.* unless `pool[0]` of the `left` nodes (what is left
+    once the `placed` processes are) meet `need`."""
+    fitting = [node for node in left if not shortfall(node, need)]
+    if len(fitting) >= pool[0]:
+        return
+    wanted = ", ".join(f"{v:g} {k}" for k, v in need.items())
+    room = "; ".join(
+        f"{describe_node(node).split(': ')[0]}: "
+        + ", ".join(f"{node['Resources'].get(k, 0):g} {k}" for k in ("GPU", "CPU"))
+        + " left"
+        for node in left
+    )
+    raise ValueError(
+        f"the Ray cluster cannot place the rollout pool beside the trainer: trainer.rollout_pool.nnodes="
+        f"{pool[0]}, trainer.rollout_pool.n_gpus_per_node={pool[1]} need {pool[0]} node(s) with {wanted} "
+        f"each, but once {placed} are placed, {len(fitting)} of the {len(left)} alive "
+        f"node(s) have that ({room}). Add nodes, or lower trainer.rollout_pool.n_gpus_per_node / "
+        "trainer.rollout_pool.nnodes (or trainer.n_gpus_per_node)."
     )
 
 

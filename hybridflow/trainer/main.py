@@ -106,12 +106,18 @@ def remove_partial_saves(cfg: RecipeConfig) -> None:
 
 
 def connect_and_check_cluster(cfg: RecipeConfig) -> None:
-    """Connect to Ray and check it can place every worker process (a ValueError names what is missing)."""
+    """Connect to Ray and check it can place every worker process, the rollout pool's too (a
+    ValueError names what is missing and the keys that ask for it)."""
     from hybridflow.launch.cluster import check_cluster_resources
 
     connect_ray(cfg)
     install_stop_handlers()  # again: ray.init replaced the SIGTERM handler
-    check_cluster_resources(cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, cfg.trainer.use_gpu)
+    trainer, pool = cfg.trainer, cfg.trainer.rollout_pool
+    disaggregated = trainer.placement == "disaggregated" and trainer.mode == "rl"
+    rollout_pool = (pool.nnodes, pool.n_gpus_per_node) if disaggregated else None
+    check_cluster_resources(
+        trainer.nnodes, trainer.n_gpus_per_node, trainer.use_gpu, rollout_pool=rollout_pool
+    )
 
 
 def run(cfg: RecipeConfig, layout: Layout, resume_plan: ResumePlan | None) -> None:
