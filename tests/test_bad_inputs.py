@@ -334,3 +334,32 @@ def test_a_refused_resume_leaves_the_run_directory_as_it_was(files, monkeypatch,
     code, err = run_in_process(argv, monkeypatch, capsys)
     assert code == 2 and "error: cannot resume from" in err and "data.seed: 1 -> 7" in err, err
     assert (files["resumable"] / "config.yaml").read_text() == written
+
+
+ASYNC = [
+    "trainer.placement=disaggregated",
+    "trainer.rollout_pool.n_gpus_per_node=1",
+    "trainer.async_training.mode=async",
+    "trainer.total_training_steps=null",  # one epoch: 8 rows in batches of 4
+]
+
+
+def test_a_staleness_bound_the_run_cannot_reach_is_warned_about_before_ray(
+    files, monkeypatch, capsys, caplog
+):
+    """8 rows in batches of 4 for one epoch: 2 steps, so no sample can be more than 1 version old and
+    max_staleness 4 would only generate every batch ahead from the first weights. Legal (a short smoke
+    test of a long run's recipe), so a warning."""
+    with pytest.raises(RayStarted):
+        run_in_process(
+            [str(files["recipe"]), *ASYNC, "trainer.async_training.max_staleness=1"], monkeypatch, capsys
+        )
+    assert "max_staleness" not in caplog.text
+    with pytest.raises(RayStarted):
+        run_in_process(
+            [str(files["recipe"]), *ASYNC, "trainer.async_training.max_staleness=4"], monkeypatch, capsys
+        )
+    assert (
+        "trainer.async_training.max_staleness=4 is beyond what this run reaches: it trains 2 steps, so no "
+        "sample is more than 1 version(s) old" in caplog.text
+    )

@@ -405,3 +405,34 @@ def test_an_agent_loop_budget_is_named_in_the_context_length_refusal(local):
     message = invalid(GRPO, local, "rollout.name=vllm", "rollout.vllm.max_model_len=300", *tool)
     assert "(rollout.agent.loop=tool: every turn, tool responses included, fits in the response)" in message
     load_valid(GRPO, local, "rollout.name=vllm", "rollout.vllm.max_model_len=512", *tool)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("actor.lora.alpha=32", "actor.lora.alpha=32.0 has no effect with actor.lora.rank=0"),
+        (
+            "actor.lora.target_modules=[linear_qkv]",
+            "actor.lora.target_modules=['linear_qkv'] has no effect with actor.lora.rank=0",
+        ),
+        ("actor.lora.dropout=0.1", "actor.lora.dropout=0.1 has no effect with actor.lora.rank=0"),
+    ],
+)
+def test_lora_settings_without_adapters_are_refused(local, override, message):
+    """A LoRA setting with rank 0 (full fine-tuning) is ignored: refused like any ignored setting."""
+    error = invalid(GRPO, local, override)
+    assert message in error and "set actor.lora.rank > 0 to train adapters, or remove it" in error
+
+
+def test_a_lora_rank_beyond_the_layers_it_adapts_is_warned_about(local, caplog):
+    """The tiny model's k_proj and v_proj are 64 x 128: a rank-64 adapter has 12288 parameters, more
+    than their 8192. Legal (a smoke test may reuse a large model's rank), so a warning."""
+    qkv = "actor.lora.target_modules=[linear_qkv]"
+    load_valid(GRPO, local, "actor.lora.rank=16", qkv)
+    assert "actor.lora.rank" not in caplog.text
+    load_valid(GRPO, local, "actor.lora.rank=64", qkv)
+    assert (
+        "actor.lora.rank=64 gives self_attn.k_proj, self_attn.v_proj (64 x 128) adapters with more "
+        "parameters than the layers themselves" in caplog.text
+    )
+    assert "lower actor.lora.rank to 42 or less" in caplog.text

@@ -10,9 +10,11 @@ schema, checked when the recipe loads.
 """
 
 import importlib.util
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from engines.megatron.config import LoraConfig
 from hybridflow.config.schema import RecipeConfig
 from hybridflow.reward.registry import load_reward_fn
 from hybridflow.utils.hub import HOW_TO_FETCH
@@ -27,6 +29,7 @@ MEGATRON_SIZES = (
     "context_parallel_size",
     "make_vocab_size_divisible_by",
 )
+logger = logging.getLogger(__name__)
 NULL_MEANS = {
     "data.val_batch_size": "null: the whole validation set in one batch",
     "data.train_max_samples": "null: every row",
@@ -81,6 +84,7 @@ def validate_recipe(cfg: RecipeConfig, cuda_available: bool | None = None) -> La
             errors += _check_batch_sizes(cfg, layout)
     errors += _check_token_budgets(cfg)
     errors += _check_agent_tools(cfg)
+    errors += _check_lora_without_adapters(cfg.actor.lora)
     if cfg.actor.lora.rank and cfg.actor.megatron.param_offload:
         # offload.py moves the parameters in DDP's buffers: under LoRA only the adapters
         errors.append(
@@ -91,6 +95,43 @@ def validate_recipe(cfg: RecipeConfig, cuda_available: bool | None = None) -> La
     if errors:
         raise RecipeError(errors)
     return layout
+
+
+def _check_lora_without_adapters(lora: LoraConfig) -> list[str]:
+    """With rank 0 (full fine-tuning) the other LoRA settings are ignored: refused, not ignored."""
+    if lora.rank:
+        return []
+    default = LoraConfig()
+    return [
+        f"actor.lora.{key}={getattr(lora, key)!r} has no effect with actor.lora.rank=0 (full fine-tuning): "
+        "set actor.lora.rank > 0 to train adapters, or remove it"
+        for key in ("alpha", "dropout", "target_modules", "seed")
+        if getattr(lora, key) != getattr(default, key)
+    ]
+
+
+def warn_if_lora_outsizes_layers(hf_config, lora: LoraConfig) -> None:
+    """A warning when an adapter has more parameters than the layer it adapts (rank x (in + out) >
+    in x out): LoRA there trains more than full fine-tuning would. Legal (a smoke test may reuse a
+    large model's rank on a small one), so not refused."""
+    from engines.megatron.lora import adapter_layout
+
+    parts = {}
+    for target in lora.target_modules:
+        layout = adapter_layout(hf_config, target, 0, 1)
+        named = zip(layout.parts, layout.shapes, strict=True)
+        parts.update(
+            {part: (out, width) for part, (out, width) in named if lora.rank * (out + width) > out * width}
+        )
+    if parts:
+        shapes = sorted({f"{out} x {width}" for out, width in parts.values()})
+        limit = min(out * width // (out + width) for out, width in parts.values())
+        logger.warning(
+            "actor.lora.rank=%d gives %s (%s) adapters with more parameters than the layers themselves: "
+            "LoRA there trains more than full fine-tuning would; lower actor.lora.rank to %d or less, or "
+            "leave those layers out of actor.lora.target_modules",
+            lora.rank, ", ".join(parts), ", ".join(shapes), limit,
+        )  # fmt: skip
 
 
 def _check_lora_sync(cfg: RecipeConfig) -> list[str]:
@@ -513,6 +554,8 @@ def _check_models(cfg: RecipeConfig, path_errors: list[str], cuda_available: boo
             if role == "actor":
                 te = cuda_available and _transformer_engine_usable()  # as model.machine_kernels decides
                 validate_lora_layout(hf_config, megatron, cfg.actor.lora, te)
+                if cfg.actor.lora.rank:
+                    warn_if_lora_outsizes_layers(hf_config, cfg.actor.lora)
         except ValueError as err:
             errors.append(f"{role}.megatron does not fit the model in {path}: {err}")
         if longest > hf_config.max_position_embeddings:

@@ -38,9 +38,25 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 def check_run_inputs(cfg: RecipeConfig) -> None:
     parameters = check_weights(cfg)
     tokenizer = load_tokenizer(cfg)
-    check_data(cfg, tokenizer)
+    train_rows = check_data(cfg, tokenizer)
     check_resume_point(cfg)
     warn_if_a_checkpoint_does_not_fit(cfg, parameters)
+    warn_if_staleness_is_out_of_reach(cfg, train_rows)
+
+
+def warn_if_staleness_is_out_of_reach(cfg: RecipeConfig, train_rows: int) -> None:
+    """A warning when trainer.async_training.max_staleness is at least the run's steps: a sample of
+    a run of T steps is at most T - 1 versions old, so such a bound only has every batch generated
+    ahead from the first weights. Legal (a short smoke test of a long run's recipe), so not refused."""
+    trainer, staleness = cfg.trainer, cfg.trainer.async_training.max_staleness
+    steps = trainer.total_training_steps or train_rows // cfg.data.train_batch_size * trainer.total_epochs
+    if trainer.async_training.mode == "async" and staleness >= steps:
+        logger.warning(
+            "trainer.async_training.max_staleness=%d is beyond what this run reaches: it trains %d steps, "
+            "so no sample is more than %d version(s) old, and the bound only has every batch generated "
+            "ahead from the first weights; lower it to %d or less, or train more steps",
+            staleness, steps, steps - 1, max(steps - 1, 0),
+        )  # fmt: skip
 
 
 def check_weights(cfg: RecipeConfig) -> dict[str, int]:
@@ -131,8 +147,9 @@ def load_tokenizer(cfg: RecipeConfig):
     return tokenizer
 
 
-def check_data(cfg: RecipeConfig, tokenizer) -> None:
-    """The datasets the trainer will build load, and hold at least one batch each."""
+def check_data(cfg: RecipeConfig, tokenizer) -> int:
+    """The datasets the trainer will build load, and hold at least one batch each; returns the
+    training set's usable rows."""
     data = cfg.data
     if cfg.trainer.mode == "sft":
         from hybridflow.data.sft_dataset import SFTDataset
@@ -154,6 +171,7 @@ def check_data(cfg: RecipeConfig, tokenizer) -> None:
         val = _prompt_dataset(cfg, tokenizer, data.val_files, data.val_max_samples)
         if data.val_batch_size is not None:
             _check_batch_fits("data.val_batch_size", data.val_batch_size, len(val), data.val_files)
+    return len(train)
 
 
 def _prompt_dataset(cfg: RecipeConfig, tokenizer, files: list[str], max_samples: int | None) -> PromptDataset:
