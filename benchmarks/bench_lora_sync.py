@@ -2,7 +2,7 @@
 
 The 76M Qwen2 shape of bench_vllm (hidden 768, 12 layers, fp32) held by a Megatron actor at TP1
 (1 process, torchrun) with rank-16 adapters on every linear (B nonzero), synced into one vLLM
-engine started with `enable_lora` by `MegatronRolloutShardingManager.sync_weights`: merged
+engine started with `enable_lora` by `MegatronRolloutShardingManager.load_weights`: merged
 (every HF tensor, base + scale * B A, through the layerwise reload) and adapter-only (after the
 first sync, which also sends the base weights once: only A and B, loaded as a vLLM LoRA adapter).
 Median of 3 syncs after a warm-up each; bytes are what the actor hands the engine per sync.
@@ -76,7 +76,7 @@ def _sync_worker(model_dir: Path, result_file: Path) -> None:
     for sync in ("merged", "adapters"):
         model.lora_config = replace(lora, sync=sync)  # what the manager reads (actor.lora.sync)
         manager = MegatronRolloutShardingManager(chunks, model.hf_config, engine, cfg)
-        seconds = median_seconds(manager.sync_weights, REPEATS)
+        seconds = median_seconds(manager.load_weights, REPEATS)
         rows.append((sync, manager.last_sync.tensors, manager.last_sync.bytes, seconds))
     result_file.write_text(json.dumps(_rows(rows) + _generation_rows(engine)))
     engine.shutdown()  # also ends the process group (vLLM's teardown)

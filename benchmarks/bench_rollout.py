@@ -2,7 +2,7 @@
 
 Weight sync: a ~100M-parameter Qwen2-shaped model (hidden 768, 12 layers, vocab 16,000; fp32,
 random init, built locally) held by a Megatron-Core actor at TP2 on 2 gloo processes (torchrun),
-synced into each rank's hf engine by `MegatronRolloutShardingManager.sync_weights` (TP all-gather,
+synced into each rank's hf engine by `MegatronRolloutShardingManager.load_weights` (TP all-gather,
 HF renaming, QKV / gate-up split, 512 MiB buckets, in-place copy). GB/s counts the HF bytes
 loaded into one engine. Baseline: a plain in-place copy of the same tensors into the same engine
 parameters (the memory-bandwidth floor of the last step). Also timed with `verify_weight_sync`
@@ -86,7 +86,7 @@ def _sync_worker(model_dir: Path, result_file: Path) -> None:
         cfg = RolloutConfig(verify_weight_sync=verify, free_cache_engine=False)
         engine = HFRolloutEngine(model_dir, cfg, device="cpu")
         manager = MegatronRolloutShardingManager(chunks, hf_config, engine, cfg)
-        seconds = median_seconds(manager.sync_weights, REPEATS)
+        seconds = median_seconds(manager.load_weights, REPEATS)
         nbytes = manager.last_sync.bytes
         label = "weight sync, verify_weight_sync" if verify else "weight sync"
         rows.append(_row(label, nbytes, seconds))

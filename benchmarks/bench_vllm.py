@@ -11,7 +11,7 @@ twice: with its linears prepacked for oneDNN (`rollout.vllm_cpu_weights: packed`
 and on plain weights (`plain`).
 
 Weight sync: the 76M shape held by a Megatron actor at TP1 (1 process) and TP2 (2 gloo processes,
-torchrun), synced into each rank's vLLM engine by `MegatronRolloutShardingManager.sync_weights`
+torchrun), synced into each rank's vLLM engine by `MegatronRolloutShardingManager.load_weights`
 (512 MiB buckets), with packed weights (vLLM's layerwise reload, which re-packs every layer) and
 with plain ones (loaded in place); against a plain copy of the same bytes into preallocated
 tensors. Median of 3 syncs after a warm-up.
@@ -192,7 +192,7 @@ def _sync_worker(model_dir: Path, result_file: Path, weights: str) -> None:
     cfg = RolloutConfig(name="vllm", free_cache_engine=False, vllm_cpu_weights=weights)
     engine = VLLMRolloutEngine(model_dir, cfg)
     manager = MegatronRolloutShardingManager(chunks, hf_config, engine, cfg)
-    seconds = median_seconds(manager.sync_weights, REPEATS)
+    seconds = median_seconds(manager.load_weights, REPEATS)
     nbytes = manager.last_sync.bytes
     sources = [tensor.clone() for _, tensor in iter_hf_tensors(chunks, hf_config)]
     targets = [torch.empty_like(tensor) for tensor in sources]

@@ -1,26 +1,29 @@
 """The hybrid engine's switch from training to generation: actor weights into the rollout engine,
 and the batch reshaped between the actor's data-parallel layout and the rollout engines.
 
-    with sharding_manager:                          # resume, sync weights, resume the KV cache
+    sharding_manager.load_weights()                 # resume the weights' memory, sync the weights
+    with sharding_manager.generating():             # resume the KV cache, flush it
         piece = sharding_manager.preprocess_data(prompts)
         out = engine.generate_sequences(piece) if engine is not None else None
         out = sharding_manager.postprocess_data(out)
                                                     # on exit: release the engine's memory
 
 Engine memory (with `rollout.free_cache_engine`, the default). The engine's memory is released
-as soon as the manager is built (the actor trains next), and each entry resumes it in two steps
-so that the peak is the weights plus the actor, never the KV cache plus the actor plus buckets:
-`before_resume` hook (the actor's optimizer state and gradients to host memory, the allocator's
-cache emptied) -> resume "weights" -> stream the weights -> `after_sync` hook (the actor's
-parameters to host memory) -> resume "kv_cache" and "cuda_graph" -> flush the cache; exit
-releases everything, then the `after_release` hook brings the actor's state back. The manager
-tracks what is released and never resumes memory that is not (SGLang's scheduler dies on that).
-With `free_cache_engine: false` nothing is ever released or resumed; entries only sync and flush.
+as soon as the manager is built (the actor trains next), and comes back in two steps so that
+the peak is the weights plus the actor, never the KV cache plus the actor plus buckets.
+`load_weights`: `before_resume` hook (the actor's optimizer state and gradients to host memory,
+the allocator's cache emptied) -> resume "weights" -> sync the weights -> `after_sync` hook (the
+actor's parameters to host memory). `generating`: resume "kv_cache" and "cuda_graph" -> flush the
+cache; its exit releases everything (the weights too: the next generation needs `load_weights`
+again, and `generating` refuses until then), then the `after_release` hook brings the actor's state
+back. The manager tracks what is released and never resumes memory that is not (SGLang's scheduler
+dies on that). With `free_cache_engine: false` nothing is ever released or resumed: one
+`load_weights` serves any number of `generating` blocks, which only flush.
 
 Weights (`engines.weight_sync`, whose docstring says what is checked and when). The manager
 holds the colocated sync (`ColocatedWeightSync`: the actor's HF-named stream into the engine in
 memory, its names and shapes checked when the manager is built), or with `actor.lora.sync=adapters`
-the adapter-only sync over it (`AdapterWeightSync`), and calls it on every entry.
+the adapter-only sync over it (`AdapterWeightSync`), and calls it in `load_weights`.
 
 Data. MEGATRON_COMPUTE_PROTO gives the same chunk to every rank of one actor data-parallel rank
 (its "replica group": all its TP/PP/CP ranks) and collects from one of them. So that each prompt
@@ -39,7 +42,8 @@ shard each): all members get the group's prompts and the same seed stream, load 
 of every bucket (vLLM's loaders keep their shard), and each keeps its own slice's output rows.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -78,7 +82,8 @@ class _Group:
 
 
 class MegatronRolloutShardingManager:
-    """Context manager around generation; construct it on every rank at the same time (collective)."""
+    """`load_weights()`, then `with generating():`; construct it on every rank at the same time
+    (collective)."""
 
     def __init__(
         self,
@@ -110,28 +115,47 @@ class MegatronRolloutShardingManager:
         self.weights = _weight_sync(actor_chunks, hf_config, rollout_engine, rollout_cfg, self._rollout.group)
         self._slice_sizes: list[int] = []
         self._released: set[str] = set()
+        self._holds_weights = False  # synced weights loaded since the engine last released them
         if self.engine is not None and rollout_cfg.free_cache_engine:
             self._release(ALL_TAGS)  # a new engine holds its memory; the actor trains first
 
-    # ------------------------------------------------------------------ context
-    def __enter__(self):
+    # ------------------------------------------------------------------ weights and memory
+    def load_weights(self) -> SyncStats:
+        """Bring the engine to the actor's weights (collective over all ranks), with the engine's
+        weight memory resumed first and the offload hooks around; the stats are kept in `last_sync`."""
         if self.hooks.before_resume is not None:
             self.hooks.before_resume()
         self._resume([WEIGHTS_TAG])
-        self.sync_weights()
+        self._holds_weights = False  # until the sync succeeds: a failed one leaves a partial engine
+        self.last_sync = self.weights.sync()
+        self._holds_weights = True
         if self.hooks.after_sync is not None:
             self.hooks.after_sync()
+        return self.last_sync
+
+    @contextmanager
+    def generating(self) -> Iterator[None]:
+        """Generation with the weights of the last `load_weights`: the KV cache resumed and flushed;
+        on exit the engine's memory released (with `free_cache_engine`) and `after_release` run."""
+        if not self._holds_weights:
+            raise RuntimeError(
+                "generating() without weights: the engine released its memory (or was just built) "
+                "and no load_weights() ran since; call load_weights() first"
+            )
         self._resume([KV_CACHE_TAG, CUDA_GRAPH_TAG])
         if self.engine is not None:
             self.engine.flush_cache()
-        return self
+        try:
+            yield
+        finally:
+            self._after_generating()
 
-    def __exit__(self, exc_type, exc_value, traceback):
+    def _after_generating(self) -> None:
         if self.cfg.free_cache_engine:
             self._release(ALL_TAGS)
+            self._holds_weights = False  # on every rank, engine or not, so that all refuse alike
         if self.hooks.after_release is not None:
             self.hooks.after_release()
-        return False
 
     def _release(self, tags: list[str]) -> None:
         pending = [tag for tag in tags if tag not in self._released]
@@ -144,12 +168,6 @@ class MegatronRolloutShardingManager:
         if self.engine is not None and pending:
             self.engine.resume_memory(pending)
             self._released.difference_update(pending)
-
-    # ------------------------------------------------------------------ weights
-    def sync_weights(self) -> SyncStats:
-        """Bring the engine to the actor's weights (collective over all ranks); kept in `last_sync`."""
-        self.last_sync = self.weights.sync()
-        return self.last_sync
 
     # ------------------------------------------------------------------ data
     def preprocess_data(self, data: DataProto) -> DataProto:

@@ -98,7 +98,8 @@ class ActorRolloutRefWorker(Worker):
     @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Responses for a chunk of prompts, with the actor's current weights synced in first."""
-        with self.sharding_manager:
+        self.sharding_manager.load_weights()
+        with self.sharding_manager.generating():
             piece = self.sharding_manager.preprocess_data(prompts)
             output = self.generator.generate_sequences(piece) if self.rollout is not None else None
             return self.sharding_manager.postprocess_data(output)

@@ -15,6 +15,10 @@ Prints "OK <check>" on rank 0 after each:
   hook-order       (D6) the offload hooks run where the actor's state can leave: before the
                    engine's weights are resumed, after the sync and before the KV cache is
                    resumed, and after the engine's memory is released, on both ranks.
+  load-before-generate  `generating()` refuses (RuntimeError naming `load_weights`, the engine
+                   untouched) on a new manager and after a block that released the engine's
+                   memory; with free_cache_engine false one `load_weights` serves two blocks,
+                   and nothing is released or resumed.
 """
 
 import os
@@ -71,9 +75,9 @@ def check_process_env() -> None:
         assert "NCCL_NVLS_ENABLE: ['0', '1'] (by rank)" in str(err), str(err)
 
 
-def engine_of(model_dir: Path, engine_cls=SGLangRolloutEngine):
-    devices = gather_engine_devices(ROLLOUT.tensor_model_parallel_size, device_count=0)
-    return None if devices is None else engine_cls(model_dir, ROLLOUT, devices)
+def engine_of(model_dir: Path, engine_cls=SGLangRolloutEngine, cfg: RolloutConfig = ROLLOUT):
+    devices = gather_engine_devices(cfg.tensor_model_parallel_size, device_count=0)
+    return None if devices is None else engine_cls(model_dir, cfg, devices)
 
 
 def check_stream_mismatch(chunks, hf_config, narrow_dir: Path) -> None:
@@ -82,8 +86,8 @@ def check_stream_mismatch(chunks, hf_config, narrow_dir: Path) -> None:
         manager = MegatronRolloutShardingManager(
             chunks, replace(hf_config, source_dir=str(narrow_dir)), engine, ROLLOUT
         )
-        with manager:
-            raise AssertionError("the manager sent a stream the rollout model does not take")
+        manager.load_weights()
+        raise AssertionError("the manager sent a stream the rollout model does not take")
     except WeightSyncError as err:
         text = str(err)
         assert (
@@ -134,7 +138,8 @@ def check_hook_order(chunks, hf_config, hf_dir: Path) -> None:
     )
     manager = MegatronRolloutShardingManager(chunks, hf_config, engine, ROLLOUT, offload_hooks=hooks)
     EVENTS.clear()
-    with manager:
+    manager.load_weights()
+    with manager.generating():
         EVENTS.append("generate")
     if engine is None:
         assert EVENTS == ["before_resume", "after_sync", "generate", "after_release"], EVENTS
@@ -155,6 +160,42 @@ def check_hook_order(chunks, hf_config, hf_dir: Path) -> None:
     engine.shutdown()
 
 
+def check_refused(manager) -> None:
+    """generating() must refuse, before touching the engine, with a RuntimeError naming load_weights."""
+    try:
+        with manager.generating():
+            raise AssertionError("generating() ran without weights loaded since the last release")
+    except RuntimeError as err:
+        assert "load_weights()" in str(err), str(err)
+
+
+def check_load_before_generate(chunks, hf_config, hf_dir: Path) -> None:
+    engine = engine_of(hf_dir)
+    manager = MegatronRolloutShardingManager(chunks, hf_config, engine, ROLLOUT)
+    check_refused(manager)  # the engine released its memory when the manager was built
+    manager.load_weights()
+    with manager.generating():
+        pass
+    check_refused(manager)  # the exit released the weights too
+    if engine is not None:
+        calls = engine.engine.calls
+        assert calls.resume == [["weights"], ["kv_cache", "cuda_graph"]], calls.resume
+        assert (calls.begin, calls.flushes) == (1, 1), calls
+        engine.shutdown()
+    keep = replace(ROLLOUT, free_cache_engine=False)
+    engine = engine_of(hf_dir, cfg=keep)
+    manager = MegatronRolloutShardingManager(chunks, hf_config, engine, keep)
+    check_refused(manager)  # nothing loaded yet
+    manager.load_weights()
+    for _ in range(2):  # nothing is released: the weights of one load serve both
+        with manager.generating():
+            pass
+    if engine is not None:
+        calls = engine.engine.calls
+        assert (calls.release, calls.resume, calls.begin, calls.flushes) == ([], [], 1, 2), calls
+        engine.shutdown()
+
+
 def main(hf_dir: Path, narrow_dir: Path) -> None:
     for key in PROCESS_ENV_KEYS:
         os.environ.pop(key, None)
@@ -168,6 +209,8 @@ def main(hf_dir: Path, narrow_dir: Path) -> None:
     say("stream-mismatch")
     check_hook_order(chunks, hf_config, hf_dir)
     say("hook-order")
+    check_load_before_generate(chunks, hf_config, hf_dir)
+    say("load-before-generate")
     dist.barrier()
     dist.destroy_process_group()
 

@@ -149,7 +149,9 @@ def check_data_parallel_chunks(hf_dir: Path, engine, cfg: RolloutConfig, prompts
     ranks = init_megatron(megatron_cfg)
     chunks = build_model(hf_dir, megatron_cfg, for_training=False)
     chunk = prompts.chunk(ranks.dp_size)[ranks.dp]
-    with MegatronRolloutShardingManager(chunks, unwrap_model(chunks[0]).hf_config, engine, cfg) as manager:
+    manager = MegatronRolloutShardingManager(chunks, unwrap_model(chunks[0]).hf_config, engine, cfg)
+    manager.load_weights()
+    with manager.generating():
         check_greedy(generate_through(manager, engine, chunk), chunk, reference_greedy(hf_dir, chunk))
 
 
@@ -184,7 +186,8 @@ def check_sglang_cycle(chunks, hf_config, hf_dir: Path, export_dir: Path, prompt
     manager = MegatronRolloutShardingManager(chunks, hf_config, engine, cfg)
     expected = reference_greedy_per_row(export_dir, prompts)
     for _ in range(2):
-        with manager:
+        manager.load_weights()
+        with manager.generating():
             if engine is not None:
                 assert not engine.engine.offload_tags, engine.engine.offload_tags
             check_greedy(generate_through(manager, engine, prompts), prompts, expected)
@@ -212,7 +215,8 @@ def check_sglang_keeps_memory(chunks, hf_config, hf_dir: Path, prompts: DataProt
     engine = sglang_engine(hf_dir, cfg)
     manager = MegatronRolloutShardingManager(chunks, hf_config, engine, cfg)
     for _ in range(2):
-        with manager:
+        manager.load_weights()
+        with manager.generating():
             generate_through(manager, engine, prompts)
     if engine is not None:
         calls = engine.engine.calls
@@ -231,8 +235,8 @@ def check_sglang_refused_update(chunks, hf_config, hf_dir: Path) -> None:
     engine = sglang_engine(hf_dir, cfg, SessionlessEngine)
     manager = MegatronRolloutShardingManager(chunks, hf_config, engine, cfg)
     try:
-        with manager:
-            raise AssertionError("the refused update was not caught")
+        manager.load_weights()
+        raise AssertionError("the refused update was not caught")
     except WeightSyncError as err:
         text = str(err)
         assert "bucket 0 (" in text and "must run between begin_weight_update()" in text, text
@@ -249,7 +253,9 @@ def check_moe_sync(moe_dir: Path, prompts: DataProto) -> None:
     engine = HFRolloutEngine(moe_dir, cfg, device="cpu")
     router = "model.layers.0.mlp.gate.weight"
     random_init = checkpoint_tensors(engine.model)[router].clone()
-    with MegatronRolloutShardingManager(chunks, unwrap_model(chunks[0]).hf_config, engine, cfg) as manager:
+    manager = MegatronRolloutShardingManager(chunks, unwrap_model(chunks[0]).hf_config, engine, cfg)
+    manager.load_weights()
+    with manager.generating():
         assert not torch.equal(checkpoint_tensors(engine.model)[router], random_init)
         check_sync_exact(engine, moe_dir, moe_dir)
         check_greedy(generate_through(manager, engine, prompts), prompts, reference_greedy(moe_dir, prompts))
@@ -273,7 +279,9 @@ def main(hf_dir: Path, out_dir: Path, moe_dir: Path) -> None:
 
     cfg = rollout_cfg(verify_weight_sync=True)
     engine = HFRolloutEngine(hf_dir, cfg, device="cpu")
-    with MegatronRolloutShardingManager(chunks, hf_config, engine, cfg) as manager:
+    manager = MegatronRolloutShardingManager(chunks, hf_config, engine, cfg)
+    manager.load_weights()
+    with manager.generating():
         check_sync_exact(engine, export_dir, hf_dir)
         say("sync-exact")
         check_greedy(generate_through(manager, engine, prompts), prompts, expected)
@@ -294,8 +302,8 @@ def main(hf_dir: Path, out_dir: Path, moe_dir: Path) -> None:
     corrupting = (CorruptingEngine if dist.get_rank() == 1 else HFRolloutEngine)(hf_dir, cfg, device="cpu")
     bad_manager = MegatronRolloutShardingManager(chunks, hf_config, corrupting, cfg)
     try:
-        with bad_manager:
-            raise AssertionError("the corrupted sync was not caught")
+        bad_manager.load_weights()
+        raise AssertionError("the corrupted sync was not caught")
     except WeightSyncError as err:
         assert CORRUPTED in str(err) and "rank 1" in str(err), str(err)
     say("verify-catches")

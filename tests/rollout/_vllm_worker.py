@@ -108,7 +108,8 @@ def make_prompts(validate: bool) -> DataProto:
 
 
 def generate(manager, engine, prompts: DataProto) -> DataProto:
-    with manager:
+    manager.load_weights()
+    with manager.generating():
         return manager.postprocess_data(engine.generate_sequences(manager.preprocess_data(prompts)))
 
 
@@ -253,8 +254,8 @@ def check_bad_stream(manager, edit, expected: str) -> None:
 
     megatron_weights.iter_hf_tensors = stream
     try:
-        with manager:
-            raise AssertionError("the bad sync was not caught")
+        manager.load_weights()
+        raise AssertionError("the bad sync was not caught")
     except WeightSyncError as err:
         assert "rank 1" in str(err) and expected in str(err), str(err)
     finally:

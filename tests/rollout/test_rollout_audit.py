@@ -9,7 +9,7 @@ from launch import run_distributed
 from tiny_hf import ascii_vocab_size, make_tiny_hf_checkpoint
 
 WORKER = Path(__file__).resolve().parent / "_audit_worker.py"
-CHECKS = ("process-env", "stream-mismatch", "hook-order")
+CHECKS = ("process-env", "stream-mismatch", "hook-order", "load-before-generate")
 
 
 @pytest.mark.slow
