@@ -16,6 +16,7 @@ from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 
+from hybridflow.agents.tool_parser import ToolCall, parse_tool_calls
 from hybridflow.agents.tools.base import prompt_tools
 from hybridflow.config.schema import RecipeConfig
 from hybridflow.config.validate import model_dirs
@@ -29,6 +30,7 @@ from hybridflow.reward.registry import RULE_SCORES
 from hybridflow.trainer.checkpoint import LATEST, MANIFEST, STEP_DIR
 from hybridflow.trainer.weight_shapes import Headers, check_weight_shapes, checkpoint_bytes, parameter_count
 from hybridflow.utils.disk import NO_SPACE, free_bytes, human_bytes
+from hybridflow.utils.imports import first_line
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +40,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 def check_run_inputs(cfg: RecipeConfig) -> None:
     parameters = check_weights(cfg)
     tokenizer = load_tokenizer(cfg)
+    check_chat_template(cfg, tokenizer)
     train_rows = check_data(cfg, tokenizer)
     check_resume_point(cfg)
     warn_if_a_checkpoint_does_not_fit(cfg, parameters)
@@ -145,6 +148,108 @@ def load_tokenizer(cfg: RecipeConfig):
     if not tokenizer.chat_template:
         raise ValueError(f"{key}={path}: the tokenizer has no chat_template, which renders the prompts")
     return tokenizer
+
+
+# The tool an openai-loop recipe's template is tried with (its agent passes its own at run time)
+PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "probe",
+        "description": "A tool of the chat-template check.",
+        "parameters": {"type": "object", "properties": {}},
+    },
+}
+PROBE_QUESTION = [{"role": "user", "content": "What is 1+1?"}]
+PROBE_RESPONSE = "§tool response§"  # a text no template writes by itself
+
+
+def check_chat_template(cfg: RecipeConfig, tokenizer) -> None:
+    """An agent loop's template must take the tool role (the loop appends tool responses as such
+    messages) and write tool calls, if it writes them, as the <tool_call> JSON that
+    agents/tool_parser.py reads (the model learned its calls in that format); ValueError naming the
+    tokenizer's key. A template that ignores `tools=` or drops calls is a warning: the model can still
+    call tools it was fine-tuned on (the tool demo's warm start), but it sees no schema."""
+    loop = cfg.rollout.agent.loop
+    if loop == "single_turn":
+        return
+    key = _tokenizer_key(cfg)
+    render = template_renderer(tokenizer, key)
+    schemas = prompt_tools(cfg.rollout.agent) or [PROBE_TOOL]
+    if render(PROBE_QUESTION, schemas, "tools=") == render(PROBE_QUESTION, None, "a user message"):
+        logger.warning(
+            "%s: the chat template ignores tools=: the prompts carry no tool schema, so the model can call "
+            "only tools it was fine-tuned to call (as the tool demo's warm start does)", key,
+        )  # fmt: skip
+    name = schemas[0]["function"]["name"]
+    what = f"a tool call followed by its response, a message of role 'tool', which rollout.agent.loop={loop}"
+    rendered = render(_tool_turn(name), schemas, f"{what} appends after every call")
+    if PROBE_RESPONSE not in rendered:
+        raise ValueError(
+            f"{key}: the chat template renders a tool message without its content, so the model never reads "
+            f"what its tools return; {TEMPLATE_FIX}"
+        )
+    _check_tool_call_format(rendered[: rendered.index(PROBE_RESPONSE)], name, key)
+
+
+def _tool_turn(name: str) -> list[dict]:
+    """The probe question, an assistant turn calling tool `name`, and the tool's response."""
+    call = {"id": "c00000000", "type": "function", "function": {"name": name, "arguments": {}}}
+    turn = {"role": "assistant", "content": "", "tool_calls": [call]}
+    response = {"role": "tool", "name": name, "tool_call_id": call["id"], "content": PROBE_RESPONSE}
+    return [*PROBE_QUESTION, turn, response]
+
+
+TEMPLATE_FIX = "use a model whose template renders tool messages and calls, or set model.tokenizer_path"
+
+
+def _tokenizer_key(cfg: RecipeConfig) -> str:
+    if cfg.model.tokenizer_path is None:
+        return f"model.path={cfg.model.path}"
+    return f"model.tokenizer_path={cfg.model.tokenizer_path}"
+
+
+def template_renderer(tokenizer, key: str):
+    """`render(messages, tools, what)`: the template's text (with the assistant prompt); what the
+    template's own code raises is a ValueError naming `key` and `what` it refused."""
+
+    def render(messages: list[dict], tools: list[dict] | None, what: str) -> str:
+        try:
+            return tokenizer.apply_chat_template(
+                messages, tools=tools, tokenize=False, add_generation_prompt=True
+            )
+        except Exception as err:  # raise_exception(), a missing field, ...
+            raise ValueError(
+                f"{key}: the chat template refuses {what} ({first_line(err)}); {TEMPLATE_FIX}"
+            ) from None
+
+    return render
+
+
+def _check_tool_call_format(rendered: str, name: str, key: str) -> None:
+    """A call the template writes must parse back as the same call (name, arguments)."""
+    written = rendered[rendered.rfind(PROBE_QUESTION[0]["content"]) :]
+    if f'"{name}"' not in written:
+        logger.warning(
+            "%s: the chat template writes no tool call of an assistant message: the calls of a conversation "
+            "an OpenAI-style agent sends back are lost when it is rendered", key,
+        )  # fmt: skip
+        return
+    if parse_tool_calls(written) != [ToolCall(name, {})]:
+        raise ValueError(
+            f"{key}: the chat template writes a tool call as {_written_call(written, name)!r}, which the "
+            "tool parser (Qwen / Hermes <tool_call> JSON) does not read: a model trained on this template "
+            f"would call tools no loop runs; {TEMPLATE_FIX}"
+        )
+
+
+def _written_call(text: str, name: str) -> str:
+    """The JSON object around the call's name in `text` (the line holding it when there is none)."""
+    at = text.index(f'"{name}"')
+    start = text.rfind("{", 0, at)
+    try:
+        return text[start : json.JSONDecoder().raw_decode(text, start)[1]]
+    except ValueError:
+        return text[text.rfind("\n", 0, at) + 1 :].split("\n")[0]
 
 
 def check_data(cfg: RecipeConfig, tokenizer) -> int:

@@ -1,0 +1,102 @@
+"""The chat-template check of agent recipes, before any worker starts: the template must take the
+tool role and, where it writes tool calls, write them in the <tool_call> JSON the tool parser
+reads (else an error naming the tokenizer key); a template that ignores `tools=` or drops tool
+calls is a warning (the tool demo's tiny model learns the calculator's format in its warm start).
+The templates below are small stand-ins for the families' own, written here."""
+
+import logging
+
+import pytest
+
+from engines.rollout.config import AgentConfig, RolloutConfig
+from hybridflow.config.schema import RecipeConfig
+from hybridflow.trainer.preflight import check_chat_template
+from hybridflow.utils.tiny_model import CHAT_TEMPLATE, build_tokenizer
+
+# Qwen2.5's way: tool schemas in a system turn, calls as <tool_call> JSON, responses as user turns
+HERMES = (
+    "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>"
+    "<|im_end|>\n{% endif %}"
+    "{% for m in messages %}{% if m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content or '' }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>\n"
+    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}\n</tool_call>'
+    "{% endfor %}<|im_end|>\n"
+    "{% elif m.role == 'tool' %}<|im_start|>user\n<tool_response>{{ m.content }}</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# a chat-only template: any role but system, user and assistant is an error
+NO_TOOL_ROLE = (
+    "{% for m in messages %}{% if m.role not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('Conversation roles must be system, user or assistant') }}{% endif %}"
+    "<|{{ m.role }}|>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+# Llama 3.1's way: a call is a bare JSON object with "parameters"
+BARE_JSON_CALLS = (
+    HERMES.replace("<tool_call>\n", "")
+    .replace("\n</tool_call>", "")
+    .replace('"arguments": {{', '"parameters": {{')
+)
+# a template that renders tool messages without their content
+NO_TOOL_CONTENT = HERMES.replace("<tool_response>{{ m.content }}</tool_response>", "<tool_response/>")
+
+
+def agent_recipe(loop: str = "tool") -> RecipeConfig:
+    cfg = RecipeConfig()
+    cfg.model.path = "/models/tiny"
+    tools = ["hybridflow.agents.tools.calculator.Calculator"] if loop == "tool" else []
+    agent = AgentConfig(loop=loop, tools=tools, openai_agent="m:run" if loop == "openai" else "")
+    cfg.rollout = RolloutConfig(name="vllm", agent=agent)
+    return cfg
+
+
+def tokenizer_with(template: str):
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+@pytest.mark.parametrize("loop", ["tool", "openai"])
+def test_a_template_that_renders_tools_and_calls_as_the_parser_reads_them_passes(loop, caplog):
+    with caplog.at_level(logging.WARNING):
+        check_chat_template(agent_recipe(loop), tokenizer_with(HERMES))
+    assert caplog.text == ""
+
+
+@pytest.mark.parametrize(
+    ("template", "message"),
+    [
+        (
+            NO_TOOL_ROLE,
+            "model.path=/models/tiny: the chat template refuses a tool call followed by its response, a "
+            "message of role 'tool', which rollout.agent.loop=tool appends after every call (TemplateError: "
+            "Conversation roles must be system, user or assistant)",
+        ),
+        (
+            NO_TOOL_CONTENT,
+            "model.path=/models/tiny: the chat template renders a tool message without its content",
+        ),
+        (
+            BARE_JSON_CALLS,
+            'model.path=/models/tiny: the chat template writes a tool call as \'{"name": "calculator", '
+            '"parameters": {}}\', which the tool parser (Qwen / Hermes <tool_call> JSON) does not read',
+        ),
+    ],
+)
+def test_a_template_the_tool_loop_cannot_use_is_refused_by_name(template, message):
+    with pytest.raises(ValueError) as err:
+        check_chat_template(agent_recipe(), tokenizer_with(template))
+    assert message in str(err.value)
+    assert "set model.tokenizer_path" in str(err.value)
+
+
+def test_a_template_that_ignores_tools_and_calls_is_a_warning(caplog):
+    """The tiny model's template: the schemas never reach the prompt and calls are not rendered."""
+    with caplog.at_level(logging.WARNING):
+        check_chat_template(agent_recipe(), tokenizer_with(CHAT_TEMPLATE))
+    assert "the chat template ignores tools=: the prompts carry no tool schema" in caplog.text
+    assert "writes no tool call of an assistant message" in caplog.text
+
+
+def test_single_turn_recipes_are_not_checked():
+    check_chat_template(RecipeConfig(), tokenizer_with(NO_TOOL_ROLE))
