@@ -126,11 +126,29 @@ async def _call_tool(tool: Tool, arguments: dict[str, Any], timeout_s: float) ->
     except Exception as err:
         if isinstance(err, TimeoutError) and deadline.expired():
             return _failure("timeout", f"tool {tool.name!r} timed out after {timeout_s:g} s")
-        logger.warning("tool %r raised", tool.name, exc_info=True)
+        log_first_crash(tool.name, err)
         return _failure("tool_crash", f"tool {tool.name!r} failed: {type(err).__name__}: {err}")
     if not isinstance(text, str):
         return _failure("tool_crash", f"tool {tool.name!r} returned a {type(text).__name__}, not a str")
     return ToolCallResult(text, ok=True)
+
+
+# (tool name, exception type) whose traceback this process has logged
+_CRASHES_LOGGED: set[tuple[str, str]] = set()
+
+
+def log_first_crash(tool_name: str, err: Exception) -> None:
+    """The traceback of a tool's crash, once per tool and exception type in this process: every
+    crash is counted and answered anyway, and a tool that fails on every call would otherwise print
+    one traceback per call."""
+    kind = type(err).__name__
+    if (tool_name, kind) in _CRASHES_LOGGED:
+        return
+    _CRASHES_LOGGED.add((tool_name, kind))
+    logger.warning(
+        "tool %r raised %s (further %s from it are counted in agent/tool_errors, not logged)",
+        tool_name, kind, kind, exc_info=err,
+    )  # fmt: skip
 
 
 def _failure(kind: ErrorKind, message: str) -> ToolCallResult:

@@ -165,3 +165,22 @@ def test_run_tool_calls_refuses_a_bad_configuration():
         run("", timeout_s=0)
     with pytest.raises(ValueError, match="appear more than once"):
         run("", tools=[Calculator(), Calculator()])
+
+
+def test_a_crashing_tool_logs_its_traceback_once_per_exception_type_not_once_per_call(caplog):
+    """A tool that raises is a tool error each time (counted, the model reads the message), but its
+    traceback is logged once per tool and exception type in the process: a 2-step run used to
+    print one per call (64)."""
+
+    class Crashing(ScriptedTool):
+        name = f"crashing_{id(caplog)}"  # a name no other test's tool has: the memory is per process
+
+    crash = tool_call(f'{{"name": "{Crashing.name}", "arguments": {{"action": "crash"}}}}')
+    own_timeout = tool_call(f'{{"name": "{Crashing.name}", "arguments": {{"action": "own_timeout"}}}}')
+    results = run(crash * 3, tools=[Crashing()]) + run(crash + own_timeout, tools=[Crashing()])
+    assert [r.error_kind for r in results] == ["tool_crash"] * 5
+    logged = [record for record in caplog.records if Crashing.name in record.getMessage()]
+    assert [record.exc_info[0] for record in logged] == [RuntimeError, TimeoutError]
+    assert (
+        "further RuntimeError from it are counted in agent/tool_errors, not logged" in logged[0].getMessage()
+    )
