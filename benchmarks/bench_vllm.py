@@ -124,7 +124,7 @@ def _generate_worker(engine_name: str, model_dir: Path, dtype: str, out: Path) -
     import torch
 
     from engines.rollout.config import RolloutConfig
-    from engines.weight_sync.common import expected_hf_tensor_shapes
+    from engines.weight_sync.model_shapes import expected_hf_tensor_shapes
 
     weights = "plain" if engine_name == "vllm-plain" else "packed"
     name = engine_name.removesuffix("-plain")

@@ -51,7 +51,8 @@ from engines.rollout.base import (
 from engines.rollout.config import RolloutConfig, SamplingConfig
 from engines.rollout.vllm_cpu_weights import check_plain_weights, onednn_dispatch
 from engines.rollout.vllm_lora import AdapterSlot, lora_engine_args, reset_adapters, sleep_level
-from engines.weight_sync.common import check_named_shapes, expected_hf_tensor_shapes
+from engines.weight_sync.common import check_named_shapes
+from engines.weight_sync.model_shapes import expected_hf_tensor_shapes
 from hybridflow.protocol import DataProto
 
 # Head sizes vLLM 0.32's CPU attention backend supports (v1/attention/backends/cpu_attn.py).

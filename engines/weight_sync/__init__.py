@@ -1,7 +1,7 @@
 """The actor's weights into rollout engines: one HF-named tensor stream, one module per way it travels.
 
 Import the submodule you need; this package imports nothing on its own (the engines import
-`common`, and only the sync paths import Megatron-Core).
+`common` and `model_shapes`; only the sync paths import Megatron-Core).
 
 The stream. `engines.megatron.weights.iter_hf_tensors(actor_chunks, hf_config)` yields the actor's
 tensors under their Hugging Face names, each gathered across its tensor-parallel group, sent from
@@ -28,7 +28,7 @@ extra memory a sync needs.
 What is checked, and when:
 - before anything is sent (when the colocated sync is built, on every rank together): the names and
   shapes of the stream against the model the rollout engine serves (`hf_config.source_dir`, built
-  on the meta device: `common.expected_hf_tensor_shapes`, `common.weight_stream_problem`). A load
+  on the meta device: `model_shapes.expected_hf_tensor_shapes`, `common.weight_stream_problem`). A load
   that fails inside SGLang returns nothing: the scheduler's exception kills the engine's whole
   process tree, this worker included (sglang 0.5.23 managers/scheduler.py 6369,
   tokenizer_manager.py 4072-4081), and an unknown name is skipped with only a warning

@@ -25,13 +25,13 @@ from engines.rollout.config import RolloutConfig
 from engines.weight_sync.common import (
     WeightSyncError,
     bucket_named_tensors,
-    expected_hf_tensor_shapes,
     first_checksum_mismatch,
     tensor_checksum,
     tensor_nbytes,
     torch_dtype,
     weight_stream_problem,
 )
+from engines.weight_sync.model_shapes import expected_hf_tensor_shapes
 from hybridflow.protocol import DataProto
 
 # A wrong or missing tensor moves log-probs by O(1); the rest is kernel rounding in that dtype.

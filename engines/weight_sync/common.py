@@ -1,9 +1,9 @@
 """What every way of moving weights into an engine shares: size-bounded buckets, the name and shape
 checks, exact checksums and `WeightSyncError`.
 
-`expected_hf_tensor_shapes` reads the names and shapes a rollout model takes from its config
-alone (a model built on the meta device), and `weight_stream_problem` compares them with what the
-actor will send, so that a stream the engine would not take is refused before anything is sent.
+`weight_stream_problem` compares the names and shapes a rollout model takes
+(`model_shapes.expected_hf_tensor_shapes`) with what the actor will send, so that a stream the
+engine would not take is refused before anything is sent.
 `bucket_named_tensors` groups a stream of (hf_name, tensor) into lists of about `bucket_mb` each
 without materialising the stream (the actor's stream is a collective: every rank must consume it
 in lockstep). `tensor_checksum` hashes a tensor's raw bytes (with its dtype and shape), so two
@@ -47,21 +47,6 @@ def bucket_named_tensors(
         size += nbytes
     if bucket:
         yield bucket
-
-
-def expected_hf_tensor_shapes(model_dir) -> tuple[dict[str, tuple[int, ...]], set[str]]:
-    """The tensors of the Hugging Face model in `model_dir` under its checkpoint names (what SGLang
-    and the hf engine load), with their shapes, and the names every sync must carry (a tied
-    weight's second name, e.g. `lm_head.weight`, is optional). Built from config.json on the meta
-    device: nothing is allocated or read but the config."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from engines.rollout.hf_rollout import checkpoint_tensors
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
-    every = checkpoint_tensors(model, remove_duplicate=False)
-    return {name: tuple(t.shape) for name, t in every.items()}, set(checkpoint_tensors(model))
 
 
 def weight_stream_problem(

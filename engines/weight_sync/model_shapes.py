@@ -1,0 +1,24 @@
+"""The names and shapes a rollout model takes, read from its config alone (a model built on the
+meta device): what the actor's stream is checked against before anything is sent.
+
+Apart from `common` because the names are the hf engine's checkpoint names
+(`engines.rollout.hf_rollout.checkpoint_tensors`: per-expert names for transformers' fused
+experts), and the hf engine itself imports `common`.
+"""
+
+import torch
+
+from engines.rollout.hf_rollout import checkpoint_tensors
+
+
+def expected_hf_tensor_shapes(model_dir) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """The tensors of the Hugging Face model in `model_dir` under its checkpoint names (what SGLang
+    and the hf engine load), with their shapes, and the names every sync must carry (a tied
+    weight's second name, e.g. `lm_head.weight`, is optional). Built from config.json on the meta
+    device: nothing is allocated or read but the config."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    every = checkpoint_tensors(model, remove_duplicate=False)
+    return {name: tuple(t.shape) for name, t in every.items()}, set(checkpoint_tensors(model))
