@@ -436,3 +436,35 @@ def test_a_lora_rank_beyond_the_layers_it_adapts_is_warned_about(local, caplog):
         "parameters than the layers themselves" in caplog.text
     )
     assert "lower actor.lora.rank to 42 or less" in caplog.text
+
+
+def test_a_cpu_kv_cache_too_small_for_one_sequence_is_refused_before_vllm_starts(local, monkeypatch):
+    """The tiny model: 4 layers x 2 KV heads x 32 x 2 (K, V) x 4 bytes (float32) = 2048 bytes a token,
+    so its 512 positions need 1 MiB. vLLM's own error names gpu_memory_utilization, not the CPU key."""
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    vllm = ("rollout.name=vllm", "rollout.dtype=float32")
+    message = invalid(GRPO, local, *vllm, "rollout.vllm.kv_cache_memory_bytes=524288")
+    assert (
+        "rollout.vllm.kv_cache_memory_bytes=524288 (512.0 KiB) holds 256 tokens of the model in "
+        f"{local['model']} (4 layers x 2 KV heads x 32 x 2 (K, V) x 4 bytes of float32 = 2048 bytes a "
+        "token), fewer than the 512 of rollout.vllm.max_model_len (unset: max_position_embeddings)"
+    ) in message
+    assert "raise rollout.vllm.kv_cache_memory_bytes to at least 1048576" in message
+    load_valid(GRPO, local, *vllm, "rollout.vllm.kv_cache_memory_bytes=1048576")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0")  # vLLM's legacy GiB setting, which wins
+    assert "VLLM_CPU_KVCACHE_SPACE=0 (0 B) holds 0 tokens" in invalid(GRPO, local, *vllm)
+
+
+def test_what_vllm_on_cpu_cannot_do_is_refused_before_it_starts(local, tmp_path):
+    """Found by the engine only in the workers before: a head size its CPU attention lacks, and
+    chunked prefill with seeded requests."""
+    narrow = make_tiny_model(tmp_path / "narrow", hidden_size=64)  # 4 heads of 16
+    message = invalid(GRPO, {**local, "model": str(narrow)}, "rollout.name=vllm")
+    assert "rollout.name=vllm on CPU: the model's head size 16" in message
+    message = invalid(GRPO, local, "rollout.name=vllm", "rollout.vllm.enable_chunked_prefill=true")
+    assert "rollout.vllm.enable_chunked_prefill=true fails on CPU with seeded requests" in message
+    cfg = load_recipe(
+        GRPO, [*cpu_overrides(local), "rollout.name=vllm", "rollout.vllm.enable_chunked_prefill=true"]
+    )
+    cfg.trainer.use_gpu = True
+    validate_recipe(cfg, cuda_available=True)  # CUDA takes it

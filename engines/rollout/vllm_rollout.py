@@ -105,6 +105,27 @@ def check_cpu_head_size(hf_config) -> None:
         )
 
 
+def cpu_error_named(err: ValueError, engine_args: dict[str, Any]) -> ValueError:
+    """vLLM's KV-cache errors advise `gpu_memory_utilization`, which its CPU build ignores once the
+    cache size is given (this engine always gives it): the same finding with the CPU settings
+    instead. Any other error is returned as it is."""
+    text = str(err)
+    if "gpu_memory_utilization" not in text:
+        return err
+    budget = engine_args.get("kv_cache_memory_bytes", CPU_KV_CACHE_BYTES)
+    space = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+    overrides = (
+        f"VLLM_CPU_KVCACHE_SPACE={space} GiB is set and wins"
+        if space
+        else "the environment's VLLM_CPU_KVCACHE_SPACE, in GiB, overrides it"
+    )
+    return ValueError(
+        f"rollout.name=vllm on CPU: {text.split(' Try increasing')[0]} On CPU the KV cache there is "
+        f"rollout.vllm.kv_cache_memory_bytes={budget} ({budget / 2**30:.1f} GiB; {overrides}): raise it, "
+        "or lower rollout.vllm.max_model_len"
+    )
+
+
 def sampling_params(cfg: RolloutConfig, sampling: SamplingConfig, seed: int, eos_token_ids: list[int]):
     """vLLM `SamplingParams` of one request."""
     from vllm import SamplingParams
@@ -149,8 +170,14 @@ class VLLMRolloutEngine(SeededGenerationMixin):
         engine_args = vllm_engine_args(cfg, str(model_path), on_cuda, uses_stop)
         if lora_rank:
             engine_args.update(lora_engine_args(lora_rank, cfg.vllm))
-        with onednn_dispatch(enabled=not self.plain_weights):
-            self.llm = _build_llm(engine_args)
+        try:
+            with onednn_dispatch(enabled=not self.plain_weights):
+                self.llm = _build_llm(engine_args)
+        except ValueError as err:
+            named = err if on_cuda else cpu_error_named(err, engine_args)
+            if named is err:
+                raise
+            raise named from err
         if self.plain_weights:
             self.llm.collective_rpc(_check_plain_weights)
         self.lora_rank = lora_rank

@@ -11,12 +11,14 @@ schema, checked when the recipe loads.
 
 import importlib.util
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from engines.megatron.config import LoraConfig
 from hybridflow.config.schema import RecipeConfig
 from hybridflow.reward.registry import load_reward_fn
+from hybridflow.utils.disk import human_bytes
 from hybridflow.utils.hub import HOW_TO_FETCH
 from hybridflow.utils.imports import DottedPathError
 from hybridflow.utils.warning_filters import known_warnings_ignored
@@ -566,6 +568,8 @@ def _check_models(cfg: RecipeConfig, path_errors: list[str], cuda_available: boo
             )
         if role == "actor":
             errors += _check_engine_context(cfg, hf_config.max_position_embeddings, path)
+        if role == "actor" and cfg.rollout.name == "vllm" and not (cuda_available and cfg.trainer.use_gpu):
+            errors += _check_vllm_on_cpu(cfg.rollout, hf_config, path)
     return errors
 
 
@@ -598,6 +602,71 @@ def _check_engine_context(cfg: RecipeConfig, positions: int, path: str) -> list[
             f"engine refuses; lower it to at most {positions}, or remove it"
         ]
     return []
+
+
+KV_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _check_vllm_on_cpu(rollout, hf_config, path: str) -> list[str]:
+    """What vLLM's CPU build refuses only once it starts in the workers: a head size its attention
+    lacks, chunked prefill with seeded requests, a KV cache too small for one sequence."""
+    from engines.rollout.vllm_rollout import check_cpu_head_size, vllm_engine_args
+
+    errors = []
+    for check in (
+        lambda: check_cpu_head_size(hf_config),
+        lambda: vllm_engine_args(rollout, path, False, False),
+    ):
+        try:
+            check()
+        except ValueError as err:
+            errors.append(str(err))
+    return errors + _check_cpu_kv_cache(rollout, hf_config, path)
+
+
+def _check_cpu_kv_cache(rollout, hf_config, path: str) -> list[str]:
+    """vLLM's CPU build reserves a KV cache of a fixed size that must hold one sequence of
+    max_model_len tokens; otherwise vLLM refuses to start in the workers, advising
+    gpu_memory_utilization, which the CPU build ignores."""
+    key, budget = _cpu_kv_budget(rollout.vllm)
+    per_token, layout = _kv_bytes_per_token(hf_config, rollout.dtype)
+    length = rollout.vllm.get("max_model_len", hf_config.max_position_embeddings)
+    if rollout.vllm.get("kv_cache_dtype", "auto") != "auto" or not _whole(budget) or not _whole(length):
+        return []  # a quantized cache, or a value refused elsewhere (or left to vLLM's own check)
+    if budget >= length * per_token:
+        return []
+    unset = "" if "max_model_len" in rollout.vllm else " (unset: max_position_embeddings)"
+    return [
+        f"{key} ({human_bytes(budget)}) holds {budget // per_token} tokens of the model in {path} "
+        f"({layout}), fewer than the {length} of rollout.vllm.max_model_len{unset}: vLLM's CPU build would "
+        f"refuse to start; raise rollout.vllm.kv_cache_memory_bytes to at least {length * per_token}, or "
+        "lower rollout.vllm.max_model_len (it must hold data.max_prompt_length + rollout.response_length)"
+    ]
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _cpu_kv_budget(vllm: dict) -> tuple[str, int | str]:
+    """(the setting, its bytes): VLLM_CPU_KVCACHE_SPACE (GiB) wins over rollout.vllm's
+    kv_cache_memory_bytes, whose default is the engine's CPU_KV_CACHE_BYTES."""
+    from engines.rollout.vllm_rollout import CPU_KV_CACHE_BYTES
+
+    if space := os.environ.get("VLLM_CPU_KVCACHE_SPACE", ""):
+        return f"VLLM_CPU_KVCACHE_SPACE={space}", int(space) << 30 if space.isdigit() else space
+    budget = vllm.get("kv_cache_memory_bytes", CPU_KV_CACHE_BYTES)
+    return f"rollout.vllm.kv_cache_memory_bytes={budget}", budget
+
+
+def _kv_bytes_per_token(hf_config, dtype: str) -> tuple[int, str]:
+    """Bytes of K and V a token takes in every layer, and the product spelled out."""
+    layers, heads, width = hf_config.num_hidden_layers, hf_config.num_key_value_heads, hf_config.head_dim
+    per_token = 2 * layers * heads * width * KV_BYTES[dtype]
+    return per_token, (
+        f"{layers} layers x {heads} KV heads x {width} x 2 (K, V) x {KV_BYTES[dtype]} bytes of {dtype} = "
+        f"{per_token} bytes a token"
+    )
 
 
 def _model_parallel(megatron) -> int:

@@ -18,7 +18,12 @@ from engines.rollout.config import RolloutConfig, SamplingConfig
 from engines.rollout.factory import check_rollout_available
 from engines.rollout.vllm_cpu_weights import check_plain_weights
 from engines.rollout.vllm_engine_args import ENGINE_ARGS_FIELDS, VLLM_VERSION
-from engines.rollout.vllm_rollout import check_cpu_head_size, sampling_params, vllm_engine_args
+from engines.rollout.vllm_rollout import (
+    check_cpu_head_size,
+    cpu_error_named,
+    sampling_params,
+    vllm_engine_args,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "megatron"))
 from launch import run_distributed
@@ -153,3 +158,32 @@ def test_plain_cpu_weights_refuse_layers_that_process_their_weights_after_loadin
     model[1].weight = torch.nn.Parameter(torch.empty(0))  # what vLLM's oneDNN prepack leaves
     with pytest.raises(ValueError, match=r"0-element parameters \['1\.weight'\]"):
         check_plain_weights(model)
+
+
+# vLLM 0.32's KV-cache errors (v1/core/kv_cache_utils.py), which advise a setting its CPU build ignores
+NO_ROOM = (
+    "To serve at least one request with the model's max seq len (32768), (3.5 GiB KV cache is needed, "
+    "which is larger than the available KV cache memory (1.0 GiB). Based on the available memory, the "
+    "estimated maximum model length is 9360. Try increasing `gpu_memory_utilization` (which also controls "
+    "CPU memory on the CPU backend) or decreasing `max_model_len` when initializing the engine. See "
+    "https://docs.vllm.ai/en/latest/configuration/conserving_memory/ for more details."
+)
+NO_CACHE = (
+    "No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when initializing "
+    "the engine (this flag also controls CPU memory reservation on the CPU backend, despite its name)."
+)
+
+
+@pytest.mark.parametrize("message", [NO_ROOM, NO_CACHE])
+def test_vllm_kv_cache_errors_on_cpu_name_the_cpu_settings(message, monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    named = cpu_error_named(ValueError(message), {"kv_cache_memory_bytes": 1 << 30})
+    text = str(named)
+    assert text.startswith("rollout.name=vllm on CPU: " + message.split(" Try increasing")[0])
+    assert "gpu_memory_utilization" not in text
+    assert (
+        "the KV cache there is rollout.vllm.kv_cache_memory_bytes=1073741824 (1.0 GiB; the environment's "
+        "VLLM_CPU_KVCACHE_SPACE, in GiB, overrides it): raise it, or lower rollout.vllm.max_model_len"
+    ) in text
+    other = ValueError("the model's head size is not supported")
+    assert cpu_error_named(other, {}) is other
