@@ -23,6 +23,7 @@ import pytest
 import yaml
 from process_group import run_in_own_session
 from safetensors import safe_open
+from test_chat_template_check import BARE_JSON_CALLS, NO_TOOL_ROLE
 
 from hybridflow.config.loader import load_recipe, to_dict, write_resolved_recipe
 from hybridflow.data.arith import ArithConfig, write_arith_parquet
@@ -163,7 +164,7 @@ def broken_recipes_and_checkpoints(root: Path) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory) -> dict[str, Path]:
+def files(tmp_path_factory):
     """Every `<name>` the table uses, built once for the module."""
     root = tmp_path_factory.mktemp("bad_inputs")
     files = {"tiny": make_tiny_model(root / "tiny"), "out": root / "out", "missing": root / "missing"}
@@ -174,7 +175,40 @@ def files(tmp_path_factory) -> dict[str, Path]:
     files["recipe"] = root / "recipe.yaml"
     files["recipe"].write_text(yaml.safe_dump(base_recipe(files)))
     files.update(finished_runs(files["recipe"], root))
-    return files
+    files.update(agent_inputs(files["tiny"], root))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(files["modules"]))  # the probe modules import by name
+        yield files
+
+
+# Modules a recipe names by dotted path, failing as user code does (put on sys.path by run_in_process)
+PROBE_MODULES = {
+    "probe_raising_tool": 'raise RuntimeError("no GPU is visible to this tool\\nmore detail")\n',
+    "probe_refusing_tool": (
+        "class Sandbox:\n    def __init__(self):\n"
+        '        raise OSError("landlock: the kernel refused the ruleset")\n'
+    ),
+    "probe_raising_reward": 'raise RuntimeError("the reward service is unreachable")\n',
+}
+
+
+def agent_inputs(tiny: Path, root: Path) -> dict[str, Path]:
+    """The probe modules, the tiny model with chat templates an agent loop cannot use, and a tiny
+    model of head size 16 (vLLM's CPU attention has none)."""
+    modules = root / "modules"
+    modules.mkdir()
+    for name, source in PROBE_MODULES.items():
+        (modules / f"{name}.py").write_text(source)
+    templates = {"template_no_tool_role": NO_TOOL_ROLE, "template_bare_json_calls": BARE_JSON_CALLS}
+    files = {
+        name: model_copy(tiny, root / name, write={"chat_template.jinja": t.encode()})
+        for name, t in templates.items()
+    }
+    return {
+        **files,
+        "modules": modules,
+        "narrow_heads": make_tiny_model(root / "narrow_heads", hidden_size=64),
+    }
 
 
 # the runs whose checkpoints the resume rows continue: the valid recipe, and it generating ahead
@@ -219,11 +253,20 @@ def run_in_process(argv: list[str], monkeypatch, capsys) -> tuple[int, str]:
 
     monkeypatch.setattr(entry, "connect_ray", refuse)
     monkeypatch.setattr(ray, "init", refuse)  # in case anything before connect_ray starts Ray
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # the KV cache row's 1 GiB default
     code = entry.main(argv)
     return code, capsys.readouterr().err
 
 
 CASES = table_rows()
+
+
+def test_the_probe_of_async_agents_lora_and_vllm_lists_at_least_25_cases():
+    text = TABLE.read_text()
+    section = text[
+        text.index("## Async training, agents, LoRA and vLLM") : text.index("## Faults during a run")
+    ]
+    assert len([line for line in section.splitlines() if ROW.match(line)]) >= 25
 
 
 def test_the_table_lists_at_least_35_distinct_bad_inputs():
