@@ -96,7 +96,8 @@ class AgentConfig:
     """How each prompt's trajectory is produced (docs/agents.md)."""
 
     loop: AgentLoopName = "single_turn"
-    tools: list[str] = field(default_factory=list)  # dotted paths of Tool classes, for loop: tool
+    # for loop: tool, each a dotted path of a Tool, or {path: <dotted path>, kwargs: {<its arguments>}}
+    tools: list[Any] = field(default_factory=list)
     max_turns: int = 4  # sampled turns per trajectory (tool responses between them)
     tool_timeout_s: float = 30.0  # per tool call; a call that takes longer answers with an error
     # for loop: openai, `package.module:function`: async def run(client, model, messages, **row)

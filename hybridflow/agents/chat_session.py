@@ -18,6 +18,7 @@ every appended piece are masked from the loss like tool responses. `trajectory()
 segment, the one trained on (docs/agents.md says why).
 """
 
+import asyncio
 import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -25,8 +26,9 @@ from typing import Any
 
 from engines.rollout.base import row_seed
 from engines.rollout.requests import Completion
-from hybridflow.agents.loop import RenderDelta, Trajectory
+from hybridflow.agents.loop import Trajectory
 from hybridflow.agents.openai_api import ApiError, AssistantTurn, ChatRequest, assistant_message, message_text
+from hybridflow.agents.template import RenderDelta, TemplateNotIncremental
 
 RenderFull = Callable[[list[dict], list[dict] | None], list[int]]  # (messages, tools) -> prompt ids
 # (prompt ids, request, seed, max_new_tokens) -> what the engine sampled
@@ -46,10 +48,12 @@ def canonical(message: dict[str, Any]) -> dict[str, Any]:
 
 
 def template_message(message: dict[str, Any]) -> dict[str, Any]:
-    """`message` as chat templates take it: text content, tool-call arguments as objects (as
-    vLLM's server passes them, vllm/entrypoints/chat_utils.py)."""
+    """`message` as chat templates take it: text content, `developer` as `system`, tool-call
+    arguments as objects (as vLLM's server passes them, vllm/entrypoints/chat_utils.py)."""
     out = {key: value for key, value in message.items() if value is not None}
     out["content"] = message_text(message)
+    if out["role"] == "developer":  # OpenAI's name for system instructions; templates know system
+        out["role"] = "system"
     if message.get("tool_calls"):
         out["tool_calls"] = [
             {**call, "function": {**call["function"], "arguments": _arguments(call["function"]["arguments"])}}
@@ -74,7 +78,8 @@ class Segment:
     trajectory: Trajectory
     history: list[dict[str, Any]]  # canonical messages a continuation starts with
     tools: list[dict[str, Any]] | None
-    closed: bool  # the last sampled turn ended on EOS
+    closed: bool  # the last sampled turn ended on an end-of-turn id
+    assistant: dict[str, Any] | None = None  # the last sampled turn, as the template takes it
 
 
 @dataclass
@@ -100,12 +105,15 @@ class ChatSession:
     render_full: RenderFull
     render_delta: RenderDelta
     decode: Callable[[list[int]], str]
-    eos_token_ids: frozenset[int]
+    eos_token_ids: frozenset[int]  # ids that end a turn: the model's EOS and the template's end of turn
     budget: int
     seed: int
     segments: list[Segment] = field(default_factory=list)
     requests: int = 0
     errors: list[BaseException] = field(default_factory=list)  # server-side failures, first first
+    # one request at a time: a request planned while another is being sampled would be recorded as
+    # continuing it, a trajectory the engine never sampled (an agent's asyncio.gather)
+    _serving: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
 
     @property
     def divergences(self) -> int:
@@ -116,10 +124,16 @@ class ChatSession:
         last = self.segments[-1] if self.segments else None
         if last is not None and self._continues(last, messages, tools):
             appended = [template_message(m) for m in messages[len(last.history) :]]
-            ids = self.render_delta(appended, tools=tools, closed=last.closed)
+            try:
+                ids = self.render_delta(appended, tools=tools, closed=last.closed, after=last.assistant)
+            except TemplateNotIncremental:  # e.g. a user message that moves Mistral's tool list
+                return self._new_segment(messages, tools)
             done = last.trajectory.prompt_ids + last.trajectory.response_ids
             left = self.budget - len(last.trajectory.response_ids) - len(ids)
             return PlannedTurn(done + ids, ids, last, left)
+        return self._new_segment(messages, tools)
+
+    def _new_segment(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> PlannedTurn:
         prompt = self.render_full([template_message(m) for m in messages], tools)
         return PlannedTurn(prompt, [], None, self.budget)
 
@@ -130,7 +144,11 @@ class ChatSession:
         return [canonical(m) for m in messages[: len(last.history)]] == last.history
 
     async def complete(self, request: ChatRequest, generate: GenerateChat) -> Reply:
-        """Sample the reply to `request` and record it."""
+        """Sample the reply to `request` and record it, after any request of this session before it."""
+        async with self._serving:
+            return await self._complete(request, generate)
+
+    async def _complete(self, request: ChatRequest, generate: GenerateChat) -> Reply:
         planned = self.plan(request.messages, request.tools)
         if planned.max_new_tokens < 1:
             return self._out_of_budget(planned)
@@ -154,8 +172,7 @@ class ChatSession:
         ids = list(completion.token_ids)
         while ids and ids[-1] in self.eos_token_ids:
             ids.pop()
-        call_ids = f"call_{self.name}_{self.requests}_"
-        return assistant_message(self.decode(ids), completion.finish_reason, call_ids)
+        return assistant_message(self.decode(ids), completion.finish_reason, self.requests)
 
     def _record(
         self, planned: PlannedTurn, request: ChatRequest, completion: Completion, turn: AssistantTurn
@@ -170,6 +187,7 @@ class ChatSession:
         segment.trajectory.tool_errors += turn.malformed_calls
         segment.history = [canonical(m) for m in [*request.messages, turn.message]]
         segment.closed = bool(completion.token_ids) and completion.token_ids[-1] in self.eos_token_ids
+        segment.assistant = template_message(turn.message)
 
     def trajectory(self) -> Trajectory:
         """The last segment's trajectory (the one trained on)."""

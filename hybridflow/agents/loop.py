@@ -11,7 +11,8 @@ Token-in-token-out: a trajectory's response ids are exactly the ids each turn sa
 the ids of the tool responses that came after it; only tool responses are tokenized (as a piece
 of the chat template), and nothing already in the trajectory is. `response_mask` is 1 on sampled
 ids and 0 on tool ids; log-probs and policy versions exist for sampled ids only (0 and -1 on tool
-ids). Layout of the batch they become: `trajectories_to_batch`.
+ids). Layout of the batch they become: `trajectories_to_batch`. How tool responses render on real
+chat templates: `template.py`.
 """
 
 from collections.abc import Awaitable, Callable
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 
 from engines.rollout.base import row_seed
 from engines.rollout.requests import Completion
+from hybridflow.agents.template import message_delta_renderer, tool_messages
 
 TOOL_VERSION = -1  # the policy version recorded for tool-response tokens (no policy produced them)
 
@@ -77,9 +79,12 @@ class ToolTurnResult:
 
     responses: list[str]
     errors: int
+    names: list[str]  # the tool each response answers (its tool message's `name`)
 
 
 RunTools = Callable[[str], Awaitable[ToolTurnResult | None]]  # turn text -> None when no tool call
+# (what the tools answered, the turn ended on its end-of-turn token, the turn's index) -> ids
+RenderTools = Callable[[ToolTurnResult, bool, int], list[int]]
 
 
 class ToolAgentLoop:
@@ -90,13 +95,14 @@ class ToolAgentLoop:
         generate: Generate,
         run_tools: RunTools,
         decode: Callable[[list[int]], str],
-        render_tool_responses: Callable[[list[str]], list[int]],
+        render_tool_responses: RenderTools,
         budget: int,
         max_turns: int,
+        end_of_turn_ids: frozenset[int],
     ):
         self.generate, self.run_tools, self.decode = generate, run_tools, decode
         self.render_tool_responses = render_tool_responses
-        self.budget, self.max_turns = budget, max_turns
+        self.budget, self.max_turns, self.end_of_turn_ids = budget, max_turns, end_of_turn_ids
 
     async def run(self, prompt_ids: list[int], seed: int) -> Trajectory:
         trajectory = Trajectory()
@@ -112,44 +118,21 @@ class ToolAgentLoop:
                 return trajectory  # a final answer
             trajectory.tool_calls += len(tools.responses)
             trajectory.tool_errors += tools.errors
-            ids = self.render_tool_responses(tools.responses)
+            # a turn a stop string ended (`</tool_call>`) did not sample the template's end of turn
+            closed = bool(completion.token_ids) and completion.token_ids[-1] in self.end_of_turn_ids
+            ids = self.render_tool_responses(tools, closed, trajectory.turns - 1)
             if len(trajectory.response_ids) + len(ids) >= self.budget:
                 return trajectory  # no room for the tool output and another turn
             trajectory.add_tool_response(ids)
 
 
-def tool_response_renderer(tokenizer, tool_role: str = "tool") -> Callable[[list[str]], list[int]]:
-    """Ids of tool responses as the chat template renders them after an assistant turn, up to
-    and including the next assistant prompt (`message_delta_renderer` with one `tool_role`
-    message per response)."""
+def tool_response_renderer(tokenizer, tools: list[dict] | None = None) -> RenderTools:
+    """`render(result, closed, turn)`: ids of a turn's tool responses as the chat template renders
+    them after the assistant turn that called them, up to and including the next assistant prompt
+    (`message_delta_renderer`; each tool message names its tool and carries its call's id)."""
     render = message_delta_renderer(tokenizer)
-    return lambda responses: render([{"role": tool_role, "content": text} for text in responses])
 
+    def render_tools(result: ToolTurnResult, closed: bool, turn: int) -> list[int]:
+        return render(tool_messages(result.names, result.responses, turn), tools=tools, closed=closed)
 
-RenderDelta = Callable[..., list[int]]  # (messages, tools=None, closed=True) -> ids
-
-
-def message_delta_renderer(tokenizer) -> RenderDelta:
-    """`render(messages, tools=None, closed=True)`: ids of `messages` as the chat template renders
-    them after an assistant turn, up to and including the next assistant prompt. A turn that
-    ended on EOS is `closed`: whatever the template writes after the EOS (a newline, the next
-    role's header ...) belongs to these ids. A turn cut short (no EOS sampled) is not: the ids
-    then start with the template's end of the assistant turn (the EOS). Only this piece is
-    tokenized, so the ids before it are never re-tokenized."""
-    eos = tokenizer.eos_token
-    assistant = [{"role": "assistant", "content": "x"}]
-
-    def render(messages: list[dict], tools: list[dict] | None = None, closed: bool = True) -> list[int]:
-        before = tokenizer.apply_chat_template(assistant, tools=tools, tokenize=False)
-        end_of_turn = before.rindex(eos)
-        cut = end_of_turn + len(eos) if closed else before.rindex("x", 0, end_of_turn) + 1
-        text = tokenizer.apply_chat_template(
-            assistant + messages, tools=tools, tokenize=False, add_generation_prompt=True
-        )
-        if text[:cut] != before[:cut]:
-            raise ValueError(
-                "the chat template renders an assistant turn differently when other messages follow"
-            )
-        return tokenizer(text[cut:], add_special_tokens=False)["input_ids"]
-
-    return render
+    return render_tools

@@ -2,9 +2,10 @@
 (`parse_chat_request`), how a sampled turn becomes an assistant message (`assistant_message`),
 and the response and error bodies. No I/O here; `hybridflow/agents/server.py` serves them.
 
-Served: `messages` (roles system, user, assistant, tool), `tools`, `max_tokens` or
-`max_completion_tokens`, `temperature`, `top_p`, `seed`, and parameters at their default value
-(`n: 1`, `stream: false`, `tool_choice: auto` ...). Anything else is refused with a 400 naming
+Served: `messages` (roles system, developer, user, assistant, tool), `tools`, `max_tokens` or
+`max_completion_tokens`, `temperature`, `top_p`, `seed`, `stream` (the reply as
+`chat.completion.chunk` events: `chunk_bodies`), and parameters at their default value (`n: 1`,
+`tool_choice: auto` ...). Anything else is refused with a 400 naming
 the parameter, never ignored: a parameter the engine would not apply changes what the agent
 believes it sampled. Shapes follow the OpenAI API reference (Chat Completions, 2025), the format
 vLLM's and SGLang's servers also speak.
@@ -15,13 +16,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridflow.agents.template import call_id
 from hybridflow.agents.tool_parser import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, MalformedToolCall, parse_tool_calls
 
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool")  # developer: a system message for templates
 # parameters accepted at these values only (the OpenAI defaults, or what the endpoint does anyway)
 DEFAULT_ONLY: dict[str, tuple] = {
     "n": (1,),
-    "stream": (False,),
     "tool_choice": ("auto",),
     "parallel_tool_calls": (True,),
     "logprobs": (False,),
@@ -31,7 +32,18 @@ DEFAULT_ONLY: dict[str, tuple] = {
     "stop": ([],),
 }
 IGNORED = ("user", "metadata", "store")  # bookkeeping fields that change nothing sampled
-SERVED = ("model", "messages", "tools", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed")
+SERVED = (
+    "model",
+    "messages",
+    "tools",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stream",
+    "stream_options",
+)
 
 
 class ApiError(Exception):
@@ -57,6 +69,8 @@ class ChatRequest:
     top_p: float | None = None
     seed: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # IGNORED fields, as sent
+    stream: bool = False  # reply as server-sent chat.completion.chunk events
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
 
 
 def parse_chat_request(body: Any, model_name: str) -> ChatRequest:
@@ -79,7 +93,27 @@ def parse_chat_request(body: Any, model_name: str) -> ChatRequest:
         top_p=_number(body, "top_p", 0.0, 1.0, low_open=True),
         seed=_seed(body.get("seed")),
         extra={key: body[key] for key in IGNORED if key in body},
+        stream=_flag(body, "stream"),
+        include_usage=_include_usage(body),
     )
+
+
+def _flag(body: dict[str, Any], key: str) -> bool:
+    value = body.get(key, False)
+    if not isinstance(value, bool):
+        raise ApiError(f"{key} must be true or false, got {value!r}", param=key)
+    return value
+
+
+def _include_usage(body: dict[str, Any]) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not _flag(body, "stream"):
+        raise ApiError("stream_options is only allowed with stream: true", param="stream_options")
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise ApiError('stream_options must be {"include_usage": true|false}', param="stream_options")
+    return _flag(options, "include_usage")
 
 
 def _check_parameters(body: dict[str, Any]) -> None:
@@ -179,9 +213,10 @@ class AssistantTurn:
     malformed_calls: int
 
 
-def assistant_message(text: str, engine_finish: str, call_id_prefix: str) -> AssistantTurn:
+def assistant_message(text: str, engine_finish: str, turn: int) -> AssistantTurn:
     """The assistant message of a sampled `text` (EOS removed). Its `<tool_call>` blocks become
-    `tool_calls` (ids `call_id_prefix`0, 1, ...) and content is the text around them (null when
+    `tool_calls` (ids `template.call_id(turn, index)`: 9 letters and digits, as Mistral's
+    templates require) and content is the text around them (null when
     empty). When any block is malformed, or the turn was cut at the length limit, no call is
     extracted and the whole text is the content (as vLLM's Hermes parser does)."""
     calls = parse_tool_calls(text) if engine_finish == "stop" else []
@@ -191,7 +226,7 @@ def assistant_message(text: str, engine_finish: str, call_id_prefix: str) -> Ass
         return AssistantTurn(message, _finish_reason(engine_finish), 0, malformed)
     tool_calls = [
         {
-            "id": f"{call_id_prefix}{index}",
+            "id": call_id(turn, index),
             "type": "function",
             "function": {"name": call.name, "arguments": json.dumps(call.arguments)},
         }
@@ -227,11 +262,46 @@ def completion_body(
         "choices": [
             {"index": 0, "message": turn.message, "finish_reason": turn.finish_reason, "logprobs": None}
         ],
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        },
+        "usage": _usage(prompt_tokens, completion_tokens),
+    }
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    total = prompt_tokens + completion_tokens
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": total}
+
+
+def chunk_bodies(
+    request_id: str, model: str, turn: AssistantTurn, usage: tuple[int, int] | None
+) -> list[dict[str, Any]]:
+    """The same reply as `chat.completion.chunk` objects, as a streamed response sends them: the
+    role, the content, one chunk per tool call (id, name and all its arguments), the finish reason,
+    and with `usage` (prompt, completion tokens: stream_options.include_usage) a last chunk with it.
+    The turn is sampled whole before the reply starts, so each piece comes in one chunk."""
+    message = turn.message
+    deltas: list[dict[str, Any]] = [{"role": "assistant", "content": ""}]
+    if message["content"]:
+        deltas.append({"content": message["content"]})
+    for index, call in enumerate(message["tool_calls"] or []):
+        deltas.append({"tool_calls": [{"index": index, **call}]})
+    chunks = [_chunk(request_id, model, [_choice(delta, None)]) for delta in deltas]
+    chunks.append(_chunk(request_id, model, [_choice({}, turn.finish_reason)]))
+    if usage is not None:
+        chunks.append({**_chunk(request_id, model, []), "usage": _usage(*usage)})
+    return chunks
+
+
+def _choice(delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
+    return {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+
+
+def _chunk(request_id: str, model: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
     }
 
 

@@ -23,9 +23,9 @@ from engines.rollout.base import SeededGenerationMixin, row_seed
 from engines.rollout.config import SamplingConfig
 from hybridflow.agents.batch import trajectories_to_batch
 from hybridflow.agents.chat_session import ChatSession
-from hybridflow.agents.loop import message_delta_renderer
 from hybridflow.agents.openai_api import ChatRequest
 from hybridflow.agents.server import ChatServer
+from hybridflow.agents.template import end_of_turn_ids, message_delta_renderer
 from hybridflow.protocol import DataProto
 from hybridflow.utils.imports import import_by_path
 
@@ -76,7 +76,7 @@ class OpenAIAgentRollout(SeededGenerationMixin):
 
     def __init__(self, agent: Callable, engine, tokenizer, cfg, pad_token_id: int, eos_token_ids):
         self.agent, self.engine, self.tokenizer, self.cfg = agent, engine, tokenizer, cfg
-        self.pad_token_id, self.eos_token_ids = pad_token_id, frozenset(eos_token_ids)
+        self.pad_token_id, self.eos_token_ids = pad_token_id, end_of_turn_ids(tokenizer, eos_token_ids)
         self.render_delta = message_delta_renderer(tokenizer)
         self._calls = 0
 

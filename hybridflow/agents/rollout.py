@@ -10,6 +10,8 @@ from hybridflow.agents.batch import trajectories_to_batch
 from hybridflow.agents.loop import Trajectory
 from hybridflow.protocol import DataProto
 
+MALFORMED_CALL_NAME = "invalid_tool_call"  # the tool message `name` answering a call that did not parse
+
 
 async def run_loops(loop, prompt_ids: list[list[int]], seed: int) -> list[Trajectory]:
     """Every row's trajectory, the rows' loops running concurrently (row i seeded by row_seed)."""
@@ -42,27 +44,30 @@ def build_agent_rollout(engine, cfg, tokenizer_dir: str) -> AgentRollout:
 
     from engines.rollout.requests import VLLMRequestEngine
     from hybridflow.agents.loop import ToolAgentLoop, ToolTurnResult, tool_response_renderer
-    from hybridflow.agents.tool_parser import parse_tool_calls, run_tool_calls
-    from hybridflow.agents.tools.base import load_tool
+    from hybridflow.agents.template import end_of_turn_ids
+    from hybridflow.agents.tool_parser import ToolCall, parse_tool_calls, run_tool_calls
+    from hybridflow.agents.tools.base import load_tool, tool_schemas
 
     requests = VLLMRequestEngine(engine, cfg)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     tools = [load_tool(path) for path in cfg.agent.tools]
-    render = tool_response_renderer(tokenizer)
+    render = tool_response_renderer(tokenizer, tool_schemas(tools))
+    ends = end_of_turn_ids(tokenizer, engine.eos_token_ids)
 
     async def run_tools(text: str) -> ToolTurnResult | None:
         calls = parse_tool_calls(text)
         if not calls:
             return None
         results = await run_tool_calls(calls, tools, cfg.agent.tool_timeout_s)
-        return ToolTurnResult([r.text for r in results], errors=sum(not r.ok for r in results))
+        names = [call.name if isinstance(call, ToolCall) else MALFORMED_CALL_NAME for call in calls]
+        return ToolTurnResult([r.text for r in results], sum(not r.ok for r in results), names)
 
     def make_loop(sampling) -> ToolAgentLoop:
         async def generate(ids: list[int], seed: int, max_new_tokens: int):
             return await requests.generate(ids, sampling, seed, max_new_tokens)
 
         return ToolAgentLoop(
-            generate, run_tools, tokenizer.decode, render, cfg.response_length, cfg.agent.max_turns
+            generate, run_tools, tokenizer.decode, render, cfg.response_length, cfg.agent.max_turns, ends
         )
 
     return AgentRollout(make_loop, cfg, engine.pad_token_id)

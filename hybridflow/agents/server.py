@@ -10,12 +10,19 @@ of a format `openai_api.py` already checks. Both are vLLM dependencies, so neith
 """
 
 import itertools
+import json
 import logging
 
 from aiohttp import web
 
 from hybridflow.agents.chat_session import ChatSession, GenerateChat
-from hybridflow.agents.openai_api import ApiError, completion_body, models_body, parse_chat_request
+from hybridflow.agents.openai_api import (
+    ApiError,
+    chunk_bodies,
+    completion_body,
+    models_body,
+    parse_chat_request,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -87,10 +94,24 @@ class ChatServer:
             )
             return web.json_response(failed.body(), status=500)
         request_id = f"chatcmpl-{session.name}-{next(self._ids)}"
+        if chat.stream:
+            usage = (reply.prompt_tokens, reply.completion_tokens) if chat.include_usage else None
+            return await _stream(request, chunk_bodies(request_id, self.cfg.model_name, reply.turn, usage))
         body = completion_body(
             request_id, self.cfg.model_name, reply.turn, reply.prompt_tokens, reply.completion_tokens
         )
         return web.json_response(body)
+
+
+async def _stream(request: web.Request, chunks: list[dict]) -> web.StreamResponse:
+    """Server-sent events, as OpenAI streams: one `data: <chunk>` per chunk, then `data: [DONE]`."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    for chunk in chunks:
+        await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
 
 
 async def _json(request: web.Request):

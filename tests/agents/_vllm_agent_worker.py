@@ -56,9 +56,9 @@ def check_replay(engine: VLLMRolloutEngine, tokenizer, out: DataProto) -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from hybridflow.agents.loop import tool_response_renderer
+    from hybridflow.agents.template import message_delta_renderer
 
-    render = tool_response_renderer(tokenizer)
+    render = message_delta_renderer(tokenizer)
     length = int(out.batch["attention_mask"][0, out.batch["prompts"].shape[1] :].sum())
     ids = out.batch["responses"][0, :length].tolist()
     mask = out.batch["response_mask"][0, :length].tolist()
@@ -73,7 +73,7 @@ def check_replay(engine: VLLMRolloutEngine, tokenizer, out: DataProto) -> None:
         else:
             turn = tokenizer.decode(prompt + ids[:start])
             last_turn = turn[turn.rindex("<|assistant|>") + len("<|assistant|>") :]
-            assert ids[start:end] == render([tool_text(last_turn)]), (start, end)
+            assert ids[start:end] == render([{"role": "tool", "content": tool_text(last_turn)}]), (start, end)
     log_probs = out.batch["rollout_log_probs"][0, :length]
     versions = out.batch["rollout_versions"][0, :length]
     tool = torch.tensor(mask) == 0

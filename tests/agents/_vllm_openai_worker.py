@@ -28,8 +28,8 @@ from tool_model import QUESTION
 
 from engines.rollout.config import AgentConfig, RolloutConfig, SamplingConfig
 from engines.rollout.vllm_rollout import VLLMRolloutEngine
-from hybridflow.agents.loop import message_delta_renderer
 from hybridflow.agents.rollout import build_agent_rollout
+from hybridflow.agents.template import message_delta_renderer
 from hybridflow.data.prompt_dataset import tokenize_chat
 from hybridflow.protocol import DataProto
 

@@ -38,15 +38,16 @@ class ScriptedEngine:
 def tool_loop(engine: ScriptedEngine, budget: int = 64, max_turns: int = 4, calls_in=(0, 1)) -> ToolAgentLoop:
     async def run_tools(text: str):
         turn = len(engine.requests) - 1
-        return ToolTurnResult([f"r{turn}"], errors=turn) if turn in calls_in else None
+        return ToolTurnResult([f"r{turn}"], errors=turn, names=["t"]) if turn in calls_in else None
 
     return ToolAgentLoop(
         engine.generate,
         run_tools,
         decode=lambda ids: str(ids),
-        render_tool_responses=lambda texts: [90 + len(texts[0])] * 3,
+        render_tool_responses=lambda result, closed, turn: [90 + len(result.responses[0])] * 3,
         budget=budget,
         max_turns=max_turns,
+        end_of_turn_ids=frozenset({EOS}),
     )
 
 
@@ -93,7 +94,7 @@ def test_tool_responses_render_as_the_chat_template_continues_the_conversation()
     sampled = tokenizer("<tool_call>x</tool_call>", add_special_tokens=False)["input_ids"] + [
         tokenizer.eos_token_id
     ]
-    tool_ids = render(["408"])
+    tool_ids = render(ToolTurnResult(["408"], 0, ["calculator"]), True, 0)
     assert tokenizer.decode(tool_ids) == "<|tool|>408<|assistant|>"
     conversation = [
         *user,

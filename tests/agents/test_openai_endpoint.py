@@ -14,9 +14,10 @@ import torch
 from engines.rollout.config import AgentConfig, RolloutConfig, SamplingConfig, ServerConfig
 from engines.rollout.requests import Completion
 from hybridflow.agents.chat_session import ChatSession
-from hybridflow.agents.loop import TOOL_VERSION, message_delta_renderer
+from hybridflow.agents.loop import TOOL_VERSION
 from hybridflow.agents.openai_api import ApiError, ChatRequest, assistant_message, parse_chat_request
 from hybridflow.agents.openai_loop import OpenAIAgentRollout, load_openai_agent
+from hybridflow.agents.template import call_id, message_delta_renderer
 from hybridflow.data.prompt_dataset import tokenize_chat
 from hybridflow.protocol import DataProto
 from hybridflow.utils.tiny_model import build_tokenizer
@@ -34,7 +35,8 @@ def body(**fields):
     ("fields", "param"),
     [
         ({"n": 2}, "n"),
-        ({"stream": True}, "stream"),
+        ({"stream": "true"}, "stream"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"logit_bias": {"5": 10}}, "logit_bias"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
@@ -74,25 +76,25 @@ def test_served_parameters_and_defaults_are_read():
 
 def test_a_sampled_turn_becomes_an_openai_assistant_message():
     text = "Let me compute.\n" + CALL % "12*34" + "\n" + CALL % "1+1"
-    turn = assistant_message(text, "stop", "call_s_0_")
+    turn = assistant_message(text, "stop", 0)
     assert turn.message["content"] == "Let me compute."
     assert turn.message["tool_calls"] == [
         {
-            "id": f"call_s_0_{i}",
+            "id": call_id(0, i),
             "type": "function",
             "function": {"name": "calculator", "arguments": json.dumps({"expression": e})},
         }
         for i, e in enumerate(("12*34", "1+1"))
     ]
     assert (turn.finish_reason, turn.tool_calls, turn.malformed_calls) == ("tool_calls", 2, 0)
-    only_call = assistant_message(CALL % "2", "stop", "c")
+    only_call = assistant_message(CALL % "2", "stop", 0)
     assert only_call.message["content"] is None and only_call.finish_reason == "tool_calls"
-    malformed = assistant_message(CALL % "2" + "<tool_call>{oops</tool_call>", "stop", "c")
+    malformed = assistant_message(CALL % "2" + "<tool_call>{oops</tool_call>", "stop", 0)
     assert malformed.message["tool_calls"] is None and malformed.message["content"].endswith(
         "{oops</tool_call>"
     )
     assert (malformed.finish_reason, malformed.malformed_calls) == ("stop", 1)
-    cut = assistant_message(CALL % "2", "length", "c")
+    cut = assistant_message(CALL % "2", "length", 0)
     assert (cut.message["content"], cut.finish_reason, cut.tool_calls) == (CALL % "2", "length", 0)
 
 

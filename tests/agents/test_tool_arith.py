@@ -5,7 +5,7 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
-from hybridflow.agents.loop import tool_response_renderer
+from hybridflow.agents.loop import ToolTurnResult, tool_response_renderer
 from hybridflow.agents.tool_parser import ToolCall, parse_tool_calls
 from hybridflow.data.arith import ArithConfig
 from hybridflow.data.tool_arith import TOOL_TOKENS, tool_call_text, tool_trace, write_tool_arith_parquet
@@ -25,7 +25,11 @@ def ids(tokenizer, text: str) -> list[int]:
 def test_a_trace_is_the_agent_loops_tokens(tokenizer):
     trace = tool_trace([{"role": "user", "content": "What is 123*456?"}], "123*456", tokenizer)
     call = [*ids(tokenizer, tool_call_text("123*456")), tokenizer.eos_token_id]
-    expected = call + tool_response_renderer(tokenizer)(["56088"]) + ids(tokenizer, "#### 56088")
+    expected = (
+        call
+        + tool_response_renderer(tokenizer)(ToolTurnResult(["56088"], 0, ["calculator"]), True, 0)
+        + ids(tokenizer, "#### 56088")
+    )
     assert ids(tokenizer, trace) == expected
     assert len(call) < 20, tokenizer.convert_ids_to_tokens(call)  # the added pieces, not 80 bytes
     (parsed,) = parse_tool_calls(tokenizer.decode(call))

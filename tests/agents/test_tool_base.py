@@ -143,3 +143,39 @@ def test_the_example_tool_of_docs_agents_md_works():
         ("Error: reverse: the text has 8 characters; at most 5", "tool_error"),
         ("cba", None),
     ]
+
+
+SANDBOX = "hybridflow.agents.tools.python_sandbox.PythonSandbox"
+RECIPE_TOOLS = f"""
+model: {{path: /models/tiny}}
+data: {{train_files: [train.parquet]}}
+rollout:
+  name: vllm
+  agent:
+    loop: tool
+    tools:
+      - hybridflow.agents.tools.calculator.Calculator
+      - path: {SANDBOX}
+        kwargs: {{timeout_s: 5, memory_mb: 512, layers: [audit]}}
+"""
+
+
+def test_a_recipe_passes_a_tools_constructor_arguments_and_they_are_checked_before_workers_start(tmp_path):
+    from hybridflow.config.loader import load_recipe
+    from hybridflow.config.validate import _check_agent_tools
+
+    recipe = tmp_path / "tools.yaml"
+    recipe.write_text(RECIPE_TOOLS)
+    cfg = load_recipe(recipe)
+    calculator, sandbox = (load_tool(entry) for entry in cfg.rollout.agent.tools)
+    assert isinstance(calculator, Calculator)
+    assert (sandbox.timeout_s, sandbox.memory_mb, sandbox.layers) == (5, 512, ("audit",))
+    assert _check_agent_tools(cfg) == []
+    cfg.rollout.agent.tools[1]["kwargs"]["timeout"] = 5
+    cfg.rollout.agent.tools.append({"kwargs": {}})
+    assert _check_agent_tools(cfg) == [
+        f"rollout.agent.tools[1]={SANDBOX!r} cannot be built: TypeError: "
+        "PythonSandbox.__init__() got an unexpected keyword argument 'timeout'",
+        "rollout.agent.tools[2]={'kwargs': {}} must be a dotted path 'package.module.ToolClass' or "
+        "{path: package.module.ToolClass, kwargs: {...}}",
+    ]

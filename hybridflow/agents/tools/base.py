@@ -9,12 +9,12 @@ cannot serve, and that message is what the model reads back.
 
 import inspect
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import jsonschema
 
-from hybridflow.utils.imports import load_by_path
+from hybridflow.utils.imports import DottedPathError, load_by_path
 
 # The function-name rule of the OpenAI tools API, which chat templates (Qwen, Hermes) follow.
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -34,9 +34,11 @@ class Tool(Protocol):
     async def call(self, arguments: dict[str, Any]) -> str: ...
 
 
-def load_tool(dotted_path: str, recipe_key: str = "rollout.agent.tools", **kwargs: Any) -> Tool:
-    """Imports `package.module.Name`: a Tool class (built with kwargs) or a Tool instance. Whatever
-    importing or building it raises is a DottedPathError naming `recipe_key`."""
+def load_tool(entry: str | Mapping[str, Any], recipe_key: str = "rollout.agent.tools", **kwargs: Any) -> Tool:
+    """Imports `package.module.Name`: a Tool class (built with kwargs) or a Tool instance. `entry` is
+    the dotted path, or a recipe's `{path: ..., kwargs: {...}}`. Whatever importing or building it
+    raises is a DottedPathError naming `recipe_key`."""
+    dotted_path, kwargs = _tool_entry(entry, recipe_key, kwargs)
 
     def build(obj: Any) -> Any:
         if inspect.isclass(obj):
@@ -48,6 +50,23 @@ def load_tool(dotted_path: str, recipe_key: str = "rollout.agent.tools", **kwarg
     tool = load_by_path(dotted_path, recipe_key, "package.module.ToolClass", build)
     check_tool(tool, dotted_path)
     return tool
+
+
+def _tool_entry(entry: Any, recipe_key: str, kwargs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(dotted path, constructor arguments) of a `rollout.agent.tools` entry."""
+    if isinstance(entry, str):
+        return entry, kwargs
+    given = entry.get("kwargs", {}) if isinstance(entry, Mapping) else None
+    if (
+        not isinstance(given, Mapping)
+        or not isinstance(entry.get("path"), str)
+        or set(entry) - {"path", "kwargs"}
+    ):
+        raise DottedPathError(
+            f"{recipe_key}={entry!r} must be a dotted path 'package.module.ToolClass' or "
+            "{path: package.module.ToolClass, kwargs: {...}}"
+        )
+    return entry["path"], {**given, **kwargs}
 
 
 def check_tool(tool: object, origin: str) -> None:
