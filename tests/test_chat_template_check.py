@@ -52,6 +52,7 @@ def agent_recipe(loop: str = "tool") -> RecipeConfig:
 
 def tokenizer_with(template: str):
     tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})  # as ChatML's
     tokenizer.chat_template = template
     return tokenizer
 

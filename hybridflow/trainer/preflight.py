@@ -16,6 +16,7 @@ from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 
+from hybridflow.agents.template import check_incremental_template
 from hybridflow.agents.tool_parser import ToolCall, parse_tool_calls
 from hybridflow.agents.tools.base import prompt_tools
 from hybridflow.config.schema import RecipeConfig
@@ -189,6 +190,7 @@ def check_chat_template(cfg: RecipeConfig, tokenizer) -> None:
             f"what its tools return; {TEMPLATE_FIX}"
         )
     _check_tool_call_format(rendered[: rendered.index(PROBE_RESPONSE)], name, key)
+    check_incremental_template(tokenizer, key)  # tool responses append to the sampled ids (issue 35)
 
 
 def _tool_turn(name: str) -> list[dict]:

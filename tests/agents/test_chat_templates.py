@@ -215,3 +215,23 @@ def test_a_message_the_template_cannot_append_starts_a_new_segment():
     asyncio.run(session.complete(ChatRequest(follow_up, TOOLS), generate))
     assert session.divergences == 1
     assert requests[1] == tokenize_chat(tokenizer, [template_message(m) for m in follow_up], TOOLS)
+
+
+def test_the_recipe_check_refuses_a_template_the_loop_cannot_render_incrementally():
+    """Before any worker starts (hybridflow/trainer/preflight.py), naming the tokenizer's key."""
+    from engines.rollout.config import AgentConfig, RolloutConfig
+    from hybridflow.config.schema import RecipeConfig
+    from hybridflow.trainer.preflight import check_chat_template
+
+    cfg = RecipeConfig()
+    cfg.model.path = "/models/qwen"
+    agent = AgentConfig(loop="tool", tools=["hybridflow.agents.tools.calculator.Calculator"])
+    cfg.rollout = RolloutConfig(name="vllm", agent=agent)
+    family = next(f for f in FAMILIES if f.name == "qwen2.5-base")
+    check_chat_template(cfg, family.tokenizer())
+    no_end = family.tokenizer()
+    no_end.chat_template = QWEN25.replace("+ message.content + '<|im_end|>\\n'", "+ message.content + '\\n'")
+    with pytest.raises(
+        ValueError, match=r"model.path=/models/qwen: the chat template writes no end-of-turn token"
+    ):
+        check_chat_template(cfg, no_end)
