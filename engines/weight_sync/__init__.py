@@ -16,7 +16,8 @@ The ways weights move:
   resumes the engine's memory around it).
 - `transfer` (trainer.placement=disaggregated): a process group of its own from the actor's rank 0
   to a pool of engines in other processes, one header and one payload broadcast per bucket
-  (today in hybridflow/workers/weight_transfer.py, to be moved here).
+  (`WeightSender` / `WeightReceiver`; the policy worker's rank 0 sends, each rollout worker
+  receives into its engine).
 - `adapters` (`actor.lora.sync=adapters`, vLLM): the frozen base weights streamed once, then only
   the LoRA adapters under peft's names at each sync (`AdapterWeightSync`).
 

@@ -1,5 +1,5 @@
 """The actor for trainer.placement=disaggregated: the policy worker without a rollout engine,
-sending its weights to the rollout pool's engines instead (hybridflow/workers/weight_transfer.py).
+sending its weights to the rollout pool's engines instead (engines/weight_sync/transfer.py).
 
 Every actor rank walks the weight stream (`iter_hf_tensors` is collective over the model-parallel
 group: each rank gathers full tensors); rank 0 sends them, the others only take part.
@@ -38,7 +38,7 @@ class DisaggregatedActorWorker(ActorRolloutRefWorker):
             return
         import torch
 
-        from hybridflow.workers.weight_transfer import WeightSender, transfer_group
+        from engines.weight_sync.transfer import WeightSender, transfer_group
 
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         group = transfer_group(host, port, 0, size, backend)

@@ -1,7 +1,7 @@
 """The rollout as its own role (trainer.placement=disaggregated): one process per device of the
 rollout pool, each holding a rollout engine and nothing of the actor.
 
-Weights arrive over a transfer group (hybridflow/workers/weight_transfer.py) whose sender is the
+Weights arrive over a transfer group (engines/weight_sync/transfer.py) whose sender is the
 actor's rank 0. Joining the group and receiving a transfer are collectives with the actor, which
 the driver calls one group at a time: so the rollout side runs them in a background thread
 (`start_join_transfer` / `start_receive_weights`) and the driver collects the outcome with
@@ -64,7 +64,7 @@ class RolloutWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def start_join_transfer(self, host: str, port: int, size: int) -> None:
         """Join the transfer group as member 1 + this rank (in the background)."""
-        from hybridflow.workers.weight_transfer import WeightReceiver, transfer_group
+        from engines.weight_sync.transfer import WeightReceiver, transfer_group
 
         backend = "nccl" if torch.cuda.is_available() else "gloo"
 

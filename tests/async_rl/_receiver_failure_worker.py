@@ -18,7 +18,7 @@ import time
 import torch
 
 from hybridflow.workers.rollout_worker import RolloutWorker
-from hybridflow.workers.weight_transfer import WeightSender, transfer_group
+from engines.weight_sync.transfer import WeightSender, transfer_group
 
 HOST = "127.0.0.1"
 GROUP_TIMEOUT_S = 600.0  # transfer_group's default, which the rollout worker's group has

@@ -17,7 +17,7 @@ import torch
 from engines.rollout.config import RolloutConfig, SamplingConfig
 from engines.rollout.hf_rollout import checkpoint_tensors
 from hybridflow.protocol import DataProto
-from hybridflow.workers.weight_transfer import WeightReceiver, WeightSender, transfer_group
+from engines.weight_sync.transfer import WeightReceiver, WeightSender, transfer_group
 
 VERSIONS = (1, 2)
 BUCKET_MB = 0.05  # several buckets for the tiny model

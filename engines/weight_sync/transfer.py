@@ -16,7 +16,7 @@ One transfer is a sequence of broadcasts from rank 0, one header and one payload
 
 Buckets are those of the colocated sync (`bucket_named_tensors`, `rollout.weight_sync_bucket_mb`).
 Each receiver loads the buckets into its engine inside one weight-update session (the engine's own
-load path, as the colocated sharding manager does) and then serves policy version v. A receiver
+load path, as the colocated sync does) and then serves policy version v. A receiver
 whose engine fails still receives the rest of the transfer, so the sender returns and the driver
 gets the receiver's error (WeightSyncError, from the rollout worker's `finish_transfer`) instead of
 a collective timeout; that engine then serves no known version until a transfer succeeds.
