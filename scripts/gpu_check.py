@@ -89,17 +89,17 @@ def train(overrides: list[str]) -> tuple[dict, list[dict]]:
     from engines.megatron.model import load_hf_config
     from hybridflow.single_controller import LocalWorkerGroup, RayClassWithInitArgs
     from hybridflow.trainer.main import prepare
+    from hybridflow.trainer.policy import Policy
     from hybridflow.trainer.ppo_trainer import PPOTrainer
-    from hybridflow.trainer.roles import RoleGroups
-    from hybridflow.workers.actor_rollout_ref import ActorRolloutRefWorker
+    from hybridflow.trainer.roles import Roles
+    from hybridflow.trainer.rollout.colocated import ColocatedRollout
+    from hybridflow.workers.hybrid_policy import HybridPolicyWorker
 
     cfg, layout = prepare([str(REPO / "recipes" / "quickstart.yaml"), *overrides])
-    group = LocalWorkerGroup(
-        ray_cls_with_init=RayClassWithInitArgs(ActorRolloutRefWorker, cfg, role="actor_rollout")
-    )
+    group = LocalWorkerGroup(ray_cls_with_init=RayClassWithInitArgs(HybridPolicyWorker, cfg))
     try:
         group.init_model()
-        roles = RoleGroups(actor_rollout=group, critic=None, reward_model=None, groups=[group])
+        roles = Roles(Policy(group), ColocatedRollout(group), critic=None, reward_model=None, groups=[group])
         PPOTrainer(cfg, roles, actor_dp=layout.actor_dp).fit(None)
     finally:
         group.shutdown()

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from engines.rollout.base import pad_rows
-from hybridflow.trainer.disaggregated import mixed_version_share, staleness_metrics
+from hybridflow.trainer.rollout.pool import mixed_version_share, staleness_metrics
 
 
 def test_staleness_mean_max_and_histogram():

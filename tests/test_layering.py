@@ -68,7 +68,7 @@ def test_the_in_process_path_imports_no_ray():
     """scripts/gpu_check.sh trains through LocalWorkerGroup on GPU machines that have no Ray."""
     probe = (
         "import sys; sys.modules['ray'] = None;"  # every `import ray` now fails
-        "import hybridflow.trainer.ppo_trainer, hybridflow.workers.actor_rollout_ref;"
+        "import hybridflow.trainer.ppo_trainer, hybridflow.workers.hybrid_policy;"
         "from hybridflow.single_controller import LocalWorkerGroup, RayClassWithInitArgs, Worker;"
         "print('no ray needed')"
     )

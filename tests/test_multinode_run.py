@@ -48,7 +48,7 @@ report["returncode"], report["output_tail"] = run.returncode, (run.stdout + run.
 report["worker_actor_nodes"] = sorted(
     actor["Address"]["NodeID"]
     for actor in ray._private.state.actors().values()
-    if actor["ActorClassName"].endswith("ActorRolloutRefWorker")
+    if actor["ActorClassName"].endswith("HybridPolicyWorker")
 )
 ray.shutdown()
 cluster.shutdown()

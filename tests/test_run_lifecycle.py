@@ -12,6 +12,7 @@
   shell's status for the signal (130, 143) and one line (no native stack dump from Ray);
 - a NaN reward stops the run at step 1 with an error naming the step, the reward function and the
   data_source, and nothing is published (no checkpoint, no `latest`, no HF export);
+- a rollout pool process killed mid-run ends the run with one `error:` line naming it (status 1);
 - with trainer.nonfinite_policy=skip the same run completes, counts the skipped steps, and
   exports the untouched initial weights.
 """
@@ -57,11 +58,14 @@ def wait_for(condition, timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
-def start_and_wait_for_step_1(local: dict, output_dir: Path, marker: str) -> tuple[subprocess.Popen, Path]:
+def start_and_wait_for_step_1(
+    local: dict, output_dir: Path, marker: str, *overrides: str
+) -> tuple[subprocess.Popen, Path]:
     log = output_dir.parent / f"{output_dir.name}.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            command(local, output_dir, "trainer.total_training_steps=1000"), env=environment(local, marker),
+            command(local, output_dir, "trainer.total_training_steps=1000", *overrides),
+            env=environment(local, marker),
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=as_from_a_terminal,
         )  # fmt: skip
     wait_for(lambda: step_1_logged(output_dir) or proc.poll() is not None, 900, "step 1")
@@ -124,6 +128,38 @@ def test_sigkill_of_the_driver_leaves_nothing(local, tmp_path):
         assert processes_with_env(f"HYBRIDFLOW_TEST_RUN={marker}") == []
     finally:
         cleanup(proc, marker)
+
+
+DISAGGREGATED = (
+    "trainer.placement=disaggregated", "trainer.n_gpus_per_node=1",
+    "actor.megatron.tensor_model_parallel_size=1", "trainer.rollout_pool.n_gpus_per_node=1",
+)  # fmt: skip
+
+
+def test_a_killed_rollout_process_ends_the_run_with_one_named_error(local, tmp_path):
+    """The rollout pool's process killed between steps: whichever call meets the dead process first
+    (the next weight transfer or generation), the run ends with status 1 and one `error:` line
+    naming the rollout process, no traceback, nothing left running."""
+    marker = uuid.uuid4().hex
+    proc, log = start_and_wait_for_step_1(local, tmp_path / "run", marker, *DISAGGREGATED)
+    try:
+        (rollout,) = [p for p in psutil.process_iter() if marker_in(p, marker) and is_rollout_worker(p)]
+        rollout.kill()
+        assert proc.wait(timeout=600) == 1, log.read_text()[-3000:]
+        output = log.read_text()
+        assert "Traceback" not in output, output[-3000:]
+        last = output.rstrip().splitlines()[-1]
+        assert last.startswith("error: rollout pool process 0 died during `"), output[-3000:]
+        assert processes_with_env(f"HYBRIDFLOW_TEST_RUN={marker}") == []
+    finally:
+        cleanup(proc, marker)
+
+
+def is_rollout_worker(process: psutil.Process) -> bool:
+    try:
+        return "RolloutWorker" in " ".join(process.cmdline())  # Ray titles an actor's process by class
+    except psutil.Error:
+        return False
 
 
 def run(local: dict, output_dir: Path, *overrides: str) -> subprocess.CompletedProcess:

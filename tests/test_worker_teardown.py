@@ -11,7 +11,8 @@ from engines.rollout.hf_rollout import HFRolloutEngine
 from engines.rollout.sglang_rollout import SGLangRolloutEngine
 from engines.rollout.vllm_rollout import VLLMRolloutEngine
 from hybridflow.single_controller import LocalWorkerGroup, RayClassWithInitArgs
-from hybridflow.workers.actor_rollout_ref import ActorRolloutRefWorker
+from hybridflow.workers.hybrid_policy import HybridPolicyWorker
+from hybridflow.workers.policy import PolicyWorker
 
 
 class StandInEngine:
@@ -29,17 +30,15 @@ def spmd_env_restored(monkeypatch):
 
 
 def test_the_policy_worker_group_shutdown_stops_the_rollout_engine(spmd_env_restored):
-    group = LocalWorkerGroup(
-        ray_cls_with_init=RayClassWithInitArgs(ActorRolloutRefWorker, None, role="actor_rollout")
-    )
+    group = LocalWorkerGroup(ray_cls_with_init=RayClassWithInitArgs(HybridPolicyWorker, None))
     engine = group.worker.rollout = StandInEngine()
     group.shutdown()
     assert engine.shutdowns == 1
 
 
 def test_a_worker_without_an_engine_tears_down_quietly():
-    ActorRolloutRefWorker(None, role="ref").teardown()  # a standalone reference builds no rollout
-    worker = ActorRolloutRefWorker(None, role="actor_rollout")
+    PolicyWorker(None, with_reference=True).teardown()  # a policy worker without an engine
+    worker = HybridPolicyWorker(None)
     worker.rollout = None  # a rank of an SGLang rollout group that is not the group's first
     worker.teardown()
 

@@ -2,23 +2,26 @@
 and the batch reshaped between the actor's data-parallel layout and the rollout engines.
 
     sharding_manager.load_weights()                 # resume the weights' memory, sync the weights
-    with sharding_manager.generating():             # resume the KV cache, flush it
-        piece = sharding_manager.preprocess_data(prompts)
-        out = engine.generate_sequences(piece) if engine is not None else None
-        out = sharding_manager.postprocess_data(out)
-                                                    # on exit: release the engine's memory
+    sharding_manager.start_generating()             # resume the KV cache, flush it
+    piece = sharding_manager.preprocess_data(prompts)        # (any number of generation calls)
+    out = engine.generate_sequences(piece) if engine is not None else None
+    out = sharding_manager.postprocess_data(out)
+    sharding_manager.release()                      # before the actor computes: the memory back
+
+`with sharding_manager.generating():` is start_generating ... release around one block.
 
 Engine memory (with `rollout.free_cache_engine`, the default). The engine's memory is released
 as soon as the manager is built (the actor trains next), and comes back in two steps so that
 the peak is the weights plus the actor, never the KV cache plus the actor plus buckets.
 `load_weights`: `before_resume` hook (the actor's optimizer state and gradients to host memory,
 the allocator's cache emptied) -> resume "weights" -> sync the weights -> `after_sync` hook (the
-actor's parameters to host memory). `generating`: resume "kv_cache" and "cuda_graph" -> flush the
-cache; its exit releases everything (the weights too: the next generation needs `load_weights`
-again, and `generating` refuses until then), then the `after_release` hook brings the actor's state
-back. The manager tracks what is released and never resumes memory that is not (SGLang's scheduler
-dies on that). With `free_cache_engine: false` nothing is ever released or resumed: one
-`load_weights` serves any number of `generating` blocks, which only flush.
+actor's parameters to host memory). `start_generating`: resume "kv_cache" and "cuda_graph" ->
+flush the cache. `release` (the hybrid worker calls it before the actor's next computation)
+releases everything (the weights too: the next generation needs `load_weights` again, and
+`start_generating` refuses until then; `holds_weights` says which), then the `after_release` hook
+brings the actor's state back. The manager tracks what is released and never resumes memory that
+is not (SGLang's scheduler dies on that). With `free_cache_engine: false` nothing is ever released
+or resumed: one `load_weights` serves any number of generations, which only flush.
 
 Weights (`engines.weight_sync`, whose docstring says what is checked and when). The manager
 holds the colocated sync (`ColocatedWeightSync`: the actor's HF-named stream into the engine in
@@ -82,8 +85,8 @@ class _Group:
 
 
 class MegatronRolloutShardingManager:
-    """`load_weights()`, then `with generating():`; construct it on every rank at the same time
-    (collective)."""
+    """`load_weights()`, then generation between `start_generating()` and `release()`; construct it
+    on every rank at the same time (collective)."""
 
     def __init__(
         self,
@@ -116,6 +119,7 @@ class MegatronRolloutShardingManager:
         self._slice_sizes: list[int] = []
         self._released: set[str] = set()
         self._holds_weights = False  # synced weights loaded since the engine last released them
+        self._awake = False  # resumed since the last release (the actor's state may be offloaded)
         if self.engine is not None and rollout_cfg.free_cache_engine:
             self._release(ALL_TAGS)  # a new engine holds its memory; the actor trains first
 
@@ -127,35 +131,52 @@ class MegatronRolloutShardingManager:
             self.hooks.before_resume()
         self._resume([WEIGHTS_TAG])
         self._holds_weights = False  # until the sync succeeds: a failed one leaves a partial engine
+        self._awake = True  # from here on `release` hands the memory back, even after a failure
         self.last_sync = self.weights.sync()
         self._holds_weights = True
         if self.hooks.after_sync is not None:
             self.hooks.after_sync()
         return self.last_sync
 
-    @contextmanager
-    def generating(self) -> Iterator[None]:
-        """Generation with the weights of the last `load_weights`: the KV cache resumed and flushed;
-        on exit the engine's memory released (with `free_cache_engine`) and `after_release` run."""
+    @property
+    def holds_weights(self) -> bool:
+        """Synced weights are loaded and not released since (generation may start)."""
+        return self._holds_weights
+
+    def start_generating(self) -> None:
+        """The engine ready to generate with the weights of the last `load_weights`: the KV cache
+        resumed and flushed. It stays so, for any number of generation calls, until `release`."""
         if not self._holds_weights:
             raise RuntimeError(
-                "generating() without weights: the engine released its memory (or was just built) "
-                "and no load_weights() ran since; call load_weights() first"
+                "start_generating() without weights: the engine released its memory (or was just "
+                "built) and no load_weights() ran since; call load_weights() first"
             )
         self._resume([KV_CACHE_TAG, CUDA_GRAPH_TAG])
         if self.engine is not None:
             self.engine.flush_cache()
-        try:
-            yield
-        finally:
-            self._after_generating()
+        self._awake = True
 
-    def _after_generating(self) -> None:
+    def release(self) -> None:
+        """The device back to the actor after `load_weights` / generation: the engine's memory
+        released (with `free_cache_engine`: weights too) and `after_release` run; nothing when the
+        engine is idle already."""
+        if not self._awake:
+            return
         if self.cfg.free_cache_engine:
             self._release(ALL_TAGS)
             self._holds_weights = False  # on every rank, engine or not, so that all refuse alike
         if self.hooks.after_release is not None:
             self.hooks.after_release()
+        self._awake = False
+
+    @contextmanager
+    def generating(self) -> Iterator[None]:
+        """`start_generating()`, the block, then `release()`."""
+        self.start_generating()
+        try:
+            yield
+        finally:
+            self.release()
 
     def _release(self, tags: list[str]) -> None:
         pending = [tag for tag in tags if tag not in self._released]

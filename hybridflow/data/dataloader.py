@@ -49,6 +49,12 @@ class ResumableDataLoader:
         self.epoch += 1
         self.batch_index = 0
 
+    def next_batch(self) -> dict:
+        """The next batch, going on to the next epoch when this one is used up (a trainer's step
+        may draw several: dynamic sampling, batches generated ahead)."""
+        batch = next(iter(self), None)
+        return batch if batch is not None else next(iter(self))
+
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "batch_index": self.batch_index, "seed": self.seed}
 

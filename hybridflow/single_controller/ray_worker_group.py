@@ -115,7 +115,7 @@ class RayWorkerGroup(WorkerGroup):
             try:
                 ray.get(ref)
             except ray.exceptions.RayError as err:
-                _warn(f"rank {rank_of[ref]}: {self._worker_cls.__name__}.teardown failed: {err}")
+                _warn(f"rank {rank_of[ref]}: {self._worker_cls.__name__}.teardown failed: {_summary(err)}")
         for ref in pending:
             _warn(
                 f"rank {rank_of[ref]}: {self._worker_cls.__name__}.teardown did not finish within "
@@ -165,6 +165,14 @@ class RayWorkerGroup(WorkerGroup):
 
     def _ranks(self) -> list[int]:
         return list(range(len(self._actors)))
+
+
+def _summary(err: ray.exceptions.RayError) -> str:
+    """One line for a warning: the worker's own exception, or the first line of Ray's (a dead
+    process's text runs on for a dozen lines)."""
+    cause = err.cause if isinstance(err, ray.exceptions.RayTaskError) else err
+    lines = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {lines[0] if lines else ''}"
 
 
 def _warn(message: str) -> None:

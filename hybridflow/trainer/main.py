@@ -28,13 +28,14 @@ from hybridflow.reward.manager import RewardFunctionError
 from hybridflow.trainer.checkpoint import CheckpointManager, CheckpointSaveError
 from hybridflow.trainer.preflight import check_run_inputs
 from hybridflow.trainer.resume import ResumePlan, plan_resume
+from hybridflow.trainer.rollout.pool import RolloutProcessDied
 from hybridflow.utils import warning_filters
 from hybridflow.utils.hub import resolve_recipe_models
 from hybridflow.utils.nonfinite import StepRefusedError
 from hybridflow.utils.teardown import closing_after
 
 # Errors a run stops with whose message says everything (step, cause, what to do): one line, status 1.
-RUN_STOPPING_ERRORS = (StepRefusedError, CheckpointSaveError, RewardFunctionError)
+RUN_STOPPING_ERRORS = (StepRefusedError, CheckpointSaveError, RewardFunctionError, RolloutProcessDied)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -1,10 +1,14 @@
-"""The PPO/GRPO driver: a plain loop over the RL dataflow, one worker-group call per stage.
+"""The PPO/GRPO driver: a plain loop over the RL dataflow with two handles, the policy and the rollout.
 
-    trainer = PPOTrainer(cfg, start_roles(cfg)); trainer.fit()
+    trainer = PPOTrainer(cfg, start_roles(cfg), actor_dp); trainer.fit()
 
-`step()` reads like the algorithm (generate, reward, old log-probs, reference, values,
-advantages, critic update, actor update) with a timer around each stage; everything else is
-setup, validation, logging and checkpoint hooks.
+`step()` reads like the algorithm: the rollout takes the policy's newest weights (a timed phase of
+its own, `timing/weight_sync`), the step's responses come from the rollout (generated now, or
+launched steps earlier when generating ahead), then reward, old log-probs, reference, values,
+advantages and the updates, with a timer around each stage. Where the responses come from and
+when weights move are the rollout handle's (hybridflow/trainer/rollout/); what the policy is, the
+policy handle's (hybridflow/trainer/policy.py). Everything else is setup, validation, logging and
+checkpoint hooks.
 """
 
 from pathlib import Path
@@ -21,7 +25,6 @@ from hybridflow.reward.manager import compute_rewards, sequence_scores
 from hybridflow.reward.registry import load_reward_fn, rule_reward_fn
 from hybridflow.single_controller.errors import WorkerError
 from hybridflow.trainer import core, metrics
-from hybridflow.trainer.async_loop import GenerationAhead
 from hybridflow.trainer.balance import balanced_order
 from hybridflow.trainer.checkpoint import (
     CheckpointError,
@@ -31,9 +34,11 @@ from hybridflow.trainer.checkpoint import (
 )
 from hybridflow.trainer.dynamic_sampling import collect_varied_groups
 from hybridflow.trainer.preflight import checkpoint_size_estimate
+from hybridflow.trainer.prompts import PromptBatches, StepPrompts
 from hybridflow.trainer.resume import ResumePlan, plan_resume
-from hybridflow.trainer.roles import RoleGroups, uses_reference
-from hybridflow.trainer.validation import pop_prompts, run_validation
+from hybridflow.trainer.roles import Roles, uses_reference
+from hybridflow.trainer.rollout.ahead import GeneratingAhead, generation_depth
+from hybridflow.trainer.validation import run_validation
 from hybridflow.utils.nonfinite import (
     NonFiniteError,
     StepRefusedError,
@@ -48,10 +53,11 @@ FROM_RECIPE = "from_recipe"
 
 
 class PPOTrainer:
-    def __init__(self, cfg: RecipeConfig, roles: RoleGroups, actor_dp: int):
+    def __init__(self, cfg: RecipeConfig, roles: Roles, actor_dp: int):
         from transformers import AutoTokenizer
 
-        self.cfg, self.roles, self.actor_dp = cfg, roles, actor_dp
+        self.cfg, self.actor_dp = cfg, actor_dp
+        self.policy, self.critic, self.reward_model = roles.policy, roles.critic, roles.reward_model
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
         custom = load_reward_fn(cfg.reward.custom_fn) if cfg.reward.custom_fn else None
         self.reward_fn = custom or rule_reward_fn(cfg.reward.format_score)
@@ -62,6 +68,11 @@ class PPOTrainer:
         )
         self.use_ref = uses_reference(cfg)
         self.rollout_reads_rows = cfg.rollout.agent.loop == "openai"  # the agent reads each row's messages
+        self.prompts = PromptBatches(self.train_loader, cfg.rollout.sampling.n, self.rollout_reads_rows)
+        self.rollout = roles.rollout
+        depth = generation_depth(cfg)
+        if depth > 0:  # one_step / async: the next batches generate during the update
+            self.rollout = GeneratingAhead(roles.rollout, depth, self.prompts)
         self.kl_ctrl = core.make_kl_controller(cfg.algorithm.kl_ctrl)
         self.total_steps = (
             cfg.trainer.total_training_steps or len(self.train_loader) * cfg.trainer.total_epochs
@@ -72,8 +83,6 @@ class PPOTrainer:
         )
         self.global_step = 0
         self.skipped_steps = 0  # steps dropped for a NaN / inf or a too large update (policy "skip")
-        if cfg.trainer.async_training.mode != "sync":  # next batches generate during the update
-            GenerationAhead.attach(self)
 
     def _loader(self, files: list[str], max_samples: int | None, train: bool = False) -> ResumableDataLoader:
         data = self.cfg.data
@@ -109,31 +118,25 @@ class PPOTrainer:
                 tracker.log(self.validate(), step=0)
             self.train(tracker)
             if self.cfg.trainer.export_hf:
-                self.roles.actor_rollout.export_hf(str(self.output_dir / "hf"))
+                self.policy.export_hf(str(self.output_dir / "hf"))
 
     def train(self, tracker: Tracking) -> None:
         """Steps until total_steps, over as many epochs of the data as that takes."""
         while self.global_step < self.total_steps:
             self.global_step += 1
-            step_metrics = self.finite_step(self.next_batch())
+            step_metrics = self.finite_step()
             if self._due(self.cfg.trainer.test_freq):
                 step_metrics.update(self.validate())
             tracker.log(step_metrics, step=self.global_step)
             if self._due(self.cfg.trainer.save_freq):
                 self.save_checkpoint()
 
-    def next_batch(self) -> dict:
-        """The loader's next batch of prompts, going on to the next epoch when this one is used up
-        (the loader keeps the position, so a step may draw several: dynamic sampling)."""
-        batch_dict = next(iter(self.train_loader), None)
-        return batch_dict if batch_dict is not None else next(iter(self.train_loader))
-
-    def finite_step(self, batch_dict: dict) -> dict[str, float]:
+    def finite_step(self) -> dict[str, float]:
         """`step()`, stopped by a NaN / inf reward, loss or grad norm, or by an update beyond
         max_update_ratio (the workers apply no such optimizer step), or with
         trainer.nonfinite_policy skip, counted instead."""
         try:
-            step_metrics = self.step(batch_dict)
+            step_metrics = self.step()
             problems = nonfinite_update(step_metrics)
             if problems:
                 raise NonFiniteError(
@@ -159,43 +162,51 @@ class PPOTrainer:
     def _due(self, freq: int) -> bool:
         return freq > 0 and (self.global_step % freq == 0 or self.global_step == self.total_steps)
 
-    def step(self, batch_dict: dict) -> dict[str, float]:
-        """One PPO step over a batch of prompts; returns its metrics."""
-        roles, timings = self.roles, {}
+    def step(self) -> dict[str, float]:
+        """One PPO step over the next batch of prompts; returns its metrics."""
+        timings = {}
         with metrics.timer("step", timings):
-            batch, sampling_metrics = self.sample(batch_dict, timings)
+            self.sync_weights(timings)  # the rollout takes the policy's newest weights
+            batch, sampling_metrics = self.sample(timings)  # responses from the rollout
             with metrics.timer("old_log_prob", timings):
-                batch = batch.union(roles.actor_rollout.compute_log_prob(batch))
+                batch = batch.union(self.policy.log_probs(batch))
             if self.use_ref:
                 with metrics.timer("ref", timings):
-                    batch = batch.union(roles.actor_rollout.compute_ref_log_prob(batch))
-            if roles.critic is not None:
+                    batch = batch.union(self.policy.ref_log_probs(batch))
+            if self.critic is not None:
                 with metrics.timer("values", timings):
-                    batch = batch.union(roles.critic.compute_values(batch))
+                    batch = batch.union(self.critic.compute_values(batch))
             with metrics.timer("adv", timings):
                 rewards, kl_metrics = core.token_level_rewards(batch, self.cfg.algorithm, self.kl_ctrl)
                 batch = batch.union(rewards)
                 batch = batch.union(core.compute_advantage(batch, self.cfg.algorithm))
-            worker_metrics = self.update_models(batch, timings)
+            update_metrics = self.update_models(batch, timings)
         return {
             **metrics.batch_metrics(batch),
             **kl_metrics,
             **sampling_metrics,
-            **worker_metrics,
+            **update_metrics,
+            **self.rollout.metrics(batch),
             **metrics.timing_metrics(timings),
             **metrics.throughput(batch, timings["step"]),
         }
 
-    def sample(self, batch_dict: dict, timings: dict[str, float]) -> tuple[DataProto, dict[str, float]]:
+    def sync_weights(self, timings: dict[str, float]) -> None:
+        """The policy's current weights into the rollout engines (nothing moves where they serve
+        that version already)."""
+        with metrics.timer("weight_sync", timings):
+            self.rollout.sync_weights(self.policy)
+
+    def sample(self, timings: dict[str, float]) -> tuple[DataProto, dict[str, float]]:
         """Scored responses to the step's prompts (with DAPO's dynamic sampling: only groups whose
         rewards differ, drawing more prompts as needed), ordered so that every data-parallel rank
         gets a similar number of tokens."""
-        batch, sampling_metrics = self.generate_and_score(batch_dict, timings), {}
+        batch, sampling_metrics = self.generate_and_score(timings), {}
         dynamic = self.cfg.algorithm.filter_groups
         if dynamic.enable:
             batch, sampling_metrics = collect_varied_groups(
                 batch,
-                lambda: self.generate_and_score(self.next_batch(), timings),
+                lambda: self.generate_and_score(timings),
                 groups_needed=self.cfg.data.train_batch_size,
                 n=self.cfg.rollout.sampling.n,
                 max_gen_batches=dynamic.max_num_gen_batches,
@@ -205,13 +216,13 @@ class PPOTrainer:
             batch.reorder(balanced_order(batch.batch["attention_mask"].sum(-1).tolist(), self.actor_dp))
         return batch, sampling_metrics
 
-    def generate_and_score(self, batch_dict: dict, timings: dict[str, float]) -> DataProto:
-        """Responses to a batch of prompts with `token_level_scores` (rule or reward model, plus
-        DAPO's overlong penalty when enabled)."""
-        batch = self.generate(DataProto.from_single_dict(batch_dict), timings)
+    def generate_and_score(self, timings: dict[str, float]) -> DataProto:
+        """Responses to the next batch of prompts with `token_level_scores` (rule or reward model,
+        plus DAPO's overlong penalty when enabled)."""
+        batch = self.generate(self.prompts.next(), timings)
         with metrics.timer("reward", timings):
-            if self.roles.reward_model is not None:
-                batch = batch.union(self.roles.reward_model.compute_rm_score(batch))
+            if self.reward_model is not None:
+                batch = batch.union(self.reward_model.compute_rm_score(batch))
             batch = batch.union(compute_rewards(batch, self.tokenizer, self.reward_fn))
             overlong = self.cfg.algorithm.overlong_buffer
             if overlong.enable:
@@ -220,32 +231,29 @@ class PPOTrainer:
                 batch.batch["token_level_scores"] = scores + core.overlong_scores(batch, overlong, limit)
         return batch
 
-    def generate(self, batch: DataProto, timings: dict[str, float]) -> DataProto:
+    def generate(self, step: StepPrompts, timings: dict[str, float]) -> DataProto:
         """n responses per prompt (grouped by `uid`) and ReMax's greedy baseline when needed."""
-        n = self.cfg.rollout.sampling.n
-        batch.non_tensor_batch["uid"] = core.new_uids(len(batch))
-        prompts = pop_prompts(batch, self.rollout_reads_rows)
-        prompts.meta_info["n"] = 1  # the driver repeats the prompts itself
         with metrics.timer("gen", timings):
-            responses = self.roles.actor_rollout.generate_sequences(prompts.repeat(n, interleave=True))
-        baselines = None
+            responses = self.rollout.responses(step.rows, steps_left=self.total_steps - self.global_step)
+        batch = step.batch.repeat(self.cfg.rollout.sampling.n, interleave=True).union(responses)
         if self.cfg.algorithm.adv_estimator == "remax":
             with metrics.timer("gen_baseline", timings):
-                baselines = self.greedy_baseline(prompts, batch).repeat_interleave(n)  # (B * n,)
-        batch = batch.repeat(n, interleave=True).union(responses)
-        if baselines is not None:
-            batch.batch["reward_baselines"] = baselines
+                baselines = self.greedy_baseline(step.prompts, step.batch)  # (B,)
+            batch.batch["reward_baselines"] = baselines.repeat_interleave(self.cfg.rollout.sampling.n)
         return batch
 
     def update_models(self, batch: DataProto, timings: dict[str, float]) -> dict[str, float]:
-        """Critic update, then the actor's once the critic's warm-up steps are over."""
+        """The critic's update and, once the critic's warm-up steps are over, the policy's; on a
+        pool of its own the critic updates while the policy does."""
         out = {}
-        if self.roles.critic is not None:
-            with metrics.timer("update_critic", timings):
-                out.update(metrics.mean_worker_metrics(self.roles.critic.update_critic(batch)))
-        if self.global_step > self.cfg.critic.warmup_steps:
-            with metrics.timer("update_actor", timings):
-                out.update(metrics.mean_worker_metrics(self.roles.actor_rollout.update_actor(batch)))
+        with metrics.timer("update", timings):
+            critic_update = self.critic.update_critic_async(batch) if self.critic is not None else None
+            if self.global_step > self.cfg.critic.warmup_steps:
+                with metrics.timer("update_actor", timings):
+                    out.update(metrics.mean_worker_metrics(self.policy.update(batch)))
+            if critic_update is not None:  # timing/update_critic: the wait beyond the actor's update
+                with metrics.timer("update_critic", timings):
+                    out.update(metrics.mean_worker_metrics(critic_update.get()))
         return out
 
     def greedy_baseline(self, prompts: DataProto, batch: DataProto) -> torch.Tensor:
@@ -254,26 +262,32 @@ class PPOTrainer:
         # B prompts need not split evenly over the data-parallel ranks (B * n responses do)
         meta = {"validate": True, "n": 1, DataProtoConfig.auto_padding_key: True}
         greedy_prompts = DataProto.from_dict(dict(prompts.batch.items()), meta_info=meta)
-        greedy = self.roles.actor_rollout.generate_sequences(greedy_prompts)
+        greedy = self.rollout.generate(greedy_prompts)
         greedy.non_tensor_batch.update(batch.non_tensor_batch)
-        if self.roles.reward_model is None:
+        if self.reward_model is None:
             return sequence_scores(greedy, self.tokenizer, self.reward_fn)
         greedy.meta_info[DataProtoConfig.auto_padding_key] = True
-        return self.roles.reward_model.compute_rm_score(greedy).batch["rm_scores"].sum(dim=-1)
+        return self.reward_model.compute_rm_score(greedy).batch["rm_scores"].sum(dim=-1)
 
     def validate(self) -> dict[str, float]:
-        """One pass over the validation set (its loader is unshuffled: every pass is the same)."""
-        rollout, rows = self.roles.actor_rollout, self.rollout_reads_rows
-        return run_validation(rollout, self.val_loader, self.tokenizer, self.val_reward_fn, rows)
+        """One pass over the validation set (its loader is unshuffled: every pass is the same),
+        with the policy's current weights."""
+        self.rollout.sync_weights(self.policy)
+        rows = self.rollout_reads_rows
+        return run_validation(self.rollout, self.val_loader, self.tokenizer, self.val_reward_fn, rows)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
-        parts = ["actor", "trainer_state.pt"] + (["critic"] if self.roles.critic is not None else [])
+        """The policy, the rollout (sampling positions, what is in flight), the critic and the
+        driver's state, each a part of its own."""
+        parts = ["actor", "rollout", "trainer_state.pt"] + (["critic"] if self.critic is not None else [])
 
         def write(directory: Path) -> None:
-            self.roles.actor_rollout.save_checkpoint(str(directory / "actor"))
-            if self.roles.critic is not None:
-                self.roles.critic.save_checkpoint(str(directory / "critic"))
+            self.policy.save(str(directory / "actor"))
+            (directory / "rollout").mkdir()
+            self.rollout.save(str(directory / "rollout"))
+            if self.critic is not None:
+                self.critic.save_checkpoint(str(directory / "critic"))
             save_trainer_state(
                 directory / "trainer_state.pt",
                 self.global_step,
@@ -293,9 +307,10 @@ class PPOTrainer:
         if plan is None:
             return None
         point, state = plan.point, plan.state
-        self.roles.actor_rollout.load_checkpoint(str(point.part("actor")))
-        if self.roles.critic is not None:
-            self.roles.critic.load_checkpoint(str(point.part("critic")))
+        self.policy.load(str(point.part("actor")))
+        self.rollout.load(str(point.part("rollout")))
+        if self.critic is not None:
+            self.critic.load_checkpoint(str(point.part("critic")))
         restore_rng_state(state["rng"])
         self.train_loader.load_state_dict(state["dataloader"])
         self.kl_ctrl.value = state["extra"]["kl_coef"]

@@ -1,32 +1,37 @@
-"""Places the recipe's roles on Ray worker groups.
+"""Places the recipe's roles on Ray worker groups and hands the driver its handles.
 
-One pool ("global_pool") holds one process per device with the actor, rollout and reference
-colocated (and the critic and reward model too unless the critic asks for its own pool); the
-driver gets one worker-group view per role. With trainer.placement=disaggregated the rollout
-engines run on their own pool ("rollout_pool") and the driver's actor view routes generation there
-(hybridflow/trainer/disaggregated.py). Models are built critic first and actor last, so
-the rollout engine sees what memory the others left.
+One pool ("global_pool") holds one process per device with the policy (actor, reference and, in
+the colocated placement, the rollout engines: `HybridPolicyWorker`), and the critic and reward
+model too unless the critic asks for its own pool. The driver gets a `Policy` handle, a rollout
+handle (`ColocatedRollout` over the same workers; with trainer.placement=disaggregated a
+`PoolRollout` over the rollout pool "rollout_pool", fed by a `TransferPolicyWorker`), and a
+worker-group view per other role. Models are built critic first and policy last, so the rollout
+engine sees what memory the others left.
 """
 
 from dataclasses import dataclass
 
 from hybridflow.config.schema import RecipeConfig
 from hybridflow.single_controller import RayClassWithInitArgs, WorkerGroup, create_colocated_worker_cls
-from hybridflow.trainer.disaggregated import DisaggregatedActorRollout, connect_transfer
-from hybridflow.workers.actor_rollout_ref import ActorRolloutRefWorker
+from hybridflow.trainer.policy import Policy
+from hybridflow.trainer.rollout.base import Rollout
+from hybridflow.trainer.rollout.colocated import ColocatedRollout
+from hybridflow.trainer.rollout.pool import PoolRollout, connect_transfer
 from hybridflow.workers.critic import CriticWorker
-from hybridflow.workers.disaggregated_actor import DisaggregatedActorWorker
+from hybridflow.workers.hybrid_policy import HybridPolicyWorker
 from hybridflow.workers.reward_model import RewardModelWorker
 from hybridflow.workers.rollout_worker import RolloutWorker
 from hybridflow.workers.rollout_worker import actor_options as rollout_actor_options
+from hybridflow.workers.transfer_policy import TransferPolicyWorker
 
 
 @dataclass
-class RoleGroups:
-    """Driver-side handles of each role (None when the recipe does not use the role): Ray worker
-    groups, or a LocalWorkerGroup for a one-process run without Ray (scripts/gpu_check.py)."""
+class Roles:
+    """The driver's handles (None when the recipe does not use the role) over Ray worker groups,
+    or a LocalWorkerGroup for a one-process run without Ray (scripts/gpu_check.py)."""
 
-    actor_rollout: WorkerGroup
+    policy: Policy
+    rollout: Rollout
     critic: WorkerGroup | None
     reward_model: WorkerGroup | None
     groups: list[WorkerGroup]  # the underlying groups, for shutdown
@@ -43,10 +48,10 @@ def uses_reference(cfg: RecipeConfig) -> bool:
 
 def role_classes(cfg: RecipeConfig) -> dict[str, dict[str, RayClassWithInitArgs]]:
     """Pool name -> {role prefix: worker class with its init args}."""
-    actor_role = "actor_rollout_ref" if uses_reference(cfg) else "actor_rollout"
     disaggregated = cfg.trainer.placement == "disaggregated" and cfg.trainer.mode == "rl"
-    actor_cls = DisaggregatedActorWorker if disaggregated else ActorRolloutRefWorker
-    pools = {"global_pool": {"actor_rollout": RayClassWithInitArgs(actor_cls, cfg, role=actor_role)}}
+    policy_cls = TransferPolicyWorker if disaggregated else HybridPolicyWorker
+    policy = RayClassWithInitArgs(policy_cls, cfg, with_reference=uses_reference(cfg))
+    pools = {"global_pool": {"policy": policy}}
     if cfg.trainer.mode == "sft":  # supervised warm start: the policy alone
         return pools
     if disaggregated:
@@ -83,7 +88,7 @@ def resource_pool_manager(cfg: RecipeConfig):
     return ResourcePoolManager(resource_pool_spec=spec, mapping=mapping, use_gpu=trainer.use_gpu)
 
 
-def start_roles(cfg: RecipeConfig) -> RoleGroups:
+def start_roles(cfg: RecipeConfig) -> Roles:
     """Starts every worker process and builds every model (a Ray cluster must be connected)."""
     from hybridflow.single_controller import RayWorkerGroup
 
@@ -102,11 +107,12 @@ def start_roles(cfg: RecipeConfig) -> RoleGroups:
         groups.append(group)
     # The rollout pool last: its vLLM engines pick free ports of their own, which must not be the
     # ones the other groups were given for their process groups but have not bound yet.
-    for role in ("critic", "reward_model", "actor_rollout", "rollout"):
+    for role in ("critic", "reward_model", "policy", "rollout"):
         if role in views:
             views[role].init_model()
-    actor_rollout = views["actor_rollout"]
+    policy = views["policy"]
+    rollout = ColocatedRollout(policy)
     if "rollout" in views:
-        connect_transfer(actor_rollout, views["rollout"])
-        actor_rollout = DisaggregatedActorRollout(actor_rollout, views["rollout"], cfg.trainer.output_dir)
-    return RoleGroups(actor_rollout, views.get("critic"), views.get("reward_model"), groups)
+        connect_transfer(policy, views["rollout"])
+        rollout = PoolRollout(views["rollout"], cfg.trainer.output_dir)
+    return Roles(Policy(policy), rollout, views.get("critic"), views.get("reward_model"), groups)

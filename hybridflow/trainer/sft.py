@@ -1,7 +1,7 @@
 """Supervised warm start (`trainer.mode: sft`) on the same Megatron actor and rollout as RL.
 
 Each step is one optimizer step of token-mean cross-entropy on the response tokens of a batch of
-(prompt, reference answer) rows (`actor_rollout.train_sft`). Validation is the RL validation
+(prompt, reference answer) rows (`policy.train_sft`). Validation is the RL validation
 (greedy generation through the rollout engine, scored by the rule reward), and with
 `trainer.export_hf: true` the result is written to <output_dir>/hf for an RL run to start from:
 
@@ -38,12 +38,13 @@ class SFTTrainer(PPOTrainer):
             seed=data.seed,
         )
 
-    def step(self, batch_dict: dict) -> dict[str, float]:
-        """One supervised optimizer step; returns sft/loss, sft/grad_norm, sft/lr and timings."""
+    def step(self) -> dict[str, float]:
+        """One supervised optimizer step on the loader's next batch; returns sft/loss,
+        sft/grad_norm, sft/lr and timings."""
         timings = {}
         with metrics.timer("step", timings):
-            batch = DataProto.from_single_dict(batch_dict)
-            out = metrics.mean_worker_metrics(self.roles.actor_rollout.train_sft(batch))
+            batch = DataProto.from_single_dict(self.train_loader.next_batch())
+            out = metrics.mean_worker_metrics(self.policy.train_sft(batch))
         tokens = batch.batch["response_mask"].sum().item()
         return {
             **out,

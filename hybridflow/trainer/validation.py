@@ -33,9 +33,9 @@ def pop_prompts(batch: DataProto, with_rows: bool = False) -> DataProto:
 
 
 def run_validation(
-    actor_rollout, batches, tokenizer, reward_fn: RewardFn, with_rows: bool = False
+    rollout, batches, tokenizer, reward_fn: RewardFn, with_rows: bool = False
 ) -> dict[str, float]:
-    """Generates with the rollout's validation sampling (greedy by default) for every batch of
+    """Generates with the rollout handle's validation sampling (greedy by default) for every batch of
     prompts and scores the responses. With the rule reward and format_score 0 the mean score is
     the accuracy."""
     scores, sources, agent_counts = [], [], defaultdict(list)
@@ -44,7 +44,7 @@ def run_validation(
         prompts = pop_prompts(batch, with_rows)
         # the validation set need not split evenly over the data-parallel ranks
         prompts.meta_info.update({"validate": True, "n": 1, DataProtoConfig.auto_padding_key: True})
-        batch = batch.union(actor_rollout.generate_sequences(prompts))
+        batch = batch.union(rollout.generate(prompts))
         scores += sequence_scores(batch, tokenizer, reward_fn).tolist()
         sources += list(batch.non_tensor_batch["data_source"])
         for key, values in batch.non_tensor_batch.items():

@@ -6,8 +6,8 @@ Engines are imported inside `init_model`, so importing this module stays free of
 from hybridflow.config.schema import RecipeConfig
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller import Dispatch, Worker, register
-from hybridflow.workers.actor_rollout_ref import prefixed
 from hybridflow.workers.megatron_setup import init_parallel_state
+from hybridflow.workers.policy import prefixed
 
 
 class CriticWorker(Worker):
@@ -40,6 +40,12 @@ class CriticWorker(Worker):
     def update_critic(self, data: DataProto) -> DataProto:
         """Clipped value-loss epochs over the batch; metrics come back in meta_info["metrics"]."""
         return DataProto(meta_info={"metrics": prefixed("critic", self.critic.update_critic(data))})
+
+    @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE_PROTO, blocking=False)
+    def update_critic_async(self, data: DataProto) -> DataProto:
+        """`update_critic`, the driver getting a DataProtoFuture at once: on a pool of its own the
+        critic updates while the policy does."""
+        return self.update_critic(data)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:

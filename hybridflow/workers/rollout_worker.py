@@ -104,7 +104,7 @@ class RolloutWorker(Worker):
         """Responses to this rank's prompts, each with the `policy_version` (B,) that produced it."""
         if self.receiver is None or self.receiver.serving is None:
             raise RuntimeError(self._why_not_serving())
-        start = time.time()  # wall clock: compared with the driver's (hybridflow/trainer/async_loop.py)
+        start = time.time()  # wall clock: compared with the driver's (hybridflow/trainer/rollout/ahead.py)
         if self.batches is not None:  # versions per token, policy_version set from them
             output = self.batches.generate_sequences(prompts)
         else:
@@ -126,15 +126,18 @@ class RolloutWorker(Worker):
         return self.generate_sequences(prompts)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def ping(self) -> None:
+        """Answers at once while the process lives (the driver's check after a failed transfer)."""
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_rng_state(self, path: str) -> None:
-        """This engine's sampling position into `path`/rollout, so a resumed run samples alike."""
-        rollout_dir = Path(path) / "rollout"
-        rollout_dir.mkdir(parents=True, exist_ok=True)
-        torch.save(self.engine.get_rng_state(), rollout_dir / f"rank_{self.rank}.pt")
+        """This engine's sampling position into `path`/rank_<rank>.pt (the checkpoint's rollout
+        part), so a resumed run samples alike."""
+        torch.save(self.engine.get_rng_state(), Path(path) / f"rank_{self.rank}.pt")
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_rng_state(self, path: str) -> None:
-        state = Path(path) / "rollout" / f"rank_{self.rank}.pt"
+        state = Path(path) / f"rank_{self.rank}.pt"
         if state.is_file():  # absent after a change of the rollout pool's size
             self.engine.set_rng_state(torch.load(state, weights_only=True))
 

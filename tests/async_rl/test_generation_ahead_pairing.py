@@ -1,4 +1,4 @@
-"""GenerationAhead against a fake rollout pool, through the trainer's own `generate`: the checks
+"""GeneratingAhead against a fake rollout pool, through the trainer's own `generate`: the checks
 behind docs/async.md's "is it a defect?" answer, at unit level.
 
 For every step of a run, in sync, one_step and async (max_staleness 2): the responses the step
@@ -18,59 +18,73 @@ import pytest
 import torch
 
 from hybridflow.protocol import DataProto
-from hybridflow.trainer.async_loop import GenerationAhead, overlap_seconds
 from hybridflow.trainer.ppo_trainer import PPOTrainer
+from hybridflow.trainer.prompts import PromptBatches
+from hybridflow.trainer.rollout.ahead import GeneratingAhead, overlap_seconds
 
 PROMPTS, N, STEPS = 3, 2, 6
 
 
 class FakeRolloutPool:
-    """The driver-side contract of `DisaggregatedActorRollout`: generation serves the newest
-    weights (the actor's version, the number of updates so far) and tags every sample with it."""
+    """The driver-side contract of `PoolRollout`: generation serves the weights of the last sync
+    (the policy's version, the number of updates so far) and tags every sample with it."""
 
     def __init__(self):
-        self.version = 0
+        self.served = None
 
-    def generate_sequences(self, prompts: DataProto) -> DataProto:
-        problem = prompts.batch["input_ids"][:, :1].clone()  # (B, 1): the problem the row asks
-        versions = torch.full((len(prompts),), self.version)  # (B,)
-        window = torch.tensor([time.time(), time.time()], dtype=torch.float64).repeat(len(prompts), 1)
+    def sync_weights(self, policy) -> None:
+        self.served = policy.version
+
+    def generate(self, rows: DataProto) -> DataProto:
+        problem = rows.batch["input_ids"][:, :1].clone()  # (B, 1): the problem the row asks
+        versions = torch.full((len(rows),), self.served)  # (B,)
+        window = torch.tensor([time.time(), time.time()], dtype=torch.float64).repeat(len(rows), 1)
         batch = {"responses": problem, "policy_version": versions, "generation_window": window}  # (B, 2)
         return DataProto.from_dict(batch)
 
-    generate_sequences_async = generate_sequences  # a finished DataProto stands for the future
+    launch = generate  # a finished DataProto stands for the future
 
-    def update_actor(self, batch: DataProto) -> DataProto:
-        self.version += 1
-        return DataProto(meta_info={"metrics": {}})
+    def collect(self, launched: DataProto) -> DataProto:
+        return launched
+
+    def responses(self, rows: DataProto, steps_left: int) -> DataProto:
+        return self.generate(rows)
+
+    def metrics(self, batch: DataProto) -> dict[str, float]:
+        return {}
 
 
-def loader_batches():
+class FakeLoader:
     """Step i's prompts ask problems 100 i .. 100 i + PROMPTS - 1, the answer in `ground_truth`."""
-    step = 0
-    while True:
-        problems = torch.arange(PROMPTS) + 100 * step
+
+    def __init__(self):
+        self.step = 0
+
+    def next_batch(self) -> dict:
+        problems = torch.arange(PROMPTS) + 100 * self.step
+        self.step += 1
         ids = problems[:, None].repeat(1, 4)  # (P, 4)
-        yield {
+        return {
             "input_ids": ids,
             "attention_mask": torch.ones_like(ids),
             "position_ids": torch.arange(4).repeat(PROMPTS, 1),
             "ground_truth": np.array([str(p) for p in problems.tolist()], dtype=object),
         }
-        step += 1
 
 
-def fake_trainer(mode: str, max_staleness: int) -> SimpleNamespace:
-    batches = loader_batches()
+def fake_trainer(depth: int) -> SimpleNamespace:
     cfg = SimpleNamespace(
         rollout=SimpleNamespace(sampling=SimpleNamespace(n=N)),
         algorithm=SimpleNamespace(adv_estimator="grpo"),
-        trainer=SimpleNamespace(async_training=SimpleNamespace(mode=mode, max_staleness=max_staleness)),
     )
-    trainer = SimpleNamespace(cfg=cfg, global_step=0, total_steps=STEPS, rollout_reads_rows=False)
-    trainer.roles = SimpleNamespace(actor_rollout=FakeRolloutPool())
-    trainer.next_batch = lambda: next(batches)
-    return trainer
+    prompts = PromptBatches(FakeLoader(), N, with_rows=False)
+    rollout = FakeRolloutPool()
+    if depth > 0:
+        rollout = GeneratingAhead(rollout, depth, prompts)
+    policy = SimpleNamespace(version=0)
+    return SimpleNamespace(
+        cfg=cfg, global_step=0, total_steps=STEPS, prompts=prompts, rollout=rollout, policy=policy
+    )
 
 
 def validation_prompts() -> DataProto:
@@ -79,18 +93,15 @@ def validation_prompts() -> DataProto:
     return DataProto.from_dict({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, meta_info=meta)
 
 
-@pytest.mark.parametrize(
-    ("mode", "max_staleness", "depth"), [("sync", 1, 0), ("one_step", 1, 1), ("async", 2, 2)]
-)
-def test_each_step_trains_on_its_own_prompts_generated_by_the_expected_version(mode, max_staleness, depth):
-    trainer = fake_trainer(mode, max_staleness)
-    if mode != "sync":
-        GenerationAhead.attach(trainer)
-    pool = trainer.roles.actor_rollout
+@pytest.mark.parametrize("depth", [0, 1, 2], ids=["sync", "one_step", "async-2"])
+def test_each_step_trains_on_its_own_prompts_generated_by_the_expected_version(depth):
+    trainer = fake_trainer(depth)
+    rollout = trainer.rollout
     while trainer.global_step < STEPS:
         trainer.global_step += 1
         k = trainer.global_step
-        batch = PPOTrainer.generate(trainer, DataProto.from_single_dict(trainer.next_batch()), {})
+        rollout.sync_weights(trainer.policy)
+        batch = PPOTrainer.generate(trainer, trainer.prompts.next(), {})
         answers = [str(p) for p in batch.batch["responses"][:, 0].tolist()]
         assert answers == list(batch.non_tensor_batch["ground_truth"]), f"step {k}: responses of other rows"
         expected_problems = [100 * (k - 1) + p for p in range(PROMPTS) for _ in range(N)]
@@ -99,13 +110,14 @@ def test_each_step_trains_on_its_own_prompts_generated_by_the_expected_version(m
         )
         assert set(batch.batch["policy_version"].tolist()) == {max(0, k - 1 - depth)}, f"step {k}"
         if k == 3:
-            launched = len(getattr(pool, "pending", ()))
-            validation = pool.generate_sequences(validation_prompts())
+            launched = len(getattr(rollout, "pending", ()))
+            validation = rollout.generate(validation_prompts())
             assert validation.batch["policy_version"].tolist() == [k - 1, k - 1]  # the newest weights
-            assert len(getattr(pool, "pending", ())) == launched
-        metrics = pool.update_actor(batch).meta_info["metrics"]
-        if mode != "sync":
-            assert 0 <= metrics["timing/gen_overlap"][0] <= metrics["timing/rollout_gen"][0], metrics
+            assert len(getattr(rollout, "pending", ())) == launched
+        trainer.policy.version += 1  # the update
+        metrics = rollout.metrics(batch)
+        if depth > 0:
+            assert 0 <= metrics["timing/gen_overlap"] <= metrics["timing/rollout_gen"], metrics
 
 
 def test_overlap_seconds_by_hand():

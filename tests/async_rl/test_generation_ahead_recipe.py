@@ -26,7 +26,7 @@ def test_generation_ahead_trains_on_samples_no_staler_than_allowed(local, tmp_pa
     # the same staleness in the step metrics, and the weight transfers timed
     assert [r["async/staleness_max"] for r in steps] == staleness
     assert [r[f"async/staleness/{s}"] for r, s in zip(steps, staleness, strict=True)] == [1.0] * 4
-    assert all(r["timing/weight_transfer"] >= 0 for r in steps)
+    assert all(r["timing/weight_sync"] >= 0 for r in steps)
     # how much of each batch's generation ran while the driver worked on earlier steps
     assert steps[0]["timing/gen_overlap"] == 0.0  # the first batch is generated before any step's work
     assert all(0 <= r["timing/gen_overlap"] <= r["timing/rollout_gen"] for r in steps)

@@ -33,7 +33,7 @@ def test_resumed_one_step_run_equals_the_uninterrupted_one(local, tmp_path):  # 
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     one_step_run(local, whole)
     checkpoint = whole / "checkpoints" / "global_step_1"
-    assert (checkpoint / "actor" / "generation_ahead.pt").is_file()
+    assert (checkpoint / "rollout" / "generation_ahead.pt").is_file()
     one_step_run(local, resumed, f"trainer.resume_from_path={checkpoint}")
     whole_steps, resumed_steps = ({r["step"]: r for r in trained_steps(out)} for out in (whole, resumed))
     assert sorted(resumed_steps) == [2, 3]

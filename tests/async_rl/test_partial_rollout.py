@@ -17,7 +17,7 @@ from _transfer_worker import versioned_tensors
 from process_group import run_in_own_session
 
 from engines.rollout.partial import Segment, boundary_window_open, continuation, stop_across_boundary
-from hybridflow.trainer.disaggregated import mixed_version_share
+from hybridflow.trainer.rollout.pool import mixed_version_share
 from hybridflow.utils.tiny_model import make_tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "megatron"))

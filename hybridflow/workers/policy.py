@@ -1,21 +1,18 @@
-"""The policy worker: actor (PPO updates), rollout (generation) and reference (frozen policy)
-in one process per device, sharing Megatron's parallel state.
+"""The policy worker: the actor (PPO and SFT updates, log-probs, checkpoints, export) and, when the
+recipe uses KL, the frozen reference policy, in one process per device sharing Megatron's parallel
+state. With LoRA the reference is the actor's own base model (adapters off), not a second model.
 
-`role` picks what this worker builds: "actor_rollout" (no reference), "actor_rollout_ref", or
-"ref" (a standalone reference). Engines are imported inside `init_model`, so importing this
-module (the driver does) stays free of Megatron.
+Two subclasses say what else a policy worker holds:
+- `HybridPolicyWorker` (hybrid_policy.py): rollout engines in the same processes (colocated);
+- `TransferPolicyWorker` (transfer_policy.py): no engine; it sends its weights to a rollout pool.
+Engines are imported inside `init_model`, so importing these modules (the driver does) stays free
+of Megatron.
 """
-
-from pathlib import Path
-
-import torch
 
 from hybridflow.config.schema import RecipeConfig
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller import Dispatch, Worker, register
 from hybridflow.workers.megatron_setup import init_parallel_state
-
-ROLES = ("actor_rollout", "actor_rollout_ref", "ref")
 
 
 def prefixed(role: str, metrics: dict) -> dict:
@@ -23,36 +20,25 @@ def prefixed(role: str, metrics: dict) -> dict:
     return {f"{role}/{key.removeprefix(role + '_')}": value for key, value in metrics.items()}
 
 
-class ActorRolloutRefWorker(Worker):
-    def __init__(self, config: RecipeConfig, role: str = "actor_rollout_ref"):
-        if role not in ROLES:
-            raise ValueError(f"ActorRolloutRefWorker role must be one of {ROLES}, got {role!r}")
+class PolicyWorker(Worker):
+    def __init__(self, config: RecipeConfig, with_reference: bool = False):
         self.config = config
-        self.has_actor = role.startswith("actor_rollout")
-        self.has_ref = role.endswith("ref")
+        self.with_reference = with_reference
+        self.ref = None
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        from engines.megatron.build import build_model
-
         cfg = self.config
         init_parallel_state(self, cfg.actor.megatron, cfg.rollout)
-        if self.has_actor:
-            self._build_actor_and_rollout()
-        self.ref = None  # with LoRA the reference is the actor's base model: adapters off
-        if self.has_ref and not (self.has_actor and cfg.actor.lora.rank):
-            from engines.megatron.actor import MegatronActor
+        self._build_actor()
+        if self.with_reference and not cfg.actor.lora.rank:
+            self._build_reference()
 
-            ref_chunks = build_model(cfg.model.path, cfg.actor.megatron, for_training=False)
-            self.ref = MegatronActor(ref_chunks, update_cfg=cfg.actor.update)  # frozen: no optimizer
-
-    def _build_actor_and_rollout(self) -> None:
+    def _build_actor(self) -> None:
         from engines.megatron.actor import MegatronActor
         from engines.megatron.build import build_model
         from engines.megatron.model import unwrap_model
-        from engines.megatron.offload import actor_offload_hooks
         from engines.megatron.optimizer import build_optimizer
-        from engines.rollout.sharding_manager import MegatronRolloutShardingManager
 
         cfg = self.config
         self.actor_chunks = build_model(cfg.model.path, cfg.actor.megatron, lora=cfg.actor.lora)
@@ -60,49 +46,18 @@ class ActorRolloutRefWorker(Worker):
             self.actor_chunks, cfg.actor.optim, cfg.actor.megatron
         )
         self.actor = MegatronActor(self.actor_chunks, self.optimizer, self.scheduler, cfg.actor.update)
-        self.rollout = self._build_rollout_engine()
-        self.generator = self.rollout  # what generates: the engine, or agent loops over it
-        if cfg.rollout.agent.loop != "single_turn":
-            from hybridflow.agents.rollout import build_agent_rollout
-
-            tokenizer_dir = cfg.model.tokenizer_path or cfg.model.path
-            self.generator = build_agent_rollout(self.rollout, cfg.rollout, tokenizer_dir)
-        hooks = actor_offload_hooks(cfg.actor.megatron, self.actor_chunks, self.optimizer)
         self.hf_config = unwrap_model(self.actor_chunks[0]).hf_config
-        self.sharding_manager = MegatronRolloutShardingManager(
-            self.actor_chunks, self.hf_config, self.rollout, cfg.rollout, offload_hooks=hooks
-        )
 
-    def _build_rollout_engine(self):
-        """The hf engine on every rank; one SGLang engine per rollout group (SGLang TP), on the
-        group's first rank, started on the group's GPUs (`engines.placement`)."""
-        from engines.rollout.factory import create_rollout_engine
+    def _build_reference(self) -> None:
+        from engines.megatron.actor import MegatronActor
+        from engines.megatron.build import build_model
 
         cfg = self.config
-        if cfg.rollout.name == "vllm" and cfg.actor.lora.sync == "adapters":  # takes LoRA adapters
-            return create_rollout_engine(cfg.rollout, cfg.model.path, lora_rank=cfg.actor.lora.rank)
-        if cfg.rollout.name != "sglang":
-            return create_rollout_engine(cfg.rollout, cfg.model.path)
-        from engines.placement import gather_engine_devices
+        ref_chunks = build_model(cfg.model.path, cfg.actor.megatron, for_training=False)
+        self.ref = MegatronActor(ref_chunks, update_cfg=cfg.actor.update)  # frozen: no optimizer
 
-        devices = gather_engine_devices(cfg.rollout.tensor_model_parallel_size, torch.cuda.device_count())
-        if devices is None:
-            return None
-        return create_rollout_engine(cfg.rollout, cfg.model.path, devices=devices)
-
-    def teardown(self) -> None:
-        """Stop the rollout engine (SGLang's scheduler processes); the worker group calls it."""
-        if getattr(self, "rollout", None) is not None:
-            self.rollout.shutdown()
-
-    @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE_PROTO)
-    def generate_sequences(self, prompts: DataProto) -> DataProto:
-        """Responses for a chunk of prompts, with the actor's current weights synced in first."""
-        self.sharding_manager.load_weights()
-        with self.sharding_manager.generating():
-            piece = self.sharding_manager.preprocess_data(prompts)
-            output = self.generator.generate_sequences(piece) if self.rollout is not None else None
-            return self.sharding_manager.postprocess_data(output)
+    def before_compute(self) -> None:
+        """What must happen before the policy computes (the hybrid engine hands the device back)."""
 
     def _log_prob_meta(self, data: DataProto, role) -> DataProto:
         """Temperature and micro-batching of a log-prob pass; `role` is the actor or ref config."""
@@ -117,13 +72,14 @@ class ActorRolloutRefWorker(Worker):
     @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """`old_log_probs` and `entropys` (B, R) of the responses under the current actor."""
-        data = self._log_prob_meta(data, self.config.actor)
-        return self.actor.compute_log_prob(data)
+        self.before_compute()
+        return self.actor.compute_log_prob(self._log_prob_meta(data, self.config.actor))
 
     @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto | None:
         """`ref_log_prob` (B, R) of the responses under the frozen reference policy (on the last
         pipeline stage, the one whose output is collected)."""
+        self.before_compute()
         data = self._log_prob_meta(data, self.config.ref)
         if self.ref is not None:
             return self.ref.compute_ref_log_prob(data)
@@ -135,6 +91,7 @@ class ActorRolloutRefWorker(Worker):
     @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE_PROTO)
     def update_actor(self, data: DataProto) -> DataProto:
         """PPO epochs over the batch; metrics come back in meta_info["metrics"]."""
+        self.before_compute()
         data.meta_info["temperature"] = self.config.rollout.sampling.temperature
         metrics = self.actor.update_policy(data)
         if self.config.actor.lora.rank:  # what LoRA saves: trainable elements, optimizer bytes
@@ -147,34 +104,33 @@ class ActorRolloutRefWorker(Worker):
     @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE_PROTO)
     def train_sft(self, data: DataProto) -> DataProto:
         """One supervised step on (prompt, response) sequences (the SFT mode)."""
+        self.before_compute()
         return DataProto(meta_info={"metrics": prefixed("sft", self.actor.update_sft(data))})
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:
         """Model, optimizer, LR schedule and RNG (Megatron dist checkpoint, loadable at another
-        layout) into `path`, plus each rank's rollout sampling position."""
+        layout) into `path`."""
         from engines.megatron.checkpoint import save_checkpoint
 
+        self.before_compute()
         save_checkpoint(self.actor_chunks, self.optimizer, self.scheduler, path)
-        if self.rollout is not None:
-            rollout_dir = Path(path) / "rollout"
-            rollout_dir.mkdir(exist_ok=True)
-            rank = torch.distributed.get_rank()
-            torch.save(self.generator.get_rng_state(), rollout_dir / f"rank_{rank}.pt")
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> None:
         from engines.megatron.checkpoint import load_checkpoint
 
+        self.before_compute()
         load_checkpoint(self.actor_chunks, self.optimizer, self.scheduler, path)
-        rollout_state = Path(path) / "rollout" / f"rank_{torch.distributed.get_rank()}.pt"
-        if self.rollout is not None and rollout_state.is_file():  # absent after a layout change
-            self.generator.set_rng_state(torch.load(rollout_state, weights_only=True))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def export_hf(self, out_dir: str) -> None:
         """The actor as a Hugging Face checkpoint (safetensors + config + tokenizer) in `out_dir`."""
         from engines.megatron.weights import save_hf_checkpoint
 
+        self.before_compute()
         tokenizer_dir = self.config.model.tokenizer_path or self.config.model.path
         save_hf_checkpoint(self.actor_chunks, self.hf_config, out_dir, tokenizer_dir=tokenizer_dir)
+
+    def teardown(self) -> None:
+        """Nothing to stop: the models live in this process (the worker group calls it)."""

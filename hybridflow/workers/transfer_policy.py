@@ -1,5 +1,5 @@
-"""The actor for trainer.placement=disaggregated: the policy worker without a rollout engine,
-sending its weights to the rollout pool's engines instead (engines/weight_sync/transfer.py).
+"""The policy worker for trainer.placement=disaggregated: no rollout engine; it sends its weights
+to the rollout pool's engines (engines/weight_sync/transfer.py).
 
 Every actor rank walks the weight stream (`iter_hf_tensors` is collective over the model-parallel
 group: each rank gathers full tensors); rank 0 sends them, the others only take part.
@@ -7,24 +7,11 @@ group: each rank gathers full tensors); rank 0 sends them, the others only take 
 
 from hybridflow.single_controller import Dispatch, register
 from hybridflow.single_controller.worker import free_port
-from hybridflow.workers.actor_rollout_ref import ActorRolloutRefWorker
+from hybridflow.workers.policy import PolicyWorker
 
 
-class DisaggregatedActorWorker(ActorRolloutRefWorker):
-    def _build_actor_and_rollout(self) -> None:
-        from engines.megatron.actor import MegatronActor
-        from engines.megatron.build import build_model
-        from engines.megatron.model import unwrap_model
-        from engines.megatron.optimizer import build_optimizer
-
-        cfg = self.config
-        self.actor_chunks = build_model(cfg.model.path, cfg.actor.megatron)
-        optim = build_optimizer(self.actor_chunks, cfg.actor.optim, cfg.actor.megatron)
-        self.optimizer, self.scheduler = optim
-        self.actor = MegatronActor(self.actor_chunks, self.optimizer, self.scheduler, cfg.actor.update)
-        self.hf_config = unwrap_model(self.actor_chunks[0]).hf_config
-        self.rollout = self.generator = None  # generation runs on the rollout pool
-        self.sender = None
+class TransferPolicyWorker(PolicyWorker):
+    sender = None  # rank 0's WeightSender once the transfer group is joined
 
     @register(dispatch_mode=Dispatch.RANK_ZERO)
     def transfer_address(self) -> tuple[str, int]:

@@ -1,0 +1,35 @@
+"""The hybrid engine as the driver sees it: rollout engines in the policy's own processes.
+
+A sync reshards the actor's Megatron shards into the engines in memory
+(`HybridPolicyWorker.sync_rollout_weights`: the worker streams the HF-named tensors unless its
+engines hold that version already). The engines give their memory back to the policy before its
+next computation, and with `rollout.free_cache_engine` that drops the weights too; the next sync
+then streams them again.
+"""
+
+from hybridflow.protocol import DataProto
+from hybridflow.trainer.policy import Policy
+
+
+class ColocatedRollout:
+    def __init__(self, group):
+        self.group = group  # the policy's workers, which also hold the engines
+
+    def sync_weights(self, policy: Policy) -> None:
+        self.group.sync_rollout_weights(policy.version)
+
+    def responses(self, rows: DataProto, steps_left: int) -> DataProto:
+        return self.generate(rows)
+
+    def generate(self, rows: DataProto) -> DataProto:
+        return self.group.generate_sequences(rows)
+
+    def metrics(self, batch: DataProto) -> dict[str, float]:
+        return {}
+
+    def save(self, path: str) -> None:
+        """Each engine's sampling position, so a resumed run samples alike."""
+        self.group.save_rollout_state(path)
+
+    def load(self, path: str) -> None:
+        self.group.load_rollout_state(path)
