@@ -21,7 +21,7 @@ from hybridflow.agents.tools import PythonSandbox
 from hybridflow.agents.tools import python_sandbox as sandbox_module
 from hybridflow.agents.tools.sandbox_child import landlock_abi
 
-ALL = ("namespaces", "landlock", "seccomp", "audit")
+ALL = ("namespaces", "landlock", "seccomp", "processes", "audit")
 NO_LAYERS = ()
 # The code's pid on the host: /proc is the host's, so this holds inside a PID namespace too.
 PRINT_HOST_PID = "import os\nprint('pid', os.readlink('/proc/self'), flush=True)\n"
@@ -311,12 +311,137 @@ def test_a_layer_that_cannot_be_applied_stops_the_constructor(monkeypatch, tmp_p
         f"os.write(status_fd, {json.dumps(error).encode()!r})\n"
     )
     monkeypatch.setattr(sandbox_module, "CHILD_SCRIPT", launcher)
-    expected = (
-        "layer 'landlock'.*To run with weaker isolation, pass layers=\\['namespaces', 'seccomp', 'audit'\\]"
-    )
+    others = "\\['namespaces', 'seccomp', 'processes', 'audit'\\]"
+    expected = f"layer 'landlock'.*To run with weaker isolation, pass layers={others}"
     with pytest.raises(RuntimeError, match=expected):
         PythonSandbox()
 
 
 def test_the_sandbox_runs_with_the_parent_interpreter():
     assert run_code("import sys\nprint(sys.version)") == sys.version + "\n"
+
+
+# Every way to start a process, each tried up to 3 times; the processes started sleep until the
+# call's timeout kills them. Threads are not processes: one must still run.
+PROCESS_BOMB = textwrap.dedent("""
+    import os, subprocess, sys, threading, time
+    SLEEP = [sys.executable, "-c", "import time; time.sleep(600)"]
+
+    def fork():
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(600)
+        return pid
+
+    def fork_exec():  # what subprocess calls, without its audit event (CPython 3.11's arguments)
+        import _posixsubprocess
+
+        exe = [os.fsencode(sys.executable)]
+        r, w = os.pipe()
+        no = (-1,) * 6
+        return _posixsubprocess.fork_exec(
+            SLEEP, exe, True, (w,), None, None, *no, r, w, False, False, -1, None, None, None, -1, None, True
+        )
+
+    ways = {
+        "fork": fork,
+        "fork_exec": fork_exec,
+        "subprocess": lambda: subprocess.Popen(SLEEP).pid,
+        "posix_spawn": lambda: os.posix_spawn(sys.executable, SLEEP, {}),
+        "exec": lambda: os.execv(sys.executable, SLEEP),
+    }
+    for name, start in ways.items():
+        for _ in range(3):
+            try:
+                print("started", name, start(), flush=True)
+            except OSError as err:
+                print("refused", name, err.strerror or err, flush=True)
+                break
+    thread = threading.Thread(target=lambda: print("a thread ran", flush=True))
+    thread.start()
+    thread.join()
+    time.sleep(600)
+""")
+
+
+@pytest.mark.parametrize("layers", [ALL, ("processes",)])
+def test_a_fork_bomb_starts_no_process_and_nothing_is_left(layers):
+    output = run_code(PRINT_HOST_PID + PROCESS_BOMB, layers=layers, timeout_s=5)
+    assert "started" not in output
+    refused = [line.split(maxsplit=2)[1:] for line in output.splitlines() if line.startswith("refused")]
+    assert [way for way, _ in refused] == ["fork", "fork_exec", "subprocess", "posix_spawn", "exec"]
+    if "audit" not in layers:  # else the audit hook refuses first, all but fork_exec, which it misses
+        assert {why for _, why in refused} == {"Operation not permitted"}
+    assert "a thread ran" in output and output.endswith("[timed out after 5 s: the program was killed]")
+    [pid] = host_pids(output)
+    assert not is_running(pid)
+
+
+def test_control_without_layers_the_fork_bomb_starts_processes_the_timeout_ends():
+    output = run_code(
+        PRINT_HOST_PID + PROCESS_BOMB.replace('"exec": ', '# "exec": '), layers=NO_LAYERS, timeout_s=5
+    )
+    started = [int(line.split()[-1]) for line in output.splitlines() if line.startswith("started")]
+    assert len(started) == 12  # 3 forks, 3 fork_execs, 3 subprocesses, 3 posix_spawns
+    assert not any(is_running(pid) for pid in [*host_pids(output), *started])
+
+
+# 120 MB held by each of as many processes as the code can start, and by 4 threads of its own;
+# each process reports its peak resident memory.
+MEMORY_BOMB = textwrap.dedent("""
+    import os, resource, threading, time
+
+    def hold(store):
+        try:
+            store.append(bytearray(120 << 20))
+        except MemoryError:
+            print("MemoryError", flush=True)
+
+    def peak_mb():
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10
+
+    report_r, report_w = os.pipe()
+    children, store = 0, []
+    try:
+        for _ in range(4):
+            if os.fork() == 0:
+                hold(store)
+                os.write(report_w, f"{peak_mb()}\\n".encode())
+                time.sleep(600)
+            children += 1
+    except OSError as err:
+        print("fork refused:", err.strerror or err, flush=True)
+    threads = [threading.Thread(target=hold, args=(store,)) for _ in range(4)]
+    [thread.start() for thread in threads]
+    [thread.join() for thread in threads]
+    reports = b""
+    while reports.count(b"\\n") < children:
+        reports += os.read(report_r, 4096)
+    peaks = [peak_mb(), *map(int, reports.split())]
+    print("processes", len(peaks), "total MB", sum(peaks), flush=True)
+""")
+
+
+def memory_report(output: str) -> tuple[int, int]:
+    [(processes, total)] = re.findall(r"processes (\d+) total MB (\d+)", output)
+    return int(processes), int(total)
+
+
+@pytest.mark.parametrize("layers", [ALL, ("processes",)])
+def test_a_memory_bomb_is_held_under_the_limit_in_one_process(layers):
+    output = run_code(MEMORY_BOMB, layers=layers, memory_mb=256)
+    assert "fork refused:" in output and output.count("MemoryError") >= 2
+    processes, total_mb = memory_report(output)
+    assert processes == 1 and total_mb < 256
+
+
+def test_control_without_layers_each_process_has_its_own_memory_limit():
+    processes, total_mb = memory_report(run_code(MEMORY_BOMB, layers=NO_LAYERS, memory_mb=256))
+    assert processes == 5 and total_mb > 256
+
+
+def test_the_processes_layer_is_refused_by_name_where_it_has_no_syscall_table():
+    from hybridflow.agents.tools.sandbox_child import process_program
+
+    with pytest.raises(OSError, match="no seccomp syscall table for architecture 'riscv64'"):
+        process_program("riscv64")

@@ -4,7 +4,7 @@ it printed.
 Each call gets a fresh temporary directory (its cwd, HOME and TMPDIR, deleted afterwards) and runs
 `python -I -B -u sandbox_child.py` there with a minimal environment (no inherited variables, so
 no tokens or keys). The child confines itself before the code runs; see sandbox_child.py for how.
-What is enforced, by layer (`layers=`; all four by default):
+What is enforced, by layer (`layers=`; all five by default):
 
   always       wall-clock timeout: the whole process group is SIGKILLed and the result says
                "timed out"; RLIMIT_CPU (killed at `cpu_s`, a second later when the code is PID 1
@@ -23,19 +23,23 @@ What is enforced, by layer (`layers=`; all four by default):
   seccomp      kernel (seccomp-BPF, x86_64 and aarch64): socket(), socketpair() and io_uring
                fail with EPERM, so no TCP, UDP or unix-socket traffic at all; setsid() and
                setpgid() fail, so no process leaves the group the timeout kills.
+  processes    kernel (a seccomp-BPF filter in the code's process): no new process, by any path
+               (fork, subprocess, _posixsubprocess.fork_exec, posix_spawn, exec): EPERM; threads
+               run. The call is one process, so RLIMIT_AS bounds its memory in all (threads
+               share it) and a fork bomb starts nothing.
   audit        Python (sys.addaudithook in the code's process): sockets, subprocesses, fork,
                exec, kill, foreign calls through ctypes and file writes, renames and removals
                outside the directory raise PermissionError. A clear message for the model, and
                the only layer left where the kernel ones are unavailable; on its own it is not a
-               security boundary.
+               security boundary (`_posixsubprocess.fork_exec` raises no audit event).
 
 The constructor runs an empty program with the chosen layers and raises if one cannot be applied
 here (no user namespaces in a container, a kernel without Landlock), naming it: pass a `layers`
-list without it to run with the others. Without both namespaces and seccomp, a process the code
-forks can leave the process group with setsid() and outlive the call. Not enforced by any layer:
-a total process count (a fork bomb that bypasses the audit hook lives until the timeout; RLIMIT_NPROC
-is not enforced inside the user namespace) and the total disk use of the directory (each file is
-capped, their number is not).
+list without it to run with the others. Without the processes layer, the code can start processes
+(the audit hook misses `_posixsubprocess.fork_exec`), each with its own RLIMIT_AS, until the
+timeout kills the group; without both namespaces and seccomp, such a process can also leave the
+group with setsid() and outlive the call. Not enforced by any layer: the total disk use of the
+directory (each file is capped, their number is not).
 """
 
 import asyncio
@@ -53,7 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal, get_args
 
-Layer = Literal["namespaces", "landlock", "seccomp", "audit"]
+Layer = Literal["namespaces", "landlock", "seccomp", "processes", "audit"]
 ALL_LAYERS: tuple[Layer, ...] = get_args(Layer)
 CHILD_SCRIPT = Path(__file__).with_name("sandbox_child.py")
 GROUP_EXIT_WAIT_S, GROUP_EXIT_POLL_S = 10.0, 0.01
@@ -303,5 +307,5 @@ def _read_status(status_fd: int) -> dict[str, Any]:
     with contextlib.suppress(BlockingIOError):
         while chunk := os.read(status_fd, 1 << 16):
             chunks.append(chunk)
-    data = b"".join(chunks).strip()
-    return json.loads(data) if data else {}
+    lines = b"".join(chunks).splitlines()
+    return json.loads(lines[0]) if lines else {}  # the first: a layer the code's process lacks

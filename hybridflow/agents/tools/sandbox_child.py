@@ -17,6 +17,10 @@ this order), then forks the process that runs `main.py`, which inherits every la
               sockets scoped to the sandbox (ABI >= 6).
   seccomp     socket(2), socketpair(2) and io_uring_setup(2) fail with EPERM; setsid(2) and
               setpgid(2) too, so every process stays in the process group the parent kills.
+  processes   (in the code's process, after the fork) a second seccomp filter: clone(2) without
+              CLONE_THREAD, fork, vfork, execve and execveat fail with EPERM, clone3 with ENOSYS.
+              The code runs as one process (threads allowed), so RLIMIT_AS bounds all its memory
+              and no fork bomb can start, whatever Python-level path it takes.
   audit       (in the code's process, last) a sys.addaudithook hook that refuses sockets,
               process creation, signals, foreign calls through ctypes (the module itself stays
               importable: sympy needs its types) and writes outside the working directory.
@@ -67,10 +71,14 @@ SECCOMP_ARCHES = {
     "x86_64": (0xC000003E, (41, 53, 112, 109, 425)),
     "aarch64": (0xC00000B7, (198, 199, 157, 154, 425)),
 }
+# the processes layer: (clone, clone3, the calls refused outright: fork, vfork, execve, execveat)
+PROCESS_SYSCALLS = {"x86_64": (56, 435, (57, 58, 59, 322)), "aarch64": (220, 435, (221, 281))}
+CLONE_THREAD = 0x00010000
 X32_SYSCALL_BIT = 0x40000000
-BPF_LD_W_ABS, BPF_JEQ_K, BPF_JGE_K, BPF_RET_K = 0x20, 0x15, 0x35, 0x06
+BPF_LD_W_ABS, BPF_JEQ_K, BPF_JGE_K, BPF_JSET_K, BPF_RET_K = 0x20, 0x15, 0x35, 0x45, 0x06
 SECCOMP_RET_KILL_PROCESS, SECCOMP_RET_ERRNO, SECCOMP_RET_ALLOW = 0x80000000, 0x00050000, 0x7FFF0000
-EPERM = 1
+EPERM, ENOSYS = 1, 38
+SECCOMP_DATA_ARG0 = 16  # offsetof(struct seccomp_data, args[0]), its low 32 bits on little-endian
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -174,12 +182,42 @@ def seccomp_program(machine: str) -> bytes:
     return b"".join(program)
 
 
+def process_program(machine: str) -> bytes:
+    """Threads only: clone() without CLONE_THREAD, fork, vfork, execve and execveat fail with
+    EPERM; clone3() with ENOSYS, since its flags are in memory a filter cannot read (glibc then
+    creates threads with clone()). A foreign architecture's calls kill the process."""
+    if machine not in PROCESS_SYSCALLS:
+        raise OSError(38, f"no seccomp syscall table for architecture {machine!r}")
+    arch, _ = SECCOMP_ARCHES[machine]
+    clone, clone3, refused = PROCESS_SYSCALLS[machine]
+    n = len(refused)
+    program = [_bpf(BPF_LD_W_ABS, 4), _bpf(BPF_JEQ_K, arch, jt=1), _bpf(BPF_RET_K, SECCOMP_RET_KILL_PROCESS)]
+    program.append(_bpf(BPF_LD_W_ABS, 0))
+    if machine == "x86_64":  # x32 calls: refused
+        program.append(_bpf(BPF_JGE_K, X32_SYSCALL_BIT, jt=n + 6))
+    program += [_bpf(BPF_JEQ_K, clone3, jf=1), _bpf(BPF_RET_K, SECCOMP_RET_ERRNO | ENOSYS)]
+    # clone: allowed when its flags (argument 0) hold CLONE_THREAD; jumps land on ALLOW or EPERM
+    program += [_bpf(BPF_JEQ_K, clone, jf=2), _bpf(BPF_LD_W_ABS, SECCOMP_DATA_ARG0)]
+    program.append(_bpf(BPF_JSET_K, CLONE_THREAD, jt=n, jf=n + 1))
+    program += [_bpf(BPF_JEQ_K, nr, jt=n - i) for i, nr in enumerate(refused)]
+    program += [_bpf(BPF_RET_K, SECCOMP_RET_ALLOW), _bpf(BPF_RET_K, SECCOMP_RET_ERRNO | EPERM)]
+    return b"".join(program)
+
+
 class _SockFprog(ctypes.Structure):
     _fields_ = (("len", ctypes.c_ushort), ("filter", ctypes.c_void_p))
 
 
 def apply_seccomp(config: dict) -> None:
-    program = seccomp_program(platform.machine())
+    _install_filter(seccomp_program(platform.machine()))
+
+
+def limit_processes() -> None:
+    """The processes layer, in the code's process: it cannot start another."""
+    _install_filter(process_program(platform.machine()))
+
+
+def _install_filter(program: bytes) -> None:
     filters = ctypes.create_string_buffer(program, len(program))
     fprog = _SockFprog(len(program) // 8, ctypes.addressof(filters))
     _checked(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
@@ -269,10 +307,23 @@ def main() -> None:
     _confine(config, status)
     pid = os.fork()
     if pid == 0:
+        _confine_code(config, status)
         status.close()  # the code must not be able to forge its own outcome
         run_code(config)
         return
     _wait_and_report(pid, status)
+
+
+def _confine_code(config: dict, status) -> None:
+    """The processes layer, in the code's process (the launcher needs fork for it). A failure is
+    reported before the launcher's own report, which the parent then ignores."""
+    if "processes" not in config["layers"]:
+        return
+    try:
+        limit_processes()
+    except OSError as err:
+        _report(status, error=f"cannot apply sandbox layer 'processes': {err}")
+        os._exit(1)
 
 
 if __name__ == "__main__":
