@@ -53,7 +53,7 @@ def build_quickstart_working_tree(root: Path) -> Path:
 def link(path: Path, target: Path) -> None:
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.symlink_to(target, target_is_directory=True)
+        path.symlink_to(target.resolve(), target_is_directory=True)
 
 
 def finished_stage(root: Path, recipe: str) -> None:
