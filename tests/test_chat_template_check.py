@@ -92,10 +92,14 @@ def test_a_template_the_tool_loop_cannot_use_is_refused_by_name(template, messag
 
 
 def test_a_template_that_ignores_tools_and_calls_is_a_warning(caplog):
-    """The tiny model's template: the schemas never reach the prompt and calls are not rendered."""
+    """The tiny model's template: the schemas never reach the prompt and calls are not rendered,
+    which only an OpenAI-style agent's conversations (sent back and rendered) lose."""
     with caplog.at_level(logging.WARNING):
         check_chat_template(agent_recipe(), tokenizer_with(CHAT_TEMPLATE))
     assert "the chat template ignores tools=: the prompts carry no tool schema" in caplog.text
+    assert "writes no tool call" not in caplog.text
+    with caplog.at_level(logging.WARNING):
+        check_chat_template(agent_recipe("openai"), tokenizer_with(CHAT_TEMPLATE))
     assert "writes no tool call of an assistant message" in caplog.text
 
 

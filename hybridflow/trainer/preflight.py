@@ -189,7 +189,7 @@ def check_chat_template(cfg: RecipeConfig, tokenizer) -> None:
             f"{key}: the chat template renders a tool message without its content, so the model never reads "
             f"what its tools return; {TEMPLATE_FIX}"
         )
-    _check_tool_call_format(rendered[: rendered.index(PROBE_RESPONSE)], name, key)
+    _check_tool_call_format(rendered[: rendered.index(PROBE_RESPONSE)], name, key, loop)
     check_incremental_template(tokenizer, key)  # tool responses append to the sampled ids (issue 35)
 
 
@@ -227,14 +227,16 @@ def template_renderer(tokenizer, key: str):
     return render
 
 
-def _check_tool_call_format(rendered: str, name: str, key: str) -> None:
-    """A call the template writes must parse back as the same call (name, arguments)."""
+def _check_tool_call_format(rendered: str, name: str, key: str, loop: str) -> None:
+    """A call the template writes must parse back as the same call (name, arguments). A template
+    that writes none matters to loop=openai only, whose agents send their conversations back."""
     written = rendered[rendered.rfind(PROBE_QUESTION[0]["content"]) :]
     if f'"{name}"' not in written:
-        logger.warning(
-            "%s: the chat template writes no tool call of an assistant message: the calls of a conversation "
-            "an OpenAI-style agent sends back are lost when it is rendered", key,
-        )  # fmt: skip
+        if loop == "openai":
+            logger.warning(
+                "%s: the chat template writes no tool call of an assistant message: the calls of a "
+                "conversation an OpenAI-style agent sends back are lost when it is rendered", key,
+            )  # fmt: skip
         return
     if parse_tool_calls(written) != [ToolCall(name, {})]:
         raise ValueError(
