@@ -46,9 +46,9 @@ def _render(tokenizer, messages: list[dict], tools, generation_prompt: bool) -> 
     )
 
 
-def template_end_of_turn(tokenizer, tools: list[dict] | None = None) -> tuple[str, int]:
+def template_end_of_turn(tokenizer) -> tuple[str, int]:
     """(text, id) of the special token the template writes right after an assistant's content."""
-    text = _render(tokenizer, [STAND_IN_USER, {"role": "assistant", "content": MARK}], tools, False)
+    text = _render(tokenizer, [STAND_IN_USER, {"role": "assistant", "content": MARK}], None, False)
     after = text[text.rindex(MARK) + len(MARK) :]
     ids = tokenizer(after, add_special_tokens=False)["input_ids"]
     if not ids or ids[0] not in tokenizer.added_tokens_decoder:
@@ -141,11 +141,8 @@ def check_incremental_template(tokenizer, key: str = "the tokenizer") -> None:
     the tokenizer, naming what keeps the chat template from rendering tool responses
     incrementally (no end-of-turn token, or earlier turns that change when an assistant turn and
     tool messages follow them) and the fix."""
-    tools = tool_messages(["probe"], ["42"], turn=0)
     try:
-        render = message_delta_renderer(tokenizer)
-        for closed in (True, False):
-            render(tools, tools=PROBE_TOOLS, closed=closed)
+        message_delta_renderer(tokenizer)(tool_messages(["probe"], ["42"], turn=0), tools=PROBE_TOOLS)
     except TemplateNotIncremental as err:
         raise TemplateNotIncremental(
             f"{key}: {err}; agent loops append tool responses to the sampled ids, so set "

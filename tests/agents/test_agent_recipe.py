@@ -4,9 +4,11 @@ hybridflow/agents/openai_example.py) talking to the endpoint inside the Ray work
 vLLM engines; the tiny model is fitted to call the calculator (tool_model.py), the reward is the
 GSM8K rule on its question. (Sampled at temperature 1, the model rarely reaches its memorised
 answer: the test is about the endpoint inside training, not learning. The tool loop trains in
-test_tool_demo_learning.py.)"""
+test_tool_demo_learning.py.) The same runs with a LangGraph agent (_langgraph_agent.py), whose
+module the workers import from this directory."""
 
 import json
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -25,8 +27,15 @@ def write_rows(path, rows: int) -> str:
     return str(path)
 
 
+AGENTS = {
+    "openai_client": "hybridflow.agents.openai_example:calculator_agent",
+    "langgraph": "_langgraph_agent:run",
+}
+
+
 @pytest.mark.slow
-def test_tool_grpo_recipe_runs_two_steps_with_an_openai_client_agent(tool_model, tmp_path):
+@pytest.mark.parametrize("agent", AGENTS)
+def test_tool_grpo_recipe_runs_two_steps_with_an_openai_client_agent(agent, tool_model, tmp_path):
     train, val = write_rows(tmp_path / "train.parquet", 8), write_rows(tmp_path / "val.parquet", 2)
     overrides = [
         f"model.path={tool_model}",
@@ -46,7 +55,7 @@ def test_tool_grpo_recipe_runs_two_steps_with_an_openai_client_agent(tool_model,
         "rollout.sampling.n=2",
         "rollout.agent.loop=openai",
         "rollout.agent.tools=[]",  # the agent offers the calculator itself
-        "rollout.agent.openai_agent=hybridflow.agents.openai_example:calculator_agent",
+        f"rollout.agent.openai_agent={AGENTS[agent]}",
         "trainer.use_gpu=false",
         "trainer.n_gpus_per_node=2",
         "trainer.total_training_steps=2",
@@ -56,7 +65,8 @@ def test_tool_grpo_recipe_runs_two_steps_with_an_openai_client_agent(tool_model,
         "trainer.logger=[console]",
         f"trainer.output_dir={tmp_path / 'out'}",
     ]
-    done = run_recipe_script("recipes/gsm8k_tool_grpo.yaml", overrides, timeout=900)
+    here = str(Path(__file__).resolve().parent)
+    done = run_recipe_script("recipes/gsm8k_tool_grpo.yaml", overrides, timeout=900, env={"PYTHONPATH": here})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r.get("step") in (1, 2) and "reward/mean" in r]
