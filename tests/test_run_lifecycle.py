@@ -210,7 +210,7 @@ def training_started(marker: str) -> bool:
     the run's own)."""
     for process in psutil.process_iter():
         with contextlib.suppress(psutil.Error):
-            if marker_in(process, marker) and " ".join(process.cmdline()).startswith("ray::ActorRolloutRef"):
+            if marker_in(process, marker) and " ".join(process.cmdline()).startswith("ray::HybridPolicyWorker"):
                 return True
     return False
 

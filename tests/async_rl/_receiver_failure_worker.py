@@ -6,7 +6,7 @@
 The sender sends policy versions 1 and 2 of `version_tensors` (3 buckets each) and writes the
 seconds each `send` took. The receiver is a `RolloutWorker` whose engine is an `EngineDouble`
 raising RuntimeError in FAILING_CALL during version 1; it takes each transfer as the driver makes
-it (`DisaggregatedActorRollout.transfer_weights`: start the receive, the actor's send returns,
+it (`PoolRollout.sync_weights`: start the receive, the actor's send returns,
 then `finish_transfer`) and writes what it saw: the error, the engine's state and calls, its
 refusal to generate, and the version served after the second transfer.
 """
