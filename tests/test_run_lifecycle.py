@@ -210,7 +210,8 @@ def training_started(marker: str) -> bool:
     the run's own)."""
     for process in psutil.process_iter():
         with contextlib.suppress(psutil.Error):
-            if marker_in(process, marker) and " ".join(process.cmdline()).startswith("ray::HybridPolicyWorker"):
+            title = " ".join(process.cmdline())  # Ray titles an actor's process by its class
+            if marker_in(process, marker) and title.startswith("ray::HybridPolicyWorker"):
                 return True
     return False
 

@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from hybridflow.workers.rollout_worker import RolloutWorker
 from engines.weight_sync.transfer import WeightSender, transfer_group
+from hybridflow.workers.rollout_worker import RolloutWorker
 
 HOST = "127.0.0.1"
 GROUP_TIMEOUT_S = 600.0  # transfer_group's default, which the rollout worker's group has

@@ -16,8 +16,8 @@ import torch
 
 from engines.rollout.config import RolloutConfig, SamplingConfig
 from engines.rollout.hf_rollout import checkpoint_tensors
-from hybridflow.protocol import DataProto
 from engines.weight_sync.transfer import WeightReceiver, WeightSender, transfer_group
+from hybridflow.protocol import DataProto
 
 VERSIONS = (1, 2)
 BUCKET_MB = 0.05  # several buckets for the tiny model

@@ -17,8 +17,8 @@ from _transfer_worker import VERSIONS, prompts, rollout_cfg, versioned_tensors
 from process_group import read_rest, stop_process_tree
 
 from engines.rollout.hf_rollout import HFRolloutEngine
-from hybridflow.utils.tiny_model import make_tiny_model
 from engines.weight_sync.transfer import ALIGN, pack_bucket, payload_size, unpack_bucket
+from hybridflow.utils.tiny_model import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("_transfer_worker.py")
