@@ -22,7 +22,7 @@ from hybridflow.workers.policy import PolicyWorker
 
 class HybridPolicyWorker(PolicyWorker):
     rollout = None  # the engine (None on the ranks of an SGLang group that are not its first)
-    engine_version: int | None = None  # the policy version the engines hold, None when none
+    engine_version: int | None = None  # the policy version last loaded (held while holds_weights)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -69,7 +69,7 @@ class HybridPolicyWorker(PolicyWorker):
     @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Responses for a chunk of prompts, with the weights of the last sync."""
-        if self.engine_version is None:
+        if not self.sharding_manager.holds_weights:
             raise RuntimeError(
                 "generate_sequences before sync_rollout_weights: the engines hold no weights of the policy"
             )
@@ -81,8 +81,6 @@ class HybridPolicyWorker(PolicyWorker):
     def before_compute(self) -> None:
         """The engines hand the device back to the policy (their weights too, with free_cache_engine)."""
         self.sharding_manager.release()
-        if not self.sharding_manager.holds_weights:
-            self.engine_version = None
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_rollout_state(self, path: str) -> None:
