@@ -14,6 +14,7 @@ pytestmark = pytest.mark.usefixtures("in_quickstart_working_tree")
 
 GRPO = Path(__file__).resolve().parents[1] / "recipes/gsm8k_grpo.yaml"
 DISAGGREGATED = ("trainer.placement=disaggregated", "trainer.rollout_pool.n_gpus_per_node=1")
+STREAM = ("trainer.async_training.mode=stream", "rollout.name=vllm")
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +126,28 @@ def test_defaults_are_synchronous_and_colocated(base):
             "rollout.agent.loop=tool with trainer.placement=disaggregated is not built yet",
         ),
         (
+            (*DISAGGREGATED, *STREAM, "trainer.async_training.max_staleness=0"),
+            "trainer.async_training.max_staleness=0 with mode=stream: a group generating while a step "
+            "trains is one version old when it finishes, so every group would be dropped; use mode=sync",
+        ),
+        (
+            (*DISAGGREGATED, "trainer.async_training.mode=stream"),
+            "trainer.async_training.mode=stream runs each group as requests between which weights land, "
+            "which only the vLLM engine does here: set rollout.name=vllm (got hf)",
+        ),
+        (
+            (*DISAGGREGATED, *STREAM, "trainer.async_training.partial_rollout=true"),
+            "trainer.async_training.partial_rollout=true: mode=stream always continues requests",
+        ),
+        (
+            (
+                *DISAGGREGATED,
+                "trainer.async_training.mode=async",
+                "trainer.async_training.stale_groups=regenerate",
+            ),
+            "trainer.async_training.stale_groups=regenerate is used by mode=stream only; remove it",
+        ),
+        (
             (*DISAGGREGATED, "trainer.mode=sft"),
             "trainer.placement=disaggregated applies to trainer.mode=rl only",
         ),
@@ -150,6 +173,9 @@ def test_disaggregated_modes_validate(base):
     assert errors(base, *asynchronous) == []
     partial = ("rollout.name=vllm", "trainer.async_training.partial_rollout=true")
     assert errors(base, *asynchronous, *partial) == []
+    stream = (*DISAGGREGATED, *STREAM, "trainer.async_training.max_staleness=2")
+    assert errors(base, *stream, "trainer.async_training.stale_groups=regenerate") == []
+    assert errors(base, *stream, "algorithm.filter_groups.enable=true") == []  # dynamic sampling streams on
 
 
 def test_a_bare_off_is_not_a_mode(base):
@@ -174,3 +200,20 @@ def test_rollout_workers_take_calls_side_by_side_only_with_partial_rollouts(base
     partial = ["rollout.name=vllm", "trainer.async_training.partial_rollout=true"]
     assert actor_options(load_recipe(GRPO, [*asynchronous, *partial])) == {"max_concurrency": 5}
     assert actor_options(load_recipe(GRPO, asynchronous)) == {}
+
+
+def test_stream_rollout_workers_take_a_call_per_group_outstanding(base):
+    """(max_staleness + 1) x train_batch_size groups outstanding at most, spread over the pool's
+    processes, plus a validation call and the transfer calls."""
+    from hybridflow.workers.rollout_worker import actor_options
+
+    stream = [
+        *base,
+        *DISAGGREGATED,
+        *STREAM,
+        "data.train_batch_size=6",
+        "trainer.async_training.max_staleness=2",
+    ]
+    assert actor_options(load_recipe(GRPO, stream)) == {"max_concurrency": 18 + 2}
+    two = [*stream, "trainer.rollout_pool.n_gpus_per_node=4"]
+    assert actor_options(load_recipe(GRPO, two)) == {"max_concurrency": 5 + 2}  # 18 over 4: 5 at most

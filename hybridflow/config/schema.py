@@ -173,8 +173,12 @@ class AlgorithmConfig:
 Placement = Literal["colocated", "disaggregated"]
 # sync: generate, then train (YAML reads a bare `off` as false, hence the name) | one_step: batch
 # k+1 is generated with the weights of step k while the actor trains on batch k | async: a rollout
-# loop keeps a bounded queue full, samples at most max_staleness versions old
-AsyncMode = Literal["sync", "one_step", "async"]
+# loop keeps a bounded queue full, samples at most max_staleness versions old | stream: each prompt's
+# group generates on its own as slots free up, a step trains the next finished groups
+AsyncMode = Literal["sync", "one_step", "async", "stream"]
+# stream: a finished group staler than max_staleness is dropped (its prompt skipped) | regenerated
+# (its prompt submitted again with the newest weights); either way counted, never trained
+StaleGroups = Literal["drop", "regenerate"]
 
 
 @dataclass
@@ -192,8 +196,14 @@ class AsyncTrainingConfig:
     it is trained on minus the version its oldest token was generated with."""
 
     mode: AsyncMode = "sync"
-    max_staleness: int = 1  # async: older samples are dropped and regenerated; one_step is 1 by construction
+    max_staleness: int = 1  # async, stream: the bound on a trained sample's staleness; one_step is 1
     partial_rollout: bool = False  # async, vllm: in-flight requests continue with new weights, tokens kept
+    stale_groups: StaleGroups = "drop"  # stream only
+
+    def groups_outstanding(self, train_batch_size: int) -> int:
+        """stream: groups generating or finished and not yet trained, at most, while a step waits
+        for its own (AReaL's bound: taken in order, none would be staler than max_staleness)."""
+        return (self.max_staleness + 1) * train_batch_size
 
 
 @dataclass

@@ -211,19 +211,24 @@ def _check_async_training(cfg: RecipeConfig) -> list[str]:
             f"{key}.mode={settings.mode} with algorithm.adv_estimator=remax: the greedy baseline would come "
             "from newer weights than the samples it is a baseline for; use mode=sync"
         )
-    if settings.mode != "sync" and cfg.algorithm.filter_groups.enable:
+    if settings.mode not in ("sync", "stream") and cfg.algorithm.filter_groups.enable:
         errors.append(
             f"{key}.mode={settings.mode} with algorithm.filter_groups.enable=true (dynamic sampling draws "
             "more prompts inside a step) is not supported yet; use mode=sync"
         )
     if settings.mode == "async" and settings.max_staleness < 0:
         errors.append(f"{key}.max_staleness must be >= 0 (0: as fresh as sync), got {settings.max_staleness}")
-    if settings.mode != "async" and settings.max_staleness != 1:
+    if settings.mode not in ("async", "stream") and settings.max_staleness != 1:
         errors.append(
             f"{key}.max_staleness={settings.max_staleness} is used by mode=async only (sync trains on "
             "fresh samples, one_step on samples one version old); set mode=async or remove it"
         )
-    if settings.partial_rollout and settings.mode != "async":
+    errors += _check_stream(cfg)
+    if settings.partial_rollout and settings.mode == "stream":
+        errors.append(
+            f"{key}.partial_rollout=true: mode=stream always continues requests under new weights; remove it"
+        )
+    elif settings.partial_rollout and settings.mode != "async":
         errors.append(f"{key}.partial_rollout=true is used by mode=async only; set mode=async or remove it")
     elif settings.partial_rollout and settings.max_staleness < 2:
         errors.append(
@@ -235,6 +240,28 @@ def _check_async_training(cfg: RecipeConfig) -> list[str]:
         errors.append(
             f"{key}.partial_rollout=true pauses in-flight requests for a weight update, which transformers "
             "generate cannot do: use rollout.name=vllm (or sglang on GPUs)"
+        )
+    return errors
+
+
+def _check_stream(cfg: RecipeConfig) -> list[str]:
+    """mode=stream: request-level generation, and a staleness bound it can keep (docs/async.md)."""
+    settings, key = cfg.trainer.async_training, "trainer.async_training"
+    if settings.mode != "stream" and settings.stale_groups != "drop":
+        return [f"{key}.stale_groups={settings.stale_groups} is used by mode=stream only; remove it"]
+    if settings.mode != "stream":
+        return []
+    errors = []
+    if settings.max_staleness < 1:
+        errors.append(
+            f"{key}.max_staleness={settings.max_staleness} with mode=stream: a group generating while "
+            "a step trains is one version old when it finishes, so every group would be dropped; use "
+            "mode=sync for fresh samples, or max_staleness >= 1"
+        )
+    if cfg.rollout.name != "vllm":
+        errors.append(
+            f"{key}.mode=stream runs each group as requests between which weights land, which only the "
+            f"vLLM engine does here: set rollout.name=vllm (got {cfg.rollout.name})"
         )
     return errors
 

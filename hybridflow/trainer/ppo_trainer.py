@@ -3,9 +3,10 @@
     trainer = PPOTrainer(cfg, start_roles(cfg), actor_dp); trainer.fit()
 
 `step()` reads like the algorithm: the rollout takes the policy's newest weights (a timed phase of
-its own, `timing/weight_sync`), the step's responses come from the rollout (generated now, or
-launched steps earlier when generating ahead), then reward, old log-probs, reference, values,
-advantages and the updates, with a timer around each stage. Where the responses come from and
+its own, `timing/weight_sync`), the step's prompts and responses come from the rollout (generated
+now, launched steps earlier when generating ahead, or a stream's next finished groups), then
+reward, old log-probs, reference, values, advantages and the updates, with a timer around each
+stage. Where the responses come from and
 when weights move are the rollout handle's (hybridflow/trainer/rollout/); what the policy is, the
 policy handle's (hybridflow/trainer/policy.py). Everything else is setup, validation, logging and
 checkpoint hooks.
@@ -34,10 +35,11 @@ from hybridflow.trainer.checkpoint import (
 )
 from hybridflow.trainer.dynamic_sampling import collect_varied_groups
 from hybridflow.trainer.preflight import checkpoint_size_estimate
-from hybridflow.trainer.prompts import PromptBatches, StepPrompts
+from hybridflow.trainer.prompts import PromptBatches
 from hybridflow.trainer.resume import ResumePlan, plan_resume
 from hybridflow.trainer.roles import Roles, uses_reference
 from hybridflow.trainer.rollout.ahead import GeneratingAhead, generation_depth
+from hybridflow.trainer.rollout.stream import RayGroupCalls, StreamingRollout, StreamSettings
 from hybridflow.trainer.validation import run_validation
 from hybridflow.utils.nonfinite import (
     NonFiniteError,
@@ -70,9 +72,11 @@ class PPOTrainer:
         self.rollout_reads_rows = cfg.rollout.agent.loop == "openai"  # the agent reads each row's messages
         self.prompts = PromptBatches(self.train_loader, cfg.rollout.sampling.n, self.rollout_reads_rows)
         self.rollout = roles.rollout
-        depth = generation_depth(cfg)
-        if depth > 0:  # one_step / async: the next batches generate during the update
-            self.rollout = GeneratingAhead(roles.rollout, depth, self.prompts)
+        if cfg.trainer.async_training.mode == "stream":  # groups generate on as steps take them
+            settings = StreamSettings.of(cfg, self.tokenizer.pad_token_id)
+            self.rollout = StreamingRollout(roles.rollout, RayGroupCalls(roles.rollout.group), settings)
+        elif generation_depth(cfg) > 0:  # one_step / async: the next batches generate during the update
+            self.rollout = GeneratingAhead(roles.rollout, generation_depth(cfg), self.prompts)
         self.kl_ctrl = core.make_kl_controller(cfg.algorithm.kl_ctrl)
         self.total_steps = (
             cfg.trainer.total_training_steps or len(self.train_loader) * cfg.trainer.total_epochs
@@ -219,7 +223,7 @@ class PPOTrainer:
     def generate_and_score(self, timings: dict[str, float]) -> DataProto:
         """Responses to the next batch of prompts with `token_level_scores` (rule or reward model,
         plus DAPO's overlong penalty when enabled)."""
-        batch = self.generate(self.prompts.next(), timings)
+        batch = self.generate(timings)
         with metrics.timer("reward", timings):
             if self.reward_model is not None:
                 batch = batch.union(self.reward_model.compute_rm_score(batch))
@@ -231,10 +235,13 @@ class PPOTrainer:
                 batch.batch["token_level_scores"] = scores + core.overlong_scores(batch, overlong, limit)
         return batch
 
-    def generate(self, step: StepPrompts, timings: dict[str, float]) -> DataProto:
-        """n responses per prompt (grouped by `uid`) and ReMax's greedy baseline when needed."""
+    def generate(self, timings: dict[str, float]) -> DataProto:
+        """The step's prompts with n responses each (grouped by `uid`), and ReMax's greedy baseline
+        when needed; which prompts is the rollout's choice (the loader's next batch, or a stream's
+        next finished groups)."""
         with metrics.timer("gen", timings):
-            responses = self.rollout.responses(step.rows, steps_left=self.total_steps - self.global_step)
+            steps_left = self.total_steps - self.global_step
+            step, responses = self.rollout.responses(self.prompts, steps_left)
         batch = step.batch.repeat(self.cfg.rollout.sampling.n, interleave=True).union(responses)
         if self.cfg.algorithm.adv_estimator == "remax":
             with metrics.timer("gen_baseline", timings):

@@ -33,6 +33,9 @@ def actor_options(cfg: RecipeConfig) -> dict:
     """Ray actor options of the rollout workers: with partial rollouts, a thread for each launched
     generation call (up to max_staleness), a validation call, and the transfer calls beside them."""
     settings = cfg.trainer.async_training
+    if settings.mode == "stream":  # a call per group in flight (hybridflow/trainer/rollout/stream.py)
+        pool = cfg.trainer.rollout_pool.nnodes * cfg.trainer.rollout_pool.n_gpus_per_node
+        return {"max_concurrency": -(-settings.groups_outstanding(cfg.data.train_batch_size) // pool) + 2}
     return {"max_concurrency": settings.max_staleness + 2} if settings.partial_rollout else {}
 
 
@@ -56,7 +59,7 @@ class RolloutWorker(Worker):
                 f"rollout.tensor_model_parallel_size=1, got {cfg.rollout.tensor_model_parallel_size}"
             )
         self.engine = create_rollout_engine(cfg.rollout, cfg.model.path)
-        if cfg.trainer.async_training.partial_rollout:
+        if cfg.trainer.async_training.partial_rollout or cfg.trainer.async_training.mode == "stream":
             from engines.rollout.request_batches import RequestBatches
 
             self.batches = RequestBatches(self.engine)

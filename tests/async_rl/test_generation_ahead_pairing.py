@@ -19,7 +19,7 @@ import torch
 
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.ppo_trainer import PPOTrainer
-from hybridflow.trainer.prompts import PromptBatches
+from hybridflow.trainer.prompts import PromptBatches, StepPrompts
 from hybridflow.trainer.rollout.ahead import GeneratingAhead, overlap_seconds
 
 PROMPTS, N, STEPS = 3, 2, 6
@@ -47,8 +47,9 @@ class FakeRolloutPool:
     def collect(self, launched: DataProto) -> DataProto:
         return launched
 
-    def responses(self, rows: DataProto, steps_left: int) -> DataProto:
-        return self.generate(rows)
+    def responses(self, prompts: PromptBatches, steps_left: int) -> tuple[StepPrompts, DataProto]:
+        step = prompts.next()
+        return step, self.generate(step.rows)
 
     def metrics(self, batch: DataProto) -> dict[str, float]:
         return {}
@@ -101,7 +102,7 @@ def test_each_step_trains_on_its_own_prompts_generated_by_the_expected_version(d
         trainer.global_step += 1
         k = trainer.global_step
         rollout.sync_weights(trainer.policy)
-        batch = PPOTrainer.generate(trainer, trainer.prompts.next(), {})
+        batch = PPOTrainer.generate(trainer, {})
         answers = [str(p) for p in batch.batch["responses"][:, 0].tolist()]
         assert answers == list(batch.non_tensor_batch["ground_truth"]), f"step {k}: responses of other rows"
         expected_problems = [100 * (k - 1) + p for p in range(PROMPTS) for _ in range(N)]

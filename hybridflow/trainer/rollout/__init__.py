@@ -1,7 +1,8 @@
 """The driver's rollout handle: where a step's responses come from and how weights reach the engines.
 
     rollout.sync_weights(policy)         the engines serve the policy's current weights from now on
-    rollout.responses(rows, steps_left)  the step's responses (generated now, or launched earlier)
+    rollout.responses(prompts, steps_left)  the step's prompts and responses (generated now, launched
+                                         earlier, or a stream's next finished groups)
     rollout.generate(rows)               responses now (validation, ReMax's greedy baseline)
     rollout.metrics(batch)               staleness / overlap / version metrics of a trained batch
     rollout.save(path) / load(path)      what the rollout holds (sampling positions, what is in flight)
@@ -12,5 +13,7 @@ Implementations (`base.Rollout` is the protocol):
 - `pool.PoolRollout`: a rollout pool of its own (trainer.placement=disaggregated); the sync is a
   transfer over a process group, and every sample carries the policy version that produced it;
 - `ahead.GeneratingAhead`: one_step / async (and partial rollouts): wraps a pool and keeps up to
-  `depth` batches generating while the driver trains on earlier ones; it holds the queue.
+  `depth` batches generating while the driver trains on earlier ones; it holds the queue;
+- `stream.StreamingRollout`: stream (and its checkpoint part): wraps a pool, keeps every prompt's
+  group generating on its own and gives a step the next finished groups within the staleness bound.
 """

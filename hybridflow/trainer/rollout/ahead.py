@@ -36,7 +36,7 @@ import torch
 
 from hybridflow.protocol import DataProto, DataProtoFuture
 from hybridflow.trainer.policy import Policy
-from hybridflow.trainer.prompts import PromptBatches
+from hybridflow.trainer.prompts import PromptBatches, StepPrompts
 from hybridflow.trainer.rollout.pool import PoolRollout
 
 AHEAD_FILE = "generation_ahead.pt"  # in the rollout's checkpoint directory
@@ -67,13 +67,15 @@ class GeneratingAhead:
     def sync_weights(self, policy: Policy) -> None:
         self.pool.sync_weights(policy)
 
-    def responses(self, rows: DataProto, steps_left: int) -> DataProto:
-        """The step's responses: launched for these very rows earlier (generated now at the start);
-        then the next steps' generations are launched."""
-        responses = self.collect(rows) if self.pending else self.pool.generate(rows)
+    def responses(self, prompts: PromptBatches, steps_left: int) -> tuple[StepPrompts, DataProto]:
+        """The next step's prompts (drawn ahead, `self.prompts`) and their responses: launched for
+        these very rows earlier (generated now at the start); then the next steps' generations are
+        launched."""
+        step = prompts.next()
+        responses = self.collect(step.rows) if self.pending else self.pool.generate(step.rows)
         self.fill(steps_left)
         self.step_start = time.time()
-        return responses
+        return step, responses
 
     def generate(self, rows: DataProto) -> DataProto:
         """Now, with the newest weights; the launched generations are left alone."""

@@ -4,6 +4,7 @@ from typing import Protocol
 
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.policy import Policy
+from hybridflow.trainer.prompts import PromptBatches, StepPrompts
 
 
 class Rollout(Protocol):
@@ -11,9 +12,10 @@ class Rollout(Protocol):
         """From now on the engines generate with `policy`'s current weights (version
         `policy.version`); nothing moves where they serve that version already."""
 
-    def responses(self, rows: DataProto, steps_left: int) -> DataProto:
-        """The training step's responses to `rows`; `steps_left`: steps after this one, so a
-        rollout generating ahead launches nothing past the run's end."""
+    def responses(self, prompts: PromptBatches, steps_left: int) -> tuple[StepPrompts, DataProto]:
+        """The training step's prompts and their responses: the loader's next batch (`prompts.next()`)
+        or, for a rollout that streams, the prompts of the groups it finished; `steps_left`: steps
+        after this one, so a rollout generating ahead launches nothing past the run's end."""
 
     def generate(self, rows: DataProto) -> DataProto:
         """Responses to `rows` now, with the weights last synced (validation, baselines)."""

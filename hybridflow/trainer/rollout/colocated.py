@@ -9,6 +9,7 @@ then streams them again.
 
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.policy import Policy
+from hybridflow.trainer.prompts import PromptBatches, StepPrompts
 
 
 class ColocatedRollout:
@@ -18,8 +19,9 @@ class ColocatedRollout:
     def sync_weights(self, policy: Policy) -> None:
         self.group.sync_rollout_weights(policy.version)
 
-    def responses(self, rows: DataProto, steps_left: int) -> DataProto:
-        return self.generate(rows)
+    def responses(self, prompts: PromptBatches, steps_left: int) -> tuple[StepPrompts, DataProto]:
+        step = prompts.next()
+        return step, self.generate(step.rows)
 
     def generate(self, rows: DataProto) -> DataProto:
         return self.group.generate_sequences(rows)

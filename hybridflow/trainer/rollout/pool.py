@@ -30,6 +30,7 @@ import torch
 from hybridflow.protocol import DataProto, DataProtoFuture
 from hybridflow.single_controller.errors import WorkerError
 from hybridflow.trainer.policy import Policy
+from hybridflow.trainer.prompts import PromptBatches, StepPrompts
 from hybridflow.utils.imports import first_line
 
 
@@ -115,8 +116,9 @@ class PoolRollout:
             self.group.ping()  # raises for a dead rollout process (the sender's error is its echo)
             raise
 
-    def responses(self, rows: DataProto, steps_left: int) -> DataProto:
-        return self.generate(rows)
+    def responses(self, prompts: PromptBatches, steps_left: int) -> tuple[StepPrompts, DataProto]:
+        step = prompts.next()
+        return step, self.generate(step.rows)
 
     def generate(self, rows: DataProto) -> DataProto:
         with naming_dead_processes():

@@ -1,0 +1,347 @@
+"""Streaming rollout (trainer.async_training.mode=stream): the rollout pool never waits for a
+batch's longest response, and a training step never waits for more than its own groups.
+
+With real response lengths (most short, a few at the limit) a whole-batch generation leaves the
+engines idle while its tail finishes. Here every prompt's n samples are one group, a generation
+call of its own on one rollout process (its requests share the engine's decoding steps with every
+other group's, engines/rollout/request_batches.py), and
+
+    step k (trained with version v, the one just synced; weights land between decoding steps):
+        submit groups until (max_staleness + 1) x train_batch_size are outstanding
+        take finished groups in completion order until train_batch_size are taken; a group whose
+            oldest token is more than max_staleness versions behind v is dropped or regenerated
+            (trainer.async_training.stale_groups), counted, never trained
+        submit groups until max_staleness x train_batch_size are outstanding (they generate while
+            the step trains)
+
+Outstanding counts groups generating and groups finished but not taken: AReaL's bound
+(`max_head_offpolicyness`), under which groups taken in submission order are never staler than
+max_staleness; taken in completion order, a slow group is overtaken and may be, which the take-time
+check catches. The step's prompt rows (uid, ground truth) are the taken groups' own
+(`responses` returns them with the responses). Prompts are drawn from the loader as slots free up.
+
+Checkpoints hold what is outstanding: finished groups with their responses, and the prompts of
+groups still generating (regenerated after a resume) or drawn and not submitted. A resumed run
+takes them under the same check, so it never trains a sample staler than the bound.
+
+A rollout process that dies: `lost_process` restarts it through the pool's `recover()` where the
+pool has one and submits the groups lost there again from their prompts; otherwise the run stops
+with `RolloutProcessDied`, as in the other modes.
+"""
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import torch
+
+from hybridflow.protocol import DataProto
+from hybridflow.trainer.dynamic_sampling import PROMPT_SIDE, concat_rounds
+from hybridflow.trainer.policy import Policy
+from hybridflow.trainer.prompts import PromptBatches, StepPrompts
+from hybridflow.trainer.rollout.pool import PoolRollout, RolloutProcessDied, naming_dead_processes
+
+STREAM_FILE = "stream.pt"  # in the rollout's checkpoint directory
+
+
+@dataclass
+class StreamSettings:
+    n: int  # samples per prompt: a group
+    groups_per_step: int  # data.train_batch_size
+    max_staleness: int
+    stale_groups: Literal["drop", "regenerate"]
+    pad_token_id: int
+
+    @classmethod
+    def of(cls, cfg, pad_token_id: int) -> "StreamSettings":
+        settings = cfg.trainer.async_training
+        return cls(
+            cfg.rollout.sampling.n,
+            cfg.data.train_batch_size,
+            settings.max_staleness,
+            settings.stale_groups,
+            pad_token_id,
+        )
+
+
+@dataclass
+class Group:
+    """One prompt's n samples: its step row, the rows generated from, and once finished the
+    responses; `rank` and `submitted` (wall clock) while it generates."""
+
+    batch: DataProto  # 1 row: uid, ground truth, data source
+    prompt: DataProto  # 1 row: the prompt tensors
+    rows: DataProto  # n rows: what the engine generates from
+    responses: DataProto | None = None
+    rank: int = -1
+    submitted: float = 0.0
+
+    def version(self) -> int:
+        """The policy version of the group's oldest token."""
+        return int(self.responses.batch["policy_version"].min())
+
+    def again(self) -> "Group":
+        """The same prompt, to generate again."""
+        return Group(self.batch, self.prompt, self.rows)
+
+
+class GroupCalls(Protocol):
+    """One generation call per group on one rollout process, awaited in completion order."""
+
+    ranks: int
+
+    def submit(self, rows: DataProto) -> tuple[Any, int]:
+        """Start generating `rows`; the call's handle and the rank it runs on."""
+
+    def wait(self, handles: list, block: bool = True) -> list:
+        """The finished ones of `handles`; with `block`, at least one (waiting for it)."""
+
+    def result(self, handle) -> DataProto:
+        """A finished call's responses (WorkerError naming the rank when it failed)."""
+
+
+class RayGroupCalls:
+    """`GroupCalls` on the rollout workers' Ray actors: each group goes to the process with the
+    fewest calls in flight, as a direct call of `generate_sequences` on that actor."""
+
+    def __init__(self, group):
+        self.group = group  # the rollout worker group (actors read at each call: one may restart)
+        self.rank_of: dict = {}  # in-flight call -> rank
+
+    @property
+    def ranks(self) -> int:
+        return self.group.world_size
+
+    def submit(self, rows: DataProto) -> tuple[Any, int]:
+        busy = [0] * self.ranks
+        for rank in self.rank_of.values():
+            busy[rank] += 1
+        rank = busy.index(min(busy))
+        handle = self.group.actors[rank].generate_sequences.remote(rows)
+        self.rank_of[handle] = rank
+        return handle, rank
+
+    def wait(self, handles: list, block: bool = True) -> list:
+        import ray
+
+        if block:
+            ray.wait(handles, num_returns=1)
+        return ray.wait(handles, num_returns=len(handles), timeout=0)[0]
+
+    def result(self, handle) -> DataProto:
+        import ray
+
+        from hybridflow.single_controller.errors import worker_error
+
+        rank = self.rank_of.pop(handle)
+        try:
+            return ray.get(handle)
+        except ray.exceptions.RayError as err:
+            raise worker_error(err, rank, "generate_sequences") from err
+
+    def forget(self, handle) -> None:
+        self.rank_of.pop(handle, None)
+
+
+def split_groups(step: StepPrompts, n: int) -> list[Group]:
+    """A loader batch's prompts as groups, in order."""
+    return [
+        Group(step.batch[i : i + 1], step.prompts[i : i + 1], step.rows[i * n : (i + 1) * n])
+        for i in range(len(step.batch))
+    ]
+
+
+def left_pad(prompts: DataProto, width: int, pad_token_id: int) -> DataProto:
+    """Prompt rows with their (B, P) tensors left-padded to `width`."""
+    extra = width - prompts.batch["input_ids"].size(1)
+    padded = dict(prompts.batch.items())
+    for key in padded:
+        fill = pad_token_id if PROMPT_SIDE[key] is None else PROMPT_SIDE[key]
+        padded[key] = torch.nn.functional.pad(padded[key], (extra, 0), value=fill)  # (B, width)
+    return DataProto.from_dict(padded, non_tensors=prompts.non_tensor_batch, meta_info=prompts.meta_info)
+
+
+def join_prompts(parts: list[DataProto], pad_token_id: int) -> DataProto:
+    """Prompt rows of several loader batches (each padded to its own width) as one."""
+    width = max(part.batch["input_ids"].size(1) for part in parts)
+    return DataProto.concat([left_pad(part, width, pad_token_id) for part in parts])
+
+
+def union_seconds(intervals: list[tuple[float, float]]) -> float:
+    """Seconds covered by the (start, end) intervals, overlaps counted once."""
+    covered, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        covered += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    return covered
+
+
+@dataclass
+class StreamCounts:
+    """What happened since the last trained batch's metrics."""
+
+    since: float
+    finished: int = 0  # groups finished (taken or not)
+    dropped: int = 0  # stale: dropped, or regenerated
+    windows: list[tuple[int, float, float]] = field(default_factory=list)  # rank, call start, end
+
+
+class StreamingRollout:
+    def __init__(self, pool: PoolRollout, calls: GroupCalls, settings: StreamSettings, clock=time.time):
+        self.pool, self.calls, self.settings = pool, calls, settings
+        self.clock = clock  # wall clock, as the rollout processes' call windows are
+        self.unsent: deque[Group] = deque()  # drawn, not submitted (regenerations first)
+        self.in_flight: dict[Any, Group] = {}  # by call handle
+        self.finished: deque[Group] = deque()  # completion order
+        self.counts = StreamCounts(since=clock())
+        self.dropped_total = 0
+
+    def sync_weights(self, policy: Policy) -> None:
+        """Lands between two decoding steps of the groups in flight, which continue under it."""
+        self.pool.sync_weights(policy)
+
+    def generate(self, rows: DataProto) -> DataProto:
+        """Now, with the newest weights, beside the groups in flight."""
+        return self.pool.generate(rows)
+
+    def responses(self, prompts: PromptBatches, steps_left: int) -> tuple[StepPrompts, DataProto]:
+        """The next `groups_per_step` finished groups fresh enough to train with the version last
+        synced: their prompt rows and responses."""
+        per_step, bound = self.settings.groups_per_step, self.settings.max_staleness
+        waiting = min(bound + 1, steps_left + 1) * per_step
+        self.fill(prompts, waiting)
+        groups = self.take(prompts, waiting)
+        self.fill(prompts, min(bound, steps_left) * per_step)  # they generate while the step trains
+        pad = self.settings.pad_token_id
+        return self.step_prompts(groups), concat_rounds([group.responses for group in groups], pad)
+
+    def take(self, prompts: PromptBatches, waiting: int) -> list[Group]:
+        """The step's groups, in completion order; stale ones are replaced (up to `waiting`
+        outstanding, the taken ones included)."""
+        groups = []
+        while len(groups) < self.settings.groups_per_step:
+            group = self.next_finished()
+            if self.pool.served - group.version() > self.settings.max_staleness:
+                self.stale(group)
+                self.fill(prompts, waiting - len(groups))
+            else:
+                groups.append(group)
+        return groups
+
+    def outstanding(self) -> int:
+        return len(self.in_flight) + len(self.finished)
+
+    def fill(self, prompts: PromptBatches, limit: int) -> None:
+        """Submit groups until `limit` are outstanding, drawing prompts from the loader as needed."""
+        while self.outstanding() < limit:
+            if not self.unsent:
+                self.unsent.extend(split_groups(prompts.draw(), self.settings.n))
+            self.submit(self.unsent.popleft())
+
+    def submit(self, group: Group) -> None:
+        handle, group.rank = self.calls.submit(group.rows)
+        group.submitted = self.clock()
+        self.in_flight[handle] = group
+
+    def next_finished(self) -> Group:
+        """The oldest finished group, waiting for one if none is."""
+        while not self.finished:
+            if not self.in_flight:
+                raise RuntimeError("stream: waiting for a finished group with none generating")
+            self.collect(block=True)
+        return self.finished.popleft()
+
+    def collect(self, block: bool) -> None:
+        """Finished calls into `finished`; with `block`, at least one."""
+        if self.in_flight:
+            for handle in self.calls.wait(list(self.in_flight), block):
+                if handle in self.in_flight:  # not lost with a dead process meanwhile
+                    self.finish(handle)
+
+    def finish(self, handle) -> None:
+        group = self.in_flight[handle]
+        try:
+            with naming_dead_processes():
+                group.responses = self.calls.result(handle)
+        except RolloutProcessDied as died:
+            self.lost_process(died, group.rank)
+            return
+        del self.in_flight[handle]
+        self.finished.append(group)
+        window = group.responses.batch["generation_window"][0].tolist()  # (2,): the call's start, end
+        self.counts.windows.append((group.rank, *window))
+        self.counts.finished += 1
+
+    def lost_process(self, died: RolloutProcessDied, rank: int) -> None:
+        """A rollout process died: restarted by the pool where it can (`recover()`, the ranks it
+        restarted, with the current weights) and its groups submitted again from their prompts;
+        otherwise, or when the dead rank was not restarted, the run stops."""
+        recover = getattr(self.pool, "recover", None)
+        restarted = set(recover()) if recover is not None else set()
+        if rank not in restarted:
+            raise died
+        lost = [handle for handle, group in self.in_flight.items() if group.rank in restarted]
+        for handle in lost:
+            self.calls.forget(handle)
+            self.submit(self.in_flight.pop(handle).again())
+
+    def stale(self, group: Group) -> None:
+        """Never trained: its prompt is generated again with the newest weights, or skipped."""
+        self.counts.dropped += 1
+        self.dropped_total += 1
+        if self.settings.stale_groups == "regenerate":
+            self.unsent.appendleft(group.again())
+
+    def step_prompts(self, groups: list[Group]) -> StepPrompts:
+        pad = self.settings.pad_token_id
+        return StepPrompts(
+            DataProto.concat([g.batch for g in groups]),
+            join_prompts([g.prompt for g in groups], pad),
+            join_prompts([g.rows for g in groups], pad),
+        )
+
+    def metrics(self, batch: DataProto) -> dict[str, float]:
+        """The pool's staleness metrics and the stream's since the last trained batch: stale groups
+        (dropped or regenerated) and their share of the groups finished, groups outstanding, the
+        share of the time each engine had requests in flight, samples generated per second."""
+        self.collect(block=False)  # what finished while the step trained: the queue's depth
+        now, counts = self.clock(), self.counts
+        seconds = max(now - counts.since, 1e-9)
+        self.counts = StreamCounts(since=now)
+        return {
+            **self.pool.metrics(batch),
+            "stream/stale_groups": float(counts.dropped),
+            "stream/stale_groups_total": float(self.dropped_total),
+            "stream/stale_group_share": counts.dropped / max(counts.finished, 1),
+            "stream/in_flight_groups": float(len(self.in_flight)),  # at the step's end
+            "stream/finished_queue": float(len(self.finished)),  # finished, not taken yet
+            "stream/engine_busy_share": self.busy_seconds(counts, now) / seconds / self.calls.ranks,
+            "stream/samples_per_s": counts.finished * self.settings.n / seconds,
+        }
+
+    def busy_seconds(self, counts: StreamCounts, now: float) -> float:
+        """Seconds since `counts.since`, summed over the engines, with a call in flight."""
+        calls = counts.windows + [(g.rank, g.submitted, now) for g in self.in_flight.values()]
+        by_rank: dict[int, list[tuple[float, float]]] = {}
+        for rank, start, end in calls:
+            by_rank.setdefault(rank, []).append((max(start, counts.since), max(end, counts.since)))
+        return sum(union_seconds(intervals) for intervals in by_rank.values())
+
+    def save(self, path: str) -> None:
+        """What is outstanding: finished groups with their responses; the prompts of groups still
+        generating (they generate on, and are regenerated in a resumed run) and of drawn ones."""
+        self.pool.save(path)
+        generating = [group.again() for group in self.in_flight.values()]
+        unsent = generating + [group.again() for group in self.unsent]
+        state = {"finished": list(self.finished), "unsent": unsent, "stale_total": self.dropped_total}
+        torch.save(state, Path(path) / STREAM_FILE)
+
+    def load(self, path: str) -> None:
+        self.pool.load(path)
+        saved = Path(path) / STREAM_FILE
+        if saved.is_file():  # absent in another mode's checkpoint
+            state = torch.load(saved, weights_only=False)  # our own file: DataProtos
+            self.finished, self.unsent = deque(state["finished"]), deque(state["unsent"])
+            self.dropped_total = state["stale_total"]
