@@ -158,6 +158,8 @@ def test_plot_patterns_select_the_intended_metrics():
             "critic/vf_loss": 1.0,
             "actor/pg_loss": 0.2,
             "val/arith/accuracy": 0.4,
+            "mismatch/kl_k3": 0.01,
+            "mismatch/log_prob_abs_diff_max": 0.3,
         }
     ]
     by_name = {spec.name: matching_keys(history, spec.pattern) for spec in PLOTS}
@@ -167,6 +169,7 @@ def test_plot_patterns_select_the_intended_metrics():
     assert by_name["entropy"] == ["actor/entropy"]
     assert by_name["timing"] == ["timing/gen", "timing/update_actor"]
     assert by_name["loss"] == ["critic/vf_loss", "actor/pg_loss"]  # the KL loss is on the KL plot
+    assert by_name["mismatch"] == ["mismatch/kl_k3", "mismatch/log_prob_abs_diff_max"]  # not on the KL plot
 
 
 def test_plot_metrics_file_from_a_finished_run(tmp_path):

@@ -8,8 +8,9 @@ complete on the last pipeline stage; other stages return None or only grad_norm 
 
 Batch keys (B, P+R) input_ids, attention_mask, position_ids; (B, R) responses, response_mask,
 old_log_probs, advantages, ref_log_prob (KL loss only), rollout_log_probs (off-policy correction;
-when present the rollout-vs-actor mismatch is reported either way). Loss normalisation over
-micro-batches and data-parallel ranks: see training.py.
+when present the rollout-vs-actor mismatch is reported either way); (B, P+R, L, k) routed_experts
+when the rollout recorded them, replayed by the routers (routing_replay.py; not by the reference).
+Loss normalisation over micro-batches and data-parallel ranks: see training.py.
 """
 
 from functools import partial
@@ -17,6 +18,7 @@ from functools import partial
 from engines.megatron import forward, moe
 from engines.megatron.config import ActorUpdateConfig, OffPolicyCorrectionConfig
 from engines.megatron.model import unwrap_model
+from engines.megatron.routing_replay import ROUTES_KEY
 from engines.megatron.training import (
     global_counts,
     loss_scale,
@@ -116,7 +118,11 @@ class MegatronActor:
         )
 
     def compute_ref_log_prob(self, data: DataProto) -> DataProto | None:
-        """The same log-probs under the reference weights, as `ref_log_prob` (B, R)."""
+        """The same log-probs under the reference weights, as `ref_log_prob` (B, R). The reference
+        routes with its own routers: the rollout's experts (routing replay) are the policy's."""
+        if ROUTES_KEY in data.batch:
+            keep = [key for key in data.batch.keys() if key != ROUTES_KEY]  # noqa: SIM118 (iteration gives rows)
+            data = data.select(batch_keys=keep)
         out = self.compute_log_prob(data, calculate_entropy=False)
         return None if out is None else out.rename("old_log_probs", "ref_log_prob")
 
@@ -135,6 +141,8 @@ class MegatronActor:
         moe.clear_aux_loss()
         if "rollout_log_probs" in data.batch and "rollout_log_probs" not in keys:
             keys.append("rollout_log_probs")  # for the mismatch metric
+        if ROUTES_KEY in data.batch:
+            keys.append(ROUTES_KEY)  # routing replay: the rollout's experts in the update's forwards
         batch = data.select(batch_keys=keys)
         off_policy_metrics = off_policy_correction(batch, cfg.off_policy)
         metrics, num_micro_batches = update_epochs(

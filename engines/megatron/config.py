@@ -23,6 +23,9 @@ PolicyLoss = Literal[POLICY_LOSSES]
 OffPolicyMode = Literal[OFF_POLICY_MODES]
 ImportanceSamplingLevel = Literal[IS_LEVELS]
 MoeTokenDispatcher = Literal["allgather", "alltoall"]
+# off: the routers pick their own experts | rollout: the experts the rollout engine picked for each
+# token (its routed_experts, rollout.return_routed_experts), replayed (engines/megatron/routing_replay.py)
+MoeRoutingReplay = Literal["off", "rollout"]
 # Megatron-Core's names of the linears a LoRA adapter can sit on (engines/megatron/lora.py), and
 # the Hugging Face projections each covers: linear_qkv = q/k/v_proj, linear_proj = o_proj,
 # linear_fc1 = gate/up_proj, linear_fc2 = down_proj.
@@ -61,6 +64,7 @@ class MegatronConfig:
     expert_tensor_parallel_size: int | None = None  # None: Megatron's default, the dense TP size
     moe_aux_loss_coeff: float = 0.0  # router load-balancing loss weight (HF's router_aux_loss_coef)
     moe_token_dispatcher_type: MoeTokenDispatcher = "allgather"  # Megatron's default
+    moe_routing_replay: MoeRoutingReplay = "off"  # R3: docs/routing-replay.md
     # Any other Megatron-Core 0.16.1 setting by its own name, applied over what hybridflow builds
     # (engines/megatron/passthrough.py), e.g. transformer: {recompute_granularity: full}
     transformer: dict[str, Any] = field(default_factory=dict)  # TransformerConfig fields

@@ -39,7 +39,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from engines.megatron import cpu_compat, packing
+from engines.megatron import cpu_compat, packing, routing_replay
 from engines.megatron.model import unwrap_model
 
 
@@ -56,6 +56,8 @@ def build_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 def _forward_step(loss_fn, device, data_iterator, model):
     micro_batch = next(data_iterator).to(device)
+    if unwrap_model(model).config.moe_enable_routing_replay:
+        routing_replay.replay_routes(model, micro_batch)  # R3: the rollout's experts, when it has them
     output = model(
         input_ids=micro_batch["input_ids"],
         position_ids=micro_batch["position_ids"],

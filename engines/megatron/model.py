@@ -311,6 +311,7 @@ def moe_config(hf_config: HFModelConfig, cfg: MegatronConfig) -> dict:
         moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
         moe_expert_capacity_factor=None,  # dropless: every token reaches its k experts
         moe_token_dispatcher_type=cfg.moe_token_dispatcher_type,
+        moe_enable_routing_replay=cfg.moe_routing_replay == "rollout",  # routing_replay.py
         moe_grouped_gemm=use_transformer_engine(),
         moe_permute_fusion=False,
         expert_model_parallel_size=cfg.expert_model_parallel_size,

@@ -160,7 +160,12 @@ class RolloutConfig:
     )
     load_format: LoadFormat = "dummy"  # "auto": read the weights from the model directory
     seed: int = 42  # base of the per-call sampling seed when meta_info carries no "seed"
-    calculate_log_probs: bool = False  # return the engine's own per-token log-probs as rollout_log_probs
+    # the engine's own per-token log-probs as rollout_log_probs: the mismatch monitor (every step) and the
+    # off-policy corrections read them; false saves their small cost and turns the monitor off
+    calculate_log_probs: bool = True
+    # mixture-of-experts models: each input token's top-k experts per layer as routed_experts
+    # (B, P+R, L, k), for actor.megatron.moe_routing_replay=rollout (hf engine; docs/routing-replay.md)
+    return_routed_experts: bool = False
     weight_sync_bucket_mb: int = 512
     # after every sync: hf compares every tensor's checksum; vllm its log-probs of fixed tokens
     verify_weight_sync: bool = False

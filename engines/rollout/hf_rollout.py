@@ -12,6 +12,7 @@ saves one tensor per expert: `checkpoint_tensors` maps those names to views of t
 """
 
 from collections.abc import Iterable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ import torch
 
 from engines.rollout.base import WEIGHTS_TAG, SeededGenerationMixin, load_tokenizer, read_special_token_ids
 from engines.rollout.config import RolloutConfig, SamplingConfig
+from engines.rollout.hf_routes import ROUTES_KEY, RouteRecorder
 from engines.weight_sync.common import check_named_shapes, tensor_checksum, torch_dtype
 from hybridflow.protocol import DataProto
 
@@ -62,6 +64,36 @@ def checkpoint_tensors(model, remove_duplicate: bool = True) -> dict[str, torch.
     return tensors
 
 
+class SampledLogProbs:
+    """Records log p(token) of each sampled token at the sampling temperature, one step at a time:
+    generate passes each step's raw logits (custom processors run before its temperature, top-k and
+    top-p warpers, transformers/generation/utils.py `_get_logits_processor`), and the token drawn
+    from them is the last column of the next step's ids. Holds one step's (B, V) log-probs, where
+    `output_logits` would keep (B, L, V) until generate returns; leaves the logits unchanged."""
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+        self.pending: torch.Tensor | None = None  # (B, V): the last step's log-probs, token not yet drawn
+        self.columns: list[torch.Tensor] = []  # L of (B,)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self._take(input_ids[:, -1])  # the token drawn from the previous step's distribution
+        self.pending = (scores.float() / self.temperature).log_softmax(dim=-1)  # (B, V)
+        return scores
+
+    def _take(self, drawn: torch.Tensor) -> None:
+        if self.pending is not None:
+            self.columns.append(self.pending.gather(-1, drawn[:, None]).squeeze(-1))  # (B,)
+            self.pending = None
+
+    def log_probs(self, sequences: torch.Tensor) -> torch.Tensor:
+        """(B, L) log-probs of the generated tokens, once generate returned `sequences` (B, P+L)."""
+        self._take(sequences[:, -1])
+        if not self.columns:
+            return torch.zeros(sequences.shape[0], 0)
+        return torch.stack(self.columns, dim=1)  # (B, L)
+
+
 class HFRolloutEngine(SeededGenerationMixin):
     """Batched generation with a transformers model held in this process."""
 
@@ -79,33 +111,45 @@ class HFRolloutEngine(SeededGenerationMixin):
         self.eos_token_ids, self.pad_token_id = read_special_token_ids(model_path, hf_config)
         self.model = _load_model(model_path, hf_config, cfg).to(self.device).eval()
         self.model.generation_config = _plain_generation_config(self.eos_token_ids, self.pad_token_id)
+        self.route_recorder = RouteRecorder(self.model) if cfg.return_routed_experts else None
         uses_stop = bool(cfg.sampling.stop or cfg.val_sampling.stop)
         self.tokenizer = load_tokenizer(model_path) if uses_stop else None
         self._calls = 0
 
     # ------------------------------------------------------------------ generation
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """The shared output (engines/rollout/base.py), plus `routed_experts` (B, P+R, L, k) with
+        rollout.return_routed_experts (engines/rollout/hf_routes.py)."""
+        out = super().generate_sequences(prompts)
+        if self.route_recorder is not None and len(out):
+            out.batch[ROUTES_KEY] = self.route_recorder.routes(out.batch["input_ids"].shape[1])
+        return out
+
     def _generate(self, prompts: DataProto, sampling: SamplingConfig, seed: int):
         """Generated ids (B, L) and, with calculate_log_probs, their log-probs (B, L), on CPU."""
+        from transformers import LogitsProcessorList
+
         input_ids = prompts.batch["input_ids"]  # (B, P)
         if len(prompts) == 0:
             empty = torch.zeros(0, 0, dtype=torch.long)
             return empty, (empty.float() if self.cfg.calculate_log_probs else None)
         generation_config = self._generation_config(sampling)
+        recorder = None
+        if self.cfg.calculate_log_probs:
+            recorder = SampledLogProbs(sampling.temperature if sampling.do_sample else 1.0)
+        routes = self.route_recorder.recording(len(prompts)) if self.route_recorder else nullcontext()
         devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=devices), routes:
             torch.manual_seed(seed)
             out = self.model.generate(
                 input_ids=input_ids.to(self.device),
                 attention_mask=prompts.batch["attention_mask"].to(self.device),
                 generation_config=generation_config,
                 tokenizer=self.tokenizer,
+                logits_processor=LogitsProcessorList([recorder] if recorder else []),
             )
         responses = out.sequences[:, input_ids.shape[1] :]  # (B, L)
-        log_probs = None
-        if self.cfg.calculate_log_probs:
-            temperature = sampling.temperature if sampling.do_sample else 1.0
-            logits = torch.stack(out.logits, dim=1).float() / temperature  # (B, L, V)
-            log_probs = logits.log_softmax(dim=-1).gather(-1, responses[..., None]).squeeze(-1).cpu()
+        log_probs = recorder.log_probs(out.sequences).cpu() if recorder else None  # (B, L)
         return responses.cpu(), log_probs
 
     def _generation_config(self, sampling: SamplingConfig):
@@ -118,7 +162,6 @@ class HFRolloutEngine(SeededGenerationMixin):
             pad_token_id=self.pad_token_id,
             use_cache=True,
             return_dict_in_generate=True,
-            output_logits=self.cfg.calculate_log_probs,
         )
         if sampling.do_sample:
             # top_k=0 switches transformers' top-k filter off (None would mean its default, 50).

@@ -232,6 +232,12 @@ class TrainerConfig:
     # stops the run before the optimizer step (no checkpoint, no export) | "skip" drops the step's
     # update and counts it (nonfinite/skipped_steps)
     nonfinite_policy: Literal["error", "skip"] = "error"
+    # the train-inference mismatch monitor (hybridflow/trainer/mismatch.py; reads the engine's log-probs,
+    # rollout.calculate_log_probs): a step whose mismatch/kl_k3 exceeds mismatch_threshold "warn"s on
+    # the console | "stop"s the run before its update, naming the metric and the step (no checkpoint)
+    mismatch_policy: Literal["warn", "stop"] = "warn"
+    mismatch_threshold: float = 0.1  # per-token k3 estimate of KL(engine || actor), mean over the batch
+    mismatch_token_threshold: float = 0.5  # |log-prob difference| counted in mismatch/tokens_over_threshold
     # recipe keys that may differ from the resumed checkpoint's although they move the data
     # position or change the update (hybridflow.trainer.resume.POSITION_AND_UPDATE_KEYS)
     resume_accept_changes: list[str] = field(default_factory=list)

@@ -454,7 +454,7 @@ def _check_algorithm(cfg: RecipeConfig) -> list[str]:
             f"algorithm.adv_estimator={estimator} compares responses to the same prompt: set "
             "rollout.sampling.n >= 2"
         )
-    errors += _check_dapo(cfg)
+    errors += _check_dapo(cfg) + _check_mismatch_monitor(cfg) + _check_routing_replay(cfg)
     off_policy = cfg.actor.update.off_policy.mode
     if off_policy != "none" and not cfg.rollout.calculate_log_probs:
         errors.append(
@@ -465,6 +465,49 @@ def _check_algorithm(cfg: RecipeConfig) -> list[str]:
         errors.append(
             "validation is requested (trainer.test_freq / trainer.val_before_train) but data.val_files is "
             "empty"
+        )
+    return errors
+
+
+def _check_routing_replay(cfg: RecipeConfig) -> list[str]:
+    """R3 (engines/megatron/routing_replay.py) as far as it is built: the hf engine records, the
+    actor replays padded micro-batches without sequence parallelism."""
+    rollout, actor = cfg.rollout, cfg.actor
+    needs = {
+        "rollout.return_routed_experts=true (the engine records the experts)": rollout.return_routed_experts,
+        "rollout.name=hf (vllm and sglang do not return them here yet)": rollout.name == "hf",
+        "actor.update.use_dynamic_bsz=false (packed micro-batches)": not actor.update.use_dynamic_bsz,
+        "actor.megatron.sequence_parallel=false": not actor.megatron.sequence_parallel,
+        "rollout.agent.loop=single_turn": rollout.agent.loop == "single_turn",
+    }
+    errors = []
+    if actor.megatron.moe_routing_replay == "rollout":
+        errors += [
+            f"actor.megatron.moe_routing_replay=rollout needs {fix}" for fix, ok in needs.items() if not ok
+        ]
+    if rollout.return_routed_experts and rollout.name != "hf":
+        errors.append(
+            f"rollout.return_routed_experts=true with rollout.name={rollout.name}: only the hf engine "
+            "records them yet; set rollout.name=hf"
+        )
+    return errors + [
+        f"{role}.megatron.moe_routing_replay=rollout: only the actor replays the rollout's experts; set off"
+        for role in ("critic", "teacher")
+        if getattr(cfg, role).megatron.moe_routing_replay != "off"
+    ]
+
+
+def _check_mismatch_monitor(cfg: RecipeConfig) -> list[str]:
+    trainer = cfg.trainer
+    errors = [
+        f"trainer.{key} must be positive, got {getattr(trainer, key)}"
+        for key in ("mismatch_threshold", "mismatch_token_threshold")
+        if not getattr(trainer, key) > 0
+    ]
+    if trainer.mismatch_policy == "stop" and not cfg.rollout.calculate_log_probs:
+        errors.append(
+            "trainer.mismatch_policy=stop compares the rollout engine's log-probs with the actor's: set "
+            "rollout.calculate_log_probs=true"
         )
     return errors
 

@@ -11,8 +11,8 @@ nothing. Then the resolved recipe goes to <output_dir>/config.yaml, an earlier r
 checkpoint save is removed (said so on the console), and the trainer joins a Ray cluster
 (RAY_ADDRESS, or one already running on this machine; RAY_ADDRESS=local forces a fresh one) or
 starts a local one sized to the machine, and runs. A run that stops on a non-finite number, a
-refused update, a failing reward function or a failed checkpoint save ends with one `error:`
-line and status 1.
+refused update, a train-inference mismatch under trainer.mismatch_policy=stop, a failing reward
+function or a failed checkpoint save ends with one `error:` line and status 1.
 """
 
 import argparse
@@ -26,6 +26,7 @@ from hybridflow.config.schema import RecipeConfig
 from hybridflow.config.validate import Layout, validate_recipe
 from hybridflow.reward.manager import RewardFunctionError
 from hybridflow.trainer.checkpoint import CheckpointManager, CheckpointSaveError
+from hybridflow.trainer.mismatch import TrainInferenceMismatchError
 from hybridflow.trainer.preflight import check_run_inputs
 from hybridflow.trainer.resume import ResumePlan, plan_resume
 from hybridflow.trainer.rollout.pool import RolloutProcessDied
@@ -35,7 +36,13 @@ from hybridflow.utils.nonfinite import StepRefusedError
 from hybridflow.utils.teardown import closing_after
 
 # Errors a run stops with whose message says everything (step, cause, what to do): one line, status 1.
-RUN_STOPPING_ERRORS = (StepRefusedError, CheckpointSaveError, RewardFunctionError, RolloutProcessDied)
+RUN_STOPPING_ERRORS = (
+    StepRefusedError,
+    CheckpointSaveError,
+    RewardFunctionError,
+    RolloutProcessDied,
+    TrainInferenceMismatchError,
+)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -34,6 +34,7 @@ from hybridflow.trainer.checkpoint import (
     save_trainer_state,
 )
 from hybridflow.trainer.dynamic_sampling import collect_varied_groups
+from hybridflow.trainer.mismatch import check_mismatch
 from hybridflow.trainer.preflight import checkpoint_size_estimate
 from hybridflow.trainer.prompts import PromptBatches
 from hybridflow.trainer.resume import ResumePlan, plan_resume
@@ -174,6 +175,7 @@ class PPOTrainer:
             batch, sampling_metrics = self.sample(timings)  # responses from the rollout
             with metrics.timer("old_log_prob", timings):
                 batch = batch.union(self.policy.log_probs(batch))
+            mismatch_metrics = check_mismatch(batch, self.cfg.trainer, self.global_step)  # may stop the run
             if self.use_ref:
                 with metrics.timer("ref", timings):
                     batch = batch.union(self.policy.ref_log_probs(batch))
@@ -188,6 +190,7 @@ class PPOTrainer:
         return {
             **metrics.batch_metrics(batch),
             **kl_metrics,
+            **mismatch_metrics,
             **sampling_metrics,
             **update_metrics,
             **self.rollout.metrics(batch),

@@ -1,5 +1,5 @@
-"""PNG plots of a run's metrics: reward, validation accuracy, KL, entropy, response length, loss
-and time per stage, one file each under <output_dir>/plots/.
+"""PNG plots of a run's metrics: reward, validation accuracy, KL, entropy, response length, loss,
+time per stage and the train-inference mismatch, one file each under <output_dir>/plots/.
 
 Each plot draws every metric whose name matches its pattern, so metric names chosen later
 (e.g. `val/arith/accuracy` beside `val/accuracy`) appear without changes here. Files are written
@@ -33,6 +33,7 @@ PLOTS = (
     PlotSpec("response_length", "Response length (tokens)", r"^response_length/(mean|max)$"),
     PlotSpec("loss", "Loss", r"(^|/)(loss|pg_loss|vf_loss)$"),
     PlotSpec("timing", "Time per stage (s)", r"^timing(_s)?/"),
+    PlotSpec("mismatch", "Train-inference mismatch (engine vs actor log-probs)", r"^mismatch/"),
 )
 
 
