@@ -241,6 +241,10 @@ class TrainerConfig:
     # recipe keys that may differ from the resumed checkpoint's although they move the data
     # position or change the update (hybridflow.trainer.resume.POSITION_AND_UPDATE_KEYS)
     resume_accept_changes: list[str] = field(default_factory=list)
+    # a worker process that dies (Ray's word: killed, out of memory, a lost node) stops every worker
+    # group, starts them again and resumes from the newest complete checkpoint, up to this many
+    # times a run (hybridflow/trainer/restart.py); 0: the run stops with one error line
+    restart_on_failure: int = 0
     placement: Placement = "colocated"
     rollout_pool: RolloutPoolConfig = field(default_factory=RolloutPoolConfig)
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)

@@ -326,7 +326,13 @@ def _check_ranges(cfg: RecipeConfig) -> list[str]:
         "trainer.total_training_steps",
         "trainer.max_ckpt_to_keep",
     )
-    non_negative = ("trainer.test_freq", "trainer.save_freq", "critic.warmup_steps", "critic.n_gpus_per_node")
+    non_negative = (
+        "trainer.test_freq",
+        "trainer.save_freq",
+        "trainer.restart_on_failure",
+        "critic.warmup_steps",
+        "critic.n_gpus_per_node",
+    )
     errors = [f"{key} must be positive, got {_get(cfg, key)}" for key in positive if _get(cfg, key) <= 0]
     errors += [
         f"{key} must be positive or null ({NULL_MEANS[key]}), got {_get(cfg, key)}"

@@ -11,8 +11,10 @@ nothing. Then the resolved recipe goes to <output_dir>/config.yaml, an earlier r
 checkpoint save is removed (said so on the console), and the trainer joins a Ray cluster
 (RAY_ADDRESS, or one already running on this machine; RAY_ADDRESS=local forces a fresh one) or
 starts a local one sized to the machine, and runs. A run that stops on a non-finite number, a
-refused update, a train-inference mismatch under trainer.mismatch_policy=stop, a failing reward
-function or a failed checkpoint save ends with one `error:` line and status 1.
+refused update, a failing reward function or a failed checkpoint save ends with one `error:` line
+and status 1; so does a worker process that dies, unless trainer.restart_on_failure allows a
+restart: the workers then stop and start again from the newest checkpoint
+(hybridflow/trainer/restart.py).
 """
 
 import argparse
@@ -26,8 +28,8 @@ from hybridflow.config.schema import RecipeConfig
 from hybridflow.config.validate import Layout, validate_recipe
 from hybridflow.reward.manager import RewardFunctionError
 from hybridflow.trainer.checkpoint import CheckpointManager, CheckpointSaveError
-from hybridflow.trainer.mismatch import TrainInferenceMismatchError
 from hybridflow.trainer.preflight import check_run_inputs
+from hybridflow.trainer.restart import Restarts, WorkerProcessDied, warn_if_restarts_start_over
 from hybridflow.trainer.resume import ResumePlan, plan_resume
 from hybridflow.trainer.rollout.pool import RolloutProcessDied
 from hybridflow.utils import warning_filters
@@ -41,7 +43,7 @@ RUN_STOPPING_ERRORS = (
     CheckpointSaveError,
     RewardFunctionError,
     RolloutProcessDied,
-    TrainInferenceMismatchError,
+    WorkerProcessDied,
 )
 
 
@@ -98,6 +100,7 @@ def checked_recipe(argv: list[str] | None) -> tuple[RecipeConfig, Layout]:
     cfg = resolve_recipe_models(cfg)
     layout = validate_recipe(cfg)
     check_run_inputs(cfg)
+    warn_if_restarts_start_over(cfg)
     return cfg, layout
 
 
@@ -129,16 +132,32 @@ def connect_and_check_cluster(cfg: RecipeConfig) -> None:
 
 
 def run(cfg: RecipeConfig, layout: Layout, resume_plan: ResumePlan | None) -> None:
-    """Start the roles on the connected cluster and train (resuming as `resume_plan` says)."""
+    """Start the roles on the connected cluster and train (resuming as `resume_plan` says). When a
+    worker process dies, the workers stop and start again from the newest checkpoint, up to
+    trainer.restart_on_failure times (hybridflow/trainer/restart.py)."""
     from hybridflow.trainer.roles import start_roles
 
+    restarts, plan = Restarts(cfg, resume_plan), resume_plan
+    while True:
+        roles = start_roles(cfg)  # not restarted when it fails: a failure to start would recur
+        try:
+            with closing_after("stopping the workers", roles.shutdown):
+                trainer = trainer_class(cfg)(cfg, roles, actor_dp=layout.actor_dp, restarts=restarts.done)
+                trainer.fit(plan)
+            return
+        except Exception as err:
+            plan = restarts.after(err)  # or the error the run stops with
+            remove_partial_saves(cfg)  # a save the dead process interrupted
+
+
+def trainer_class(cfg: RecipeConfig) -> type:
     if cfg.trainer.mode == "sft":
-        from hybridflow.trainer.sft import SFTTrainer as Trainer
-    else:
-        from hybridflow.trainer.ppo_trainer import PPOTrainer as Trainer
-    roles = start_roles(cfg)
-    with closing_after("stopping the workers", roles.shutdown):
-        Trainer(cfg, roles, actor_dp=layout.actor_dp).fit(resume_plan)
+        from hybridflow.trainer.sft import SFTTrainer
+
+        return SFTTrainer
+    from hybridflow.trainer.ppo_trainer import PPOTrainer
+
+    return PPOTrainer
 
 
 def main(argv: list[str] | None = None) -> int:

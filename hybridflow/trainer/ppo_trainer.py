@@ -56,7 +56,7 @@ FROM_RECIPE = "from_recipe"
 
 
 class PPOTrainer:
-    def __init__(self, cfg: RecipeConfig, roles: Roles, actor_dp: int):
+    def __init__(self, cfg: RecipeConfig, roles: Roles, actor_dp: int, restarts: int = 0):
         from transformers import AutoTokenizer
 
         self.cfg, self.actor_dp = cfg, actor_dp
@@ -88,6 +88,7 @@ class PPOTrainer:
         )
         self.global_step = 0
         self.skipped_steps = 0  # steps dropped for a NaN / inf or a too large update (policy "skip")
+        self.restarts = restarts  # of this run's workers after a process died (trainer.restart_on_failure)
 
     def _loader(self, files: list[str], max_samples: int | None, train: bool = False) -> ResumableDataLoader:
         data = self.cfg.data
@@ -132,6 +133,8 @@ class PPOTrainer:
             step_metrics = self.finite_step()
             if self._due(self.cfg.trainer.test_freq):
                 step_metrics.update(self.validate())
+            if self.cfg.trainer.restart_on_failure:
+                step_metrics["trainer/restarts"] = self.restarts
             tracker.log(step_metrics, step=self.global_step)
             if self._due(self.cfg.trainer.save_freq):
                 self.save_checkpoint()

@@ -9,7 +9,7 @@ worker-group view per other role. Models are built critic first and policy last,
 engine sees what memory the others left.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hybridflow.config.schema import RecipeConfig
 from hybridflow.single_controller import RayClassWithInitArgs, WorkerGroup, create_colocated_worker_cls
@@ -35,10 +35,15 @@ class Roles:
     critic: WorkerGroup | None
     reward_model: WorkerGroup | None
     groups: list[WorkerGroup]  # the underlying groups, for shutdown
+    resource_pools: list = field(default_factory=list)  # their slots (Ray placement groups)
 
     def shutdown(self) -> None:
+        """Stops every group's processes, then frees their slots, so that a restart of the run
+        (trainer.restart_on_failure) can place new ones."""
         for group in self.groups:
             group.shutdown()
+        for pool in self.resource_pools:
+            pool.release()
 
 
 def uses_reference(cfg: RecipeConfig) -> bool:
@@ -115,4 +120,7 @@ def start_roles(cfg: RecipeConfig) -> Roles:
     if "rollout" in views:
         connect_transfer(policy, views["rollout"])
         rollout = PoolRollout(views["rollout"], cfg.trainer.output_dir)
-    return Roles(Policy(policy), rollout, views.get("critic"), views.get("reward_model"), groups)
+    pools = list(manager.resource_pool_dict.values())
+    return Roles(
+        Policy(policy), rollout, views.get("critic"), views.get("reward_model"), groups, resource_pools=pools
+    )
