@@ -11,10 +11,10 @@ nothing. Then the resolved recipe goes to <output_dir>/config.yaml, an earlier r
 checkpoint save is removed (said so on the console), and the trainer joins a Ray cluster
 (RAY_ADDRESS, or one already running on this machine; RAY_ADDRESS=local forces a fresh one) or
 starts a local one sized to the machine, and runs. A run that stops on a non-finite number, a
-refused update, a failing reward function or a failed checkpoint save ends with one `error:` line
-and status 1; so does a worker process that dies, unless trainer.restart_on_failure allows a
-restart: the workers then stop and start again from the newest checkpoint
-(hybridflow/trainer/restart.py).
+refused update, a train-inference mismatch under trainer.mismatch_policy=stop, a failing reward
+function or a failed checkpoint save ends with one `error:` line and status 1; so does a worker
+process that dies, unless trainer.restart_on_failure allows a restart: the workers then stop and
+start again from the newest checkpoint (hybridflow/trainer/restart.py).
 """
 
 import argparse
@@ -28,6 +28,7 @@ from hybridflow.config.schema import RecipeConfig
 from hybridflow.config.validate import Layout, validate_recipe
 from hybridflow.reward.manager import RewardFunctionError
 from hybridflow.trainer.checkpoint import CheckpointManager, CheckpointSaveError
+from hybridflow.trainer.mismatch import TrainInferenceMismatchError
 from hybridflow.trainer.preflight import check_run_inputs
 from hybridflow.trainer.restart import Restarts, WorkerProcessDied, warn_if_restarts_start_over
 from hybridflow.trainer.resume import ResumePlan, plan_resume
@@ -43,6 +44,7 @@ RUN_STOPPING_ERRORS = (
     CheckpointSaveError,
     RewardFunctionError,
     RolloutProcessDied,
+    TrainInferenceMismatchError,
     WorkerProcessDied,
 )
 
