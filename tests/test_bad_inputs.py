@@ -30,7 +30,7 @@ from hybridflow.data.arith import ArithConfig, write_arith_parquet
 from hybridflow.trainer import main as entry
 from hybridflow.trainer.checkpoint import CheckpointManager, save_trainer_state
 from hybridflow.trainer.preflight import check_reward_inputs
-from hybridflow.utils.tiny_model import make_tiny_model
+from hybridflow.utils.tiny_model import build_tokenizer, make_tiny_model
 
 # the shipped recipes' relative paths exist, as after `make quickstart` (tests/working_tree.py)
 pytestmark = pytest.mark.usefixtures("in_quickstart_working_tree")
@@ -176,6 +176,7 @@ def files(tmp_path_factory):
     files["recipe"].write_text(yaml.safe_dump(base_recipe(files)))
     files.update(finished_runs(files["recipe"], root))
     files.update(agent_inputs(files["tiny"], root))
+    files.update(teacher_inputs(files["tiny"], root))
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(files["modules"]))  # the probe modules import by name
         yield files
@@ -209,6 +210,19 @@ def agent_inputs(tiny: Path, root: Path) -> dict[str, Path]:
         "modules": modules,
         "narrow_heads": make_tiny_model(root / "narrow_heads", hidden_size=64),
     }
+
+
+def teacher_inputs(tiny: Path, root: Path) -> dict[str, Path]:
+    """The tiny model with a tokenizer of one more token: a distillation teacher that does not share
+    the student's tokenizer."""
+    tokenizer_files = tuple(
+        f.name for f in tiny.iterdir() if f.name.startswith(("tokenizer", "vocab", "merges"))
+    )
+    other = model_copy(tiny, root / "teacher_other_tokenizer", drop=(*tokenizer_files, "chat_template.jinja"))
+    tokenizer = build_tokenizer()
+    tokenizer.add_tokens(["<|teacher|>"])
+    tokenizer.save_pretrained(other)
+    return {"teacher_other_tokenizer": other}
 
 
 # the runs whose checkpoints the resume rows continue: the valid recipe, and it generating ahead
@@ -275,6 +289,9 @@ def test_the_table_lists_at_least_35_distinct_bad_inputs():
     assert set(SUBPROCESS_CASES) <= {case for case, _, _ in CASES}
 
 
+DISTILL = ["algorithm.distillation.enable=true", "teacher.path=<tiny>"]
+
+
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -282,6 +299,8 @@ def test_the_table_lists_at_least_35_distinct_bad_inputs():
         ["trainer.mode=sft"],
         ["model.path=<sharded>"],
         ["algorithm.adv_estimator=gae", "critic.enable=true"],
+        [*DISTILL, "teacher.megatron.tensor_model_parallel_size=2"],  # in the actor's processes
+        [*DISTILL, "trainer.n_gpus_per_node=3", "teacher.n_gpus_per_node=1"],  # a pool of its own
     ],
 )
 def test_the_valid_recipe_gets_as_far_as_ray(overrides, files, monkeypatch, capsys):

@@ -1,7 +1,7 @@
 """The recipe schema: typed dataclasses whose defaults are documented; a recipe states only what
 differs. Engine settings are the engines' own config classes (Megatron-Core and SGLang names).
 
-Top level: model, data, actor, ref, rollout, critic, reward_model, reward, algorithm, trainer.
+Top level: model, data, actor, ref, teacher, rollout, critic, reward_model, reward, algorithm, trainer.
 `load_recipe` (loader.py) fills these from YAML plus `key.path=value` overrides.
 
 Choice fields are `Literal` types built from the tuple the code dispatches on (the estimator
@@ -24,10 +24,12 @@ from engines.megatron.config import (
 )
 from engines.rollout.config import RolloutConfig
 from hybridflow.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from hybridflow.algorithms.distillation import DISTILL_KL_ESTIMATORS
 from hybridflow.utils.tracking import BACKENDS
 
 AdvEstimator = Literal[tuple(ADVANTAGE_ESTIMATORS)]
 LoggerBackend = Literal[BACKENDS]
+DistillKLEstimator = Literal[DISTILL_KL_ESTIMATORS]
 
 
 @dataclass
@@ -78,6 +80,23 @@ class RefConfig:
     when KL is used (algorithm.use_kl_in_reward or actor.update.use_kl_loss)."""
 
     log_prob_micro_batch_size: int = 8
+    # With actor.update.use_dynamic_bsz: packed micro-batches of at most this many tokens per rank.
+    log_prob_max_token_len_per_gpu: int = 16384
+
+
+@dataclass
+class TeacherConfig:
+    """The frozen teacher of on-policy distillation (algorithm.distillation, docs/distillation.md):
+    any Hugging Face checkpoint whose tokenizer is the student's (same vocabulary and special ids),
+    a local directory or a Hub id, with its own Megatron layout. It scores the student's responses
+    at the rollout temperature, like the reference."""
+
+    path: str | None = None
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    # 0: in the actor's processes (then its parallel sizes must equal actor.megatron's); >0: a pool
+    # of its own of this many devices per node (counted in trainer.n_gpus_per_node), any layout
+    n_gpus_per_node: int = 0
+    log_prob_micro_batch_size: int = 8  # per data-parallel rank of the teacher
     # With actor.update.use_dynamic_bsz: packed micro-batches of at most this many tokens per rank.
     log_prob_max_token_len_per_gpu: int = 16384
 
@@ -153,6 +172,17 @@ class OverlongBufferConfig:
 
 
 @dataclass
+class DistillationConfig:
+    """On-policy distillation (hybridflow/algorithms/distillation.py): the per-token reverse KL to
+    the teacher (section `teacher`) as a negative advantage, A = task_coef * A_task - kl_coef * KL."""
+
+    enable: bool = False
+    kl_coef: float = 1.0
+    task_coef: float = 0.0  # 0: pure distillation; > 0 mixes in the estimator's task advantage
+    kl_estimator: DistillKLEstimator = "k1"
+
+
+@dataclass
 class AlgorithmConfig:
     """How advantages are estimated and whether KL enters the reward."""
 
@@ -165,6 +195,7 @@ class AlgorithmConfig:
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)  # DAPO dynamic sampling
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)  # DAPO
+    distillation: DistillationConfig = field(default_factory=DistillationConfig)  # needs `teacher`
 
 
 # colocated: the rollout engine shares the actor's processes and devices (the hybrid engine) |
@@ -258,6 +289,7 @@ class RecipeConfig:
     data: DataConfig = field(default_factory=DataConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     ref: RefConfig = field(default_factory=RefConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)

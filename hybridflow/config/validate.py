@@ -61,6 +61,7 @@ class Layout:
     actor_dp: int
     critic_devices: int
     critic_dp: int
+    teacher_dp: int = 0  # the distillation teacher's data-parallel size (0: no teacher)
 
 
 def validate_recipe(cfg: RecipeConfig, cuda_available: bool | None = None) -> Layout:
@@ -94,6 +95,7 @@ def validate_recipe(cfg: RecipeConfig, cuda_available: bool | None = None) -> La
             "frozen base weights would stay on the GPU during generation; set param_offload=false"
         )
     errors += _check_placement(cfg) + _check_async_training(cfg) + _check_lora_sync(cfg)
+    errors += _check_distillation(cfg)
     if errors:
         raise RecipeError(errors)
     return layout
@@ -299,7 +301,8 @@ def _get(cfg: RecipeConfig, key_path: str):
 def _megatron_roles(cfg: RecipeConfig) -> list[str]:
     """The roles that build a Megatron model: the actor (and the reference, with its layout), an
     enabled critic and an enabled reward model."""
-    return ["actor"] + [role for role in ("critic", "reward_model") if getattr(cfg, role).enable]
+    roles = ["actor"] + [role for role in ("critic", "reward_model") if getattr(cfg, role).enable]
+    return roles + (["teacher"] if uses_teacher(cfg) else [])
 
 
 def _check_ranges(cfg: RecipeConfig) -> list[str]:
@@ -403,6 +406,8 @@ def _check_paths(cfg: RecipeConfig) -> list[str]:
         if cfg.reward_model.path is None:
             errors.append("reward_model.enable=true needs reward_model.path (a Hugging Face model directory)")
         models["reward_model.path"] = cfg.reward_model.path
+    if uses_teacher(cfg):
+        models["teacher.path"] = cfg.teacher.path
     for key, path in models.items():
         if file_error := _not_a_directory(key, path, "a Hugging Face model directory"):
             errors.append(file_error)
@@ -597,6 +602,7 @@ def model_dirs(cfg: RecipeConfig) -> list[tuple[str, str, str]]:
         "actor": policy,
         "critic": ("critic.model_path", cfg.critic.model_path) if cfg.critic.model_path else policy,
         "reward_model": ("reward_model.path", cfg.reward_model.path),
+        "teacher": ("teacher.path", cfg.teacher.path),
     }
     return [(role, *dirs[role]) for role in _megatron_roles(cfg) if dirs[role][1] is not None]
 
@@ -627,7 +633,7 @@ def _check_models(cfg: RecipeConfig, path_errors: list[str], cuda_available: boo
                 megatron.expert_model_parallel_size,
                 expert_tp_size(megatron),
             )
-            if role != "reward_model":  # the reward model only runs forward
+            if role not in ("reward_model", "teacher"):  # these only run forward
                 validate_moe_training(hf_config, megatron)
             if role == "actor":
                 te = cuda_available and _transformer_engine_usable()  # as model.machine_kernels decides
@@ -756,18 +762,26 @@ def _model_parallel(megatron) -> int:
 def _layout(cfg: RecipeConfig) -> tuple[Layout | None, list[str]]:
     trainer, critic = cfg.trainer, cfg.critic
     own_critic = critic.enable and critic.n_gpus_per_node > 0
-    actor_per_node = trainer.n_gpus_per_node - (critic.n_gpus_per_node if own_critic else 0)
+    own_teacher = teacher_devices_per_node(cfg)
+    actor_per_node = trainer.n_gpus_per_node - (critic.n_gpus_per_node if own_critic else 0) - own_teacher
     if actor_per_node <= 0:
+        teacher_part = f" and teacher.n_gpus_per_node={own_teacher}" if own_teacher else ""
         return None, [
-            f"critic.n_gpus_per_node={critic.n_gpus_per_node} leaves no devices for the actor out of "
-            f"trainer.n_gpus_per_node={trainer.n_gpus_per_node}; lower it or use 0 (colocate)"
+            f"critic.n_gpus_per_node={critic.n_gpus_per_node}{teacher_part} leave no devices for the actor "
+            f"out of trainer.n_gpus_per_node={trainer.n_gpus_per_node}; lower it or use 0 (colocate)"
         ]
     actor_devices = trainer.nnodes * actor_per_node
     critic_devices = trainer.nnodes * critic.n_gpus_per_node if own_critic else actor_devices
     errors = _check_divides("actor.megatron", cfg.actor.megatron, actor_devices)
     if own_critic:
         errors += _check_divides("critic.megatron", critic.megatron, critic_devices)
-    colocated = {"critic": critic.enable and not own_critic, "reward_model": cfg.reward_model.enable}
+    if own_teacher:
+        errors += _check_divides("teacher.megatron", cfg.teacher.megatron, trainer.nnodes * own_teacher)
+    colocated = {
+        "critic": critic.enable and not own_critic,
+        "reward_model": cfg.reward_model.enable,
+        "teacher": uses_teacher(cfg) and not own_teacher,
+    }
     for role in (name for name, on in colocated.items() if on):
         if _sizes(getattr(cfg, role).megatron) != _sizes(cfg.actor.megatron):
             errors.append(
@@ -785,7 +799,8 @@ def _layout(cfg: RecipeConfig) -> tuple[Layout | None, list[str]]:
         return None, errors
     actor_dp = actor_devices // _model_parallel(cfg.actor.megatron)
     critic_dp = critic_devices // _model_parallel(critic.megatron if own_critic else cfg.actor.megatron)
-    return Layout(actor_devices, actor_dp, critic_devices, critic_dp), []
+    teacher_dp = _teacher_dp(cfg, actor_dp)
+    return Layout(actor_devices, actor_dp, critic_devices, critic_dp, teacher_dp), []
 
 
 def _sizes(megatron) -> tuple[int, int, int]:
@@ -839,6 +854,7 @@ def _check_batch_sizes(cfg: RecipeConfig, layout: Layout) -> list[str]:
             f"{layout.actor_dp}"
         )
     errors += _check_forward_micro_batches(cfg, responses // layout.actor_dp)
+    errors += _check_teacher_micro_batches(cfg, responses, layout.teacher_dp)
     roles = [("actor", cfg.actor.update, layout.actor_dp)]
     if cfg.critic.enable:
         roles.append(("critic", cfg.critic.update, layout.critic_dp))
@@ -911,6 +927,8 @@ def _check_token_budgets(cfg: RecipeConfig) -> list[str]:
     if cfg.critic.enable and cfg.critic.update.use_dynamic_bsz:
         budgets["critic.update.max_token_len_per_gpu"] = cfg.critic.update.max_token_len_per_gpu
         budgets["critic.forward_max_token_len_per_gpu"] = cfg.critic.forward_max_token_len_per_gpu
+    if uses_teacher(cfg) and cfg.actor.update.use_dynamic_bsz:
+        budgets["teacher.log_prob_max_token_len_per_gpu"] = cfg.teacher.log_prob_max_token_len_per_gpu
     if cfg.reward_model.enable and cfg.reward_model.use_dynamic_bsz:
         budgets["reward_model.forward_max_token_len_per_gpu"] = cfg.reward_model.forward_max_token_len_per_gpu
     return [
@@ -919,3 +937,76 @@ def _check_token_budgets(cfg: RecipeConfig) -> list[str]:
         for key, budget in budgets.items()
         if budget < longest
     ]
+
+
+# ------------------------------------------------------------------ on-policy distillation
+def uses_teacher(cfg: RecipeConfig) -> bool:
+    """The distillation teacher is built only for an RL run with algorithm.distillation.enable."""
+    return cfg.trainer.mode == "rl" and cfg.algorithm.distillation.enable
+
+
+def teacher_devices_per_node(cfg: RecipeConfig) -> int:
+    """Devices per node of the teacher's own pool; 0 when it shares the actor's processes."""
+    return max(cfg.teacher.n_gpus_per_node, 0) if uses_teacher(cfg) else 0
+
+
+def _teacher_dp(cfg: RecipeConfig, actor_dp: int) -> int:
+    if not uses_teacher(cfg):
+        return 0
+    own = teacher_devices_per_node(cfg)
+    return cfg.trainer.nnodes * own // _model_parallel(cfg.teacher.megatron) if own else actor_dp
+
+
+def _check_distillation(cfg: RecipeConfig) -> list[str]:
+    """A teacher exactly when distillation is on, and coefficients that keep its signal."""
+    distill, teacher = cfg.algorithm.distillation, cfg.teacher
+    if not uses_teacher(cfg):
+        if teacher.path is not None and cfg.trainer.mode == "rl":
+            return [
+                f"teacher.path={teacher.path} is set but algorithm.distillation.enable=false: set "
+                "algorithm.distillation.enable=true to distil from it, or remove teacher.path"
+            ]
+        return []
+    errors = []
+    if teacher.path is None:
+        errors.append(
+            "algorithm.distillation.enable=true needs teacher.path: a Hugging Face model directory or Hub "
+            "id whose tokenizer is the student's"
+        )
+    if distill.kl_coef <= 0:
+        errors.append(
+            f"algorithm.distillation.kl_coef must be positive (the teacher's weight), got {distill.kl_coef}"
+        )
+    if distill.task_coef < 0:
+        errors.append(
+            f"algorithm.distillation.task_coef must be >= 0 (0: pure distillation), got {distill.task_coef}"
+        )
+    if teacher.n_gpus_per_node < 0:
+        errors.append(
+            "teacher.n_gpus_per_node must be >= 0 (0: in the actor's processes), got "
+            f"{teacher.n_gpus_per_node}"
+        )
+    if teacher.log_prob_micro_batch_size <= 0:
+        errors.append(
+            f"teacher.log_prob_micro_batch_size must be positive, got {teacher.log_prob_micro_batch_size}"
+        )
+    return errors
+
+
+def _check_teacher_micro_batches(cfg: RecipeConfig, responses: int, teacher_dp: int) -> list[str]:
+    """The teacher scores every response: they split over its data-parallel ranks, then into whole
+    micro-batches."""
+    micro = cfg.teacher.log_prob_micro_batch_size
+    if not teacher_dp or micro <= 0:
+        return []
+    if responses % teacher_dp:
+        return [
+            f"the {responses} responses per step do not split over the teacher's {teacher_dp} data-parallel "
+            "ranks (teacher.n_gpus_per_node over teacher.megatron's TP x PP); change either"
+        ]
+    if (responses // teacher_dp) % micro:
+        return [
+            f"teacher.log_prob_micro_batch_size={micro} does not divide the {responses // teacher_dp} "
+            f"responses each teacher data-parallel rank scores per step; pick a divisor"
+        ]
+    return []

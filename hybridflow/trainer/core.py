@@ -11,6 +11,7 @@ import torch
 
 from hybridflow.algorithms import AdaptiveKLController, FixedKLController, apply_kl_penalty, overlong_penalty
 from hybridflow.algorithms import compute_advantage as run_estimator
+from hybridflow.algorithms.distillation import distillation_advantages
 from hybridflow.config.schema import AlgorithmConfig, KLControlConfig, OverlongBufferConfig
 from hybridflow.protocol import DataProto
 from hybridflow.reward.manager import place_on_last_token
@@ -49,7 +50,8 @@ def token_level_rewards(
 
 
 def compute_advantage(batch: DataProto, algorithm: AlgorithmConfig) -> DataProto:
-    """`advantages` and `returns` (B, R) by the recipe's estimator."""
+    """`advantages` and `returns` (B, R) by the recipe's estimator; with on-policy distillation the
+    advantages become task_coef * those - kl_coef * the per-token reverse KL to the teacher."""
     tensors = batch.batch
     advantages, returns = run_estimator(
         algorithm.adv_estimator,
@@ -62,6 +64,17 @@ def compute_advantage(batch: DataProto, algorithm: AlgorithmConfig) -> DataProto
         lam=algorithm.lam,
         norm_adv_by_std=algorithm.norm_adv_by_std_in_grpo,
     )
+    distill = algorithm.distillation
+    if distill.enable:
+        advantages = distillation_advantages(
+            advantages,
+            tensors["old_log_probs"],
+            tensors["teacher_log_prob"],
+            tensors["response_mask"],
+            kl_coef=distill.kl_coef,
+            task_coef=distill.task_coef,
+            estimator=distill.kl_estimator,
+        )
     return DataProto.from_dict({"advantages": advantages, "returns": returns})
 
 

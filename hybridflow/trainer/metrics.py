@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from hybridflow.algorithms import masked_mean
+from hybridflow.algorithms.distillation import distillation_metrics
 from hybridflow.protocol import DataProto
 
 
@@ -57,6 +58,8 @@ def batch_metrics(batch: DataProto) -> dict[str, float]:
         metrics["critic/returns_mean"] = masked_mean(tensors["returns"], response_mask).item()
     if "ref_log_prob" in tensors:
         metrics["kl/mean"] = policy_ref_kl(tensors["old_log_probs"], tensors["ref_log_prob"], response_mask)
+    if "teacher_log_prob" in tensors:
+        metrics |= distillation_metrics(tensors["old_log_probs"], tensors["teacher_log_prob"], response_mask)
     return metrics | agent_metrics(batch.non_tensor_batch)
 
 

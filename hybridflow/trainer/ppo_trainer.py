@@ -61,6 +61,7 @@ class PPOTrainer:
 
         self.cfg, self.actor_dp = cfg, actor_dp
         self.policy, self.critic, self.reward_model = roles.policy, roles.critic, roles.reward_model
+        self.teacher = roles.teacher  # on-policy distillation: scores the student's responses
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
         custom = load_reward_fn(cfg.reward.custom_fn) if cfg.reward.custom_fn else None
         self.reward_fn = custom or rule_reward_fn(cfg.reward.format_score)
@@ -182,6 +183,9 @@ class PPOTrainer:
             if self.use_ref:
                 with metrics.timer("ref", timings):
                     batch = batch.union(self.policy.ref_log_probs(batch))
+            if self.teacher is not None:
+                with metrics.timer("teacher", timings):
+                    batch = batch.union(self.teacher.compute_teacher_log_prob(batch))
             if self.critic is not None:
                 with metrics.timer("values", timings):
                     batch = batch.union(self.critic.compute_values(batch))

@@ -20,7 +20,7 @@ from hybridflow.agents.template import check_incremental_template
 from hybridflow.agents.tool_parser import ToolCall, parse_tool_calls
 from hybridflow.agents.tools.base import prompt_tools
 from hybridflow.config.schema import RecipeConfig
-from hybridflow.config.validate import model_dirs
+from hybridflow.config.validate import model_dirs, uses_teacher
 from hybridflow.data.prompt_dataset import (
     REQUIRED_COLUMNS,
     PromptDataset,
@@ -29,6 +29,7 @@ from hybridflow.data.prompt_dataset import (
 )
 from hybridflow.reward.registry import RULE_SCORES
 from hybridflow.trainer.checkpoint import LATEST, MANIFEST, STEP_DIR
+from hybridflow.trainer.teacher_check import check_teacher_tokenizer
 from hybridflow.trainer.weight_shapes import Headers, check_weight_shapes, checkpoint_bytes, parameter_count
 from hybridflow.utils.disk import NO_SPACE, free_bytes, human_bytes
 from hybridflow.utils.imports import first_line
@@ -42,6 +43,8 @@ def check_run_inputs(cfg: RecipeConfig) -> None:
     parameters = check_weights(cfg)
     tokenizer = load_tokenizer(cfg)
     check_chat_template(cfg, tokenizer)
+    if uses_teacher(cfg):  # the teacher scores the student's token ids: one tokenizer for both
+        check_teacher_tokenizer(cfg.teacher.path, tokenizer, cfg.model.path)
     train_rows = check_data(cfg, tokenizer)
     check_resume_point(cfg)
     warn_if_a_checkpoint_does_not_fit(cfg, parameters)

@@ -42,6 +42,8 @@ POSITION_AND_UPDATE_KEYS = (
     "critic.update.ppo_epochs",
     "critic.update.use_dynamic_bsz",
     "algorithm.adv_estimator",
+    "algorithm.distillation.enable",  # the advantage becomes the reverse KL to the teacher
+    "teacher.path",  # another teacher, another objective
     "trainer.mode",
     # an async run's checkpoint holds the prompts drawn ahead and their generations
     "trainer.async_training.mode",

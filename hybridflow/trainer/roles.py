@@ -5,13 +5,15 @@ the colocated placement, the rollout engines: `HybridPolicyWorker`), and the cri
 model too unless the critic asks for its own pool. The driver gets a `Policy` handle, a rollout
 handle (`ColocatedRollout` over the same workers; with trainer.placement=disaggregated a
 `PoolRollout` over the rollout pool "rollout_pool", fed by a `TransferPolicyWorker`), and a
-worker-group view per other role. Models are built critic first and policy last, so the rollout
-engine sees what memory the others left.
+worker-group view per other role (the distillation teacher's: in the global pool, or its own
+"teacher_pool" when teacher.n_gpus_per_node > 0). Models are built critic first and policy last,
+so the rollout engine sees what memory the others left.
 """
 
 from dataclasses import dataclass, field
 
 from hybridflow.config.schema import RecipeConfig
+from hybridflow.config.validate import teacher_devices_per_node, uses_teacher
 from hybridflow.single_controller import RayClassWithInitArgs, WorkerGroup, create_colocated_worker_cls
 from hybridflow.trainer.policy import Policy
 from hybridflow.trainer.rollout.base import Rollout
@@ -22,6 +24,7 @@ from hybridflow.workers.hybrid_policy import HybridPolicyWorker
 from hybridflow.workers.reward_model import RewardModelWorker
 from hybridflow.workers.rollout_worker import RolloutWorker
 from hybridflow.workers.rollout_worker import actor_options as rollout_actor_options
+from hybridflow.workers.teacher import TeacherWorker
 from hybridflow.workers.transfer_policy import TransferPolicyWorker
 
 
@@ -35,6 +38,7 @@ class Roles:
     critic: WorkerGroup | None
     reward_model: WorkerGroup | None
     groups: list[WorkerGroup]  # the underlying groups, for shutdown
+    teacher: WorkerGroup | None = None  # on-policy distillation's teacher (workers/teacher.py)
     resource_pools: list = field(default_factory=list)  # their slots (Ray placement groups)
 
     def shutdown(self) -> None:
@@ -67,6 +71,9 @@ def role_classes(cfg: RecipeConfig) -> dict[str, dict[str, RayClassWithInitArgs]
         pools.setdefault(pool, {})["critic"] = RayClassWithInitArgs(CriticWorker, cfg)
     if cfg.reward_model.enable:
         pools["global_pool"]["reward_model"] = RayClassWithInitArgs(RewardModelWorker, cfg)
+    if uses_teacher(cfg):
+        pool = "teacher_pool" if teacher_devices_per_node(cfg) else "global_pool"
+        pools.setdefault(pool, {})["teacher"] = RayClassWithInitArgs(TeacherWorker, cfg)
     return pools
 
 
@@ -76,8 +83,9 @@ def resource_pool_manager(cfg: RecipeConfig):
 
     trainer, critic = cfg.trainer, cfg.critic
     own_critic = critic.enable and critic.n_gpus_per_node > 0
+    own_teacher = teacher_devices_per_node(cfg)
     spec = {
-        "global_pool": [trainer.n_gpus_per_node - (critic.n_gpus_per_node if own_critic else 0)]
+        "global_pool": [trainer.n_gpus_per_node - (critic.n_gpus_per_node if own_critic else 0) - own_teacher]
         * trainer.nnodes
     }
     mapping = {
@@ -88,6 +96,8 @@ def resource_pool_manager(cfg: RecipeConfig):
     if own_critic:
         spec["critic_pool"] = [critic.n_gpus_per_node] * trainer.nnodes
         mapping[Role.Critic] = "critic_pool"
+    if own_teacher:
+        spec["teacher_pool"] = [own_teacher] * trainer.nnodes
     if trainer.placement == "disaggregated" and trainer.mode == "rl":
         spec["rollout_pool"] = [trainer.rollout_pool.n_gpus_per_node] * trainer.rollout_pool.nnodes
     return ResourcePoolManager(resource_pool_spec=spec, mapping=mapping, use_gpu=trainer.use_gpu)
@@ -112,7 +122,7 @@ def start_roles(cfg: RecipeConfig) -> Roles:
         groups.append(group)
     # The rollout pool last: its vLLM engines pick free ports of their own, which must not be the
     # ones the other groups were given for their process groups but have not bound yet.
-    for role in ("critic", "reward_model", "policy", "rollout"):
+    for role in ("critic", "reward_model", "teacher", "policy", "rollout"):
         if role in views:
             views[role].init_model()
     policy = views["policy"]
@@ -121,6 +131,5 @@ def start_roles(cfg: RecipeConfig) -> Roles:
         connect_transfer(policy, views["rollout"])
         rollout = PoolRollout(views["rollout"], cfg.trainer.output_dir)
     pools = list(manager.resource_pool_dict.values())
-    return Roles(
-        Policy(policy), rollout, views.get("critic"), views.get("reward_model"), groups, resource_pools=pools
-    )
+    critic, reward_model, teacher = views.get("critic"), views.get("reward_model"), views.get("teacher")
+    return Roles(Policy(policy), rollout, critic, reward_model, groups, teacher, resource_pools=pools)

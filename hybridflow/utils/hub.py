@@ -75,4 +75,6 @@ def resolve_recipe_models(cfg: RecipeConfig) -> RecipeConfig:
         cfg.critic.model_path = resolve_model("critic.model_path", cfg.critic.model_path)
     if cfg.reward_model.enable and cfg.reward_model.path is not None:
         cfg.reward_model.path = resolve_model("reward_model.path", cfg.reward_model.path)
+    if cfg.algorithm.distillation.enable and cfg.teacher.path is not None:
+        cfg.teacher.path = resolve_model("teacher.path", cfg.teacher.path)
     return cfg
