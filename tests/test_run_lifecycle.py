@@ -137,11 +137,13 @@ DISAGGREGATED = (
 
 
 def test_a_killed_rollout_process_ends_the_run_with_one_named_error(local, tmp_path):
-    """The rollout pool's process killed between steps: whichever call meets the dead process first
-    (the next weight transfer or generation), the run ends with status 1 and one `error:` line
-    naming the rollout process, no traceback, nothing left running."""
+    """The rollout pool's process killed between steps, with no restart allowed
+    (rollout.max_engine_restarts=0; restarts: tests/async_rl/test_engine_restarts.py): whichever
+    call meets the dead process first (the next weight transfer or generation), the run ends with
+    status 1 and one `error:` line naming the rollout process, no traceback, nothing left running."""
     marker = uuid.uuid4().hex
-    proc, log = start_and_wait_for_step_1(local, tmp_path / "run", marker, *DISAGGREGATED)
+    no_restart = "rollout.max_engine_restarts=0"
+    proc, log = start_and_wait_for_step_1(local, tmp_path / "run", marker, *DISAGGREGATED, no_restart)
     try:
         (rollout,) = [p for p in psutil.process_iter() if marker_in(p, marker) and is_rollout_worker(p)]
         rollout.kill()

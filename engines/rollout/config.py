@@ -188,6 +188,10 @@ class RolloutConfig:
     vllm_cpu_weights: VLLMCPUWeights = "packed"
     agent: AgentConfig = field(default_factory=AgentConfig)
     server: ServerConfig = field(default_factory=ServerConfig)  # for rollout.agent.loop=openai
+    # trainer.placement=disaggregated: a rollout process that dies is restarted with the current
+    # weights (checked) and its lost calls generated again, this many times in a run; one more death
+    # stops the run (0: the first one does). docs/async.md "Engine restarts"
+    max_engine_restarts: int = 3
 
     def __post_init__(self) -> None:
         if self.name not in ROLLOUT_ENGINES:
@@ -214,6 +218,11 @@ class RolloutConfig:
                     f"rollout.{key}.max_new_tokens={limit} exceeds rollout.response_length="
                     f"{self.response_length}; raise response_length or lower max_new_tokens"
                 )
+        if self.max_engine_restarts < 0:
+            raise ValueError(
+                f"rollout.max_engine_restarts must be >= 0 (0: a dead rollout process ends the run), "
+                f"got {self.max_engine_restarts}"
+            )
         if self.weight_sync_bucket_mb <= 0:
             raise ValueError(f"rollout.weight_sync_bucket_mb must be > 0, got {self.weight_sync_bucket_mb}")
         if not 0.0 < self.gpu_memory_utilization < 1.0:

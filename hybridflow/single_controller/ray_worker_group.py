@@ -13,6 +13,11 @@ object store once per call however many ranks read them. Blocking
 calls wait on all ranks and raise the first failure as soon as it happens (a rank stuck in a
 collective with a dead peer cannot hide it), as a `WorkerError` that is also the original
 exception type.
+
+A rank whose process died can be replaced alone (`restart_rank`: a fresh actor of the same class,
+arguments and environment in the same slot) and then driven alone (`call_rank`): the rollout pool
+restarts a dead engine this way (hybridflow/trainer/rollout/pool.py) while the other ranks keep
+theirs. `dead_ranks` says which ranks' processes are gone.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from engines.placement import NODE_ID_ENV
 from hybridflow.parallel_ranks import ParallelRanks
 from hybridflow.protocol import DataProto
+from hybridflow.single_controller.decorator import registered_methods
 from hybridflow.single_controller.dispatch import Dispatched
 from hybridflow.single_controller.errors import worker_error
 from hybridflow.single_controller.resource_pool import RayResourcePool
@@ -40,6 +46,9 @@ _SHARED_TYPES = (DataProto, torch.Tensor, np.ndarray)
 # How long shutdown() waits for the workers' teardown: longer than SGLang 0.5.23's own wait for its
 # scheduler processes to exit (60 s, entrypoints/engine.py 1491).
 TEARDOWN_TIMEOUT_S = 90.0
+# How long `dead_ranks` waits for the ranks' answers: a dead process's fails at once, a rank busy in
+# a call (one call at a time) answers later and counts as alive.
+DEATH_CHECK_S = 2.0
 
 
 class RayWorkerGroup(WorkerGroup):
@@ -63,7 +72,11 @@ class RayWorkerGroup(WorkerGroup):
                 f"ray_cls_with_init must be a RayClassWithInitArgs, got {type(ray_cls_with_init).__name__}"
             )
         super().__init__(ray_cls_with_init.cls)
-        self._actors = _start_actors(resource_pool, ray_cls_with_init)
+        self._pool, self._cls_with_init = resource_pool, ray_cls_with_init
+        self._slots = _slots(resource_pool)
+        self._envs = spmd_envs(resource_pool.slot_nodes())
+        self._remote_cls = ray.remote(_with_spmd_env(ray_cls_with_init.cls))
+        self._actors = [self._start_actor(rank) for rank in range(len(self._slots))]
         try:
             self._wait([actor.__ray_ready__.remote() for actor in self._actors], self._ranks(), "__init__")
         except BaseException:
@@ -80,6 +93,46 @@ class RayWorkerGroup(WorkerGroup):
     @property
     def world_size(self) -> int:
         return len(self._actors)
+
+    def _start_actor(self, rank: int):
+        """A new actor of this group's class in rank's slot, with rank's SPMD environment."""
+        pg, bundle = self._slots[rank]
+        cls_with_init = self._cls_with_init
+        return self._remote_cls.options(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle),
+            **self._pool.actor_resources(),
+            **cls_with_init.actor_options,
+        ).remote(self._envs[rank], *cls_with_init.args, **cls_with_init.kwargs)
+
+    def restart_rank(self, rank: int) -> None:
+        """Replace rank's actor (dead, or killed here) with a fresh one in the same slot, built with
+        the same arguments and environment; returns once its `__init__` ran. Nothing else runs on
+        it: the caller brings it up (e.g. `call_rank(rank, "init_model")`). Views of this group
+        share the new actor."""
+        ray.kill(self._actors[rank], no_restart=True)
+        self._actors[rank] = self._start_actor(rank)  # in place: the views hold the same list
+        self._wait([self._actors[rank].__ray_ready__.remote()], [rank], "__init__")
+
+    def call_rank(self, rank: int, method: str, *args, **kwargs):
+        """`method` of the worker class on one rank alone, blocking; its result. Raises like a group
+        call (a `WorkerError` naming the rank)."""
+        if method not in registered_methods(self._worker_cls):
+            raise ValueError(f"{self._worker_cls.__name__}.{method} is not a @register-ed method")
+        ref = getattr(self._actors[rank], method).remote(*args, **kwargs)
+        return self._wait([ref], [rank], method)[0]
+
+    def dead_ranks(self, wait_s: float = DEATH_CHECK_S) -> list[int]:
+        """The ranks whose process died: their actor fails to answer (a rank still busy after
+        `wait_s` is alive)."""
+        rank_of = {actor.__ray_ready__.remote(): rank for rank, actor in enumerate(self._actors)}
+        done, _ = ray.wait(list(rank_of), num_returns=len(rank_of), timeout=wait_s)
+        dead = []
+        for ref in done:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                dead.append(rank_of[ref])
+        return sorted(dead)
 
     @property
     def actors(self) -> list:
@@ -179,22 +232,12 @@ def _warn(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
-def _start_actors(pool: RayResourcePool, cls_with_init: RayClassWithInitArgs) -> list:
-    placement_groups = pool.placement_groups()
-    slots = [
-        (pg, bundle)
-        for pg, count in zip(placement_groups, pool.process_on_nodes, strict=True)
-        for bundle in range(count)
-    ]
-    envs = spmd_envs(pool.slot_nodes())
-    remote_cls = ray.remote(_with_spmd_env(cls_with_init.cls))
+def _slots(pool: RayResourcePool) -> list[tuple]:
+    """(placement group, bundle index) of every rank, laid out node by node."""
     return [
-        remote_cls.options(
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle),
-            **pool.actor_resources(),
-            **cls_with_init.actor_options,
-        ).remote(env, *cls_with_init.args, **cls_with_init.kwargs)
-        for (pg, bundle), env in zip(slots, envs, strict=True)
+        (pg, bundle)
+        for pg, count in zip(pool.placement_groups(), pool.process_on_nodes, strict=True)
+        for bundle in range(count)
     ]
 
 

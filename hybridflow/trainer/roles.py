@@ -129,7 +129,7 @@ def start_roles(cfg: RecipeConfig) -> Roles:
     rollout = ColocatedRollout(policy)
     if "rollout" in views:
         connect_transfer(policy, views["rollout"])
-        rollout = PoolRollout(views["rollout"], cfg.trainer.output_dir)
+        rollout = PoolRollout(views["rollout"], cfg.trainer.output_dir, cfg.rollout)
     pools = list(manager.resource_pool_dict.values())
     critic, reward_model, teacher = views.get("critic"), views.get("reward_model"), views.get("teacher")
     return Roles(Policy(policy), rollout, critic, reward_model, groups, teacher, resource_pools=pools)

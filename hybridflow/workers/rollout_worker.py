@@ -10,6 +10,11 @@ the driver calls one group at a time: so the rollout side runs them in a backgro
 (B, 2): the wall-clock start and end of the call that generated it (the async loop's overlap).
 Checkpoints hold each engine's sampling position (`save_rng_state`), as the colocated worker's do.
 
+When a rollout process dies the driver starts a fresh worker in its slot (PoolRollout.recover):
+every member leaves the broken transfer group (`leave_transfer`) and joins a new one, the policy's
+weights are sent again, and the fresh engine's log-probs of fixed tokens (`score_log_probs`) are
+compared with the actor's before the lost call is generated again.
+
 With partial rollouts (trainer.async_training.partial_rollout) the worker's Ray actor runs several
 calls at once (`actor_options`): generation calls run their rows as requests on one event loop
 (engines/rollout/request_batches.py), and a transfer is loaded on that loop between two decoding
@@ -17,6 +22,8 @@ steps, the rows in flight continuing under the new weights. Rows then carry `rol
 (B, R), the version of each token, and `policy_version` is that of the row's oldest token.
 """
 
+import contextlib
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,6 +34,14 @@ import torch
 from hybridflow.config.schema import RecipeConfig
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller import Dispatch, Worker, register
+
+# Tests only (tests/async_rl/test_engine_restarts.py): a directory. Once a generation call has its
+# tokens, the worker writes <dir>/held.<pid>.<call> and holds the call until <dir>/release.<pid>.<call>
+# or <dir>/release exists, so a test can kill the process while the call is in flight.
+HOLD_ENV = "HYBRIDFLOW_TEST_HOLD_GENERATION"
+# How long a member leaving a broken transfer group waits for its receive under way to fail (it
+# fails as soon as the sender has dropped the group).
+LEAVE_TIMEOUT_S = 60.0
 
 
 def actor_options(cfg: RecipeConfig) -> dict:
@@ -47,6 +62,7 @@ class RolloutWorker(Worker):
         self.receiver = None
         self._background = ThreadPoolExecutor(max_workers=1)
         self._pending: Future | None = None
+        self._held_calls = 0  # generation calls held for a test (HOLD_ENV)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -97,6 +113,18 @@ class RolloutWorker(Worker):
             raise RuntimeError("finish_transfer without a started join or transfer")
         return pending.result()
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def leave_transfer(self) -> None:
+        """Drop this member of a transfer group that lost a member (the sender dropped its end
+        first, so a receive under way fails); `start_join_transfer` then joins a new one."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            with contextlib.suppress(Exception):  # the broken group's error: expected, dropped
+                pending.result(timeout=LEAVE_TIMEOUT_S)
+            if not pending.done():  # still stuck: later joins and transfers get a thread of their own
+                self._background = ThreadPoolExecutor(max_workers=1)
+        self.receiver = None
+
     def _start(self, start: Callable[[], Future]) -> None:
         if self._pending is not None:
             raise RuntimeError("a weight transfer is already under way on this rollout worker")
@@ -116,7 +144,19 @@ class RolloutWorker(Worker):
             output.batch["policy_version"] = served
         window = torch.tensor([start, time.time()], dtype=torch.float64)
         output.batch["generation_window"] = window.expand(len(output), 2).clone()  # (B, 2)
+        if HOLD_ENV in os.environ:
+            self._hold_for_test(output)
         return output
+
+    def _hold_for_test(self, output: DataProto) -> None:
+        """See HOLD_ENV: the call's tokens are generated; it returns once the test releases it."""
+        folder = Path(os.environ[HOLD_ENV])
+        self._held_calls += 1
+        name = f"{os.getpid()}.{self._held_calls}"
+        tokens = int(output.batch["response_mask"].sum())
+        (folder / f"held.{name}").write_text(str(tokens))
+        while not ((folder / f"release.{name}").exists() or (folder / "release").exists()):
+            time.sleep(0.05)
 
     def _why_not_serving(self) -> str:
         if self.receiver is None or self.receiver.failure is None:
@@ -133,16 +173,31 @@ class RolloutWorker(Worker):
         """Answers at once while the process lives (the driver's check after a failed transfer)."""
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def score_log_probs(self, sequences: list[list[int]]) -> torch.Tensor | None:
+        """The engine's log-probs of each sequence's tokens after the first (B, T-1), or None for an
+        engine that cannot score (the hf engine)."""
+        score = getattr(self.engine, "score_log_probs", None)
+        return None if score is None else score(sequences)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def advance_rng_state(self, calls: int) -> None:
+        """The engine's sampling position moved up to `calls` (the driver's count of generation
+        calls), never back (calls the driver did not count keep theirs)."""
+        self.engine.set_rng_state({"calls": max(calls, self.engine.get_rng_state()["calls"])})
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_rng_state(self, path: str) -> None:
         """This engine's sampling position into `path`/rank_<rank>.pt (the checkpoint's rollout
         part), so a resumed run samples alike."""
         torch.save(self.engine.get_rng_state(), Path(path) / f"rank_{self.rank}.pt")
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def load_rng_state(self, path: str) -> None:
+    def load_rng_state(self, path: str) -> dict:
+        """The sampling position saved for this rank, if any; the engine's position now."""
         state = Path(path) / f"rank_{self.rank}.pt"
         if state.is_file():  # absent after a change of the rollout pool's size
             self.engine.set_rng_state(torch.load(state, weights_only=True))
+        return self.engine.get_rng_state()
 
     def teardown(self) -> None:
         """Stop the engine (last: vLLM's teardown destroys torch.distributed's default group)."""

@@ -3,6 +3,10 @@ to the rollout pool's engines (engines/weight_sync/transfer.py).
 
 Every actor rank walks the weight stream (`iter_hf_tensors` is collective over the model-parallel
 group: each rank gathers full tensors); rank 0 sends them, the others only take part.
+
+After a rollout process died, rank 0 drops its end of the broken transfer group (`leave_transfer`:
+closing its connections ends a survivor's receive under way) and joins a new one; the restarted
+engine is then checked against the actor's log-probs of fixed tokens (`probe_log_probs`).
 """
 
 from hybridflow.single_controller import Dispatch, register
@@ -42,3 +46,21 @@ class TransferPolicyWorker(PolicyWorker):
         else:
             for _ in stream:  # the stream's gathers need every model-parallel rank
                 pass
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def leave_transfer(self) -> None:
+        """Rank 0 drops its transfer group (its connections close); `join_transfer` builds a new one."""
+        self.sender = None
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def probe_log_probs(self) -> tuple[list[list[int]], object] | None:
+        """Fixed token sequences and the actor's log-probs of their response tokens (B, R) at
+        temperature 1 (collective; the last pipeline stage's rank 0 answers, the others None)."""
+        from engines.megatron.forward import compute_log_prob
+        from engines.weight_sync.colocated import log_prob_probe
+
+        probe = log_prob_probe(self.hf_config.vocab_size)
+        result = compute_log_prob(self.actor_chunks, probe, len(probe), calculate_entropy=False)
+        if result is None:
+            return None
+        return probe.batch["input_ids"].tolist(), result.batch["old_log_probs"]

@@ -13,20 +13,40 @@ it (`policy_version`), and each trained batch's versions are appended to
 oldest token), `async/mixed_version_share`: the share of samples whose tokens come from more than
 one version (`rollout_versions`, per token).
 
-A rollout process that dies (killed, out of memory, a lost node) ends the run with one
-`RolloutProcessDied` naming the process and the call, whatever call meets it first: a generation,
-its collection, or a transfer (whose sender then fails on the closed connection: the pool is
-asked whether a process died before that error is believed).
+A rollout process that dies (killed, out of memory, a segfault in a kernel, a lost node), met by
+any call (a generation, its collection, a transfer, whose sender then fails on the closed
+connection: the pool is asked whether a process died before that error is believed), is restarted
+(`recover`), up to `rollout.max_engine_restarts` times in a run:
+
+    a fresh worker in the dead one's slot (RayWorkerGroup.restart_rank), its engine built
+    every member leaves the broken transfer group (the sender first) and a new one is built
+    the policy last synced is sent to every engine again
+    the restarted engines' log-probs of fixed tokens are compared with the actor's (vLLM; the hf
+        engine cannot score) within the rollout dtype's tolerance, else WeightSyncError
+    the lost call is generated again from its rows, with its seed: every call carries the seed
+        `rollout.seed + k` (k counting the pool's calls: the engines' own rule, made explicit), so
+        a seeded engine gives the rows the lost call would have given
+
+`metrics` adds `rollout/engine_restarts` (restarts so far in the run), `rollout/restart_seconds`
+(seconds spent restarting since the last step's metrics; the lost call's second generation not
+included) and, after a restart, `rollout/restart_log_prob_diff` (the check's largest difference).
+One death more than the limit (any, with `max_engine_restarts: 0`) ends the run with one
+`RolloutProcessDied` naming the process and the call; the last complete checkpoint stays.
 """
 
+import itertools
 import json
+import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from engines.rollout.config import RolloutConfig
+from engines.weight_sync.common import WeightSyncError
 from hybridflow.protocol import DataProto, DataProtoFuture
 from hybridflow.single_controller.errors import WorkerError
 from hybridflow.trainer.policy import Policy
@@ -35,14 +55,29 @@ from hybridflow.utils.imports import first_line
 
 
 class RolloutProcessDied(RuntimeError):
-    """A rollout pool process died; the run stops (the last complete checkpoint stays)."""
+    """A rollout pool process died and no restart was left; the run stops (the last complete
+    checkpoint stays)."""
 
 
-def process_died(err: WorkerError) -> bool:
-    """Whether a worker-group error is Ray's word that the worker process died."""
+def process_died(err: BaseException) -> bool:
+    """Whether an error is Ray's word that a worker process died (a worker-group call's WorkerError
+    or a launched call's own error)."""
     import ray.exceptions
 
     return isinstance(err, ray.exceptions.RayActorError)
+
+
+def died_error(err: BaseException, note: str = "", dead: list[int] | None = None) -> RolloutProcessDied:
+    """One line naming the process and the call (`err`: a worker-group call's error, or Ray's own
+    for a launched call, whose process is then the first of `dead`)."""
+    rank = getattr(err, "rank", None)
+    rank = rank if rank is not None else (dead or ["?"])[0]
+    method = getattr(err, "method", None) or "a launched generation"
+    cause = err.cause if isinstance(err, WorkerError) else err
+    return RolloutProcessDied(
+        f"rollout pool process {rank} died during `{method}` (trainer.rollout_pool): "
+        f"{first_line(cause)}; {note}rerun the same command to resume from the last checkpoint"
+    )
 
 
 @contextmanager
@@ -53,10 +88,7 @@ def naming_dead_processes() -> Iterator[None]:
     except WorkerError as err:
         if not process_died(err):
             raise
-        raise RolloutProcessDied(
-            f"rollout pool process {err.rank} died during `{err.method}` (trainer.rollout_pool): "
-            f"{first_line(err.cause)}; rerun the same command to resume from the last checkpoint"
-        ) from err
+        raise died_error(err) from err
 
 
 def staleness_metrics(trained_on: int, sample_versions: list[int]) -> dict[str, float]:
@@ -88,20 +120,55 @@ def connect_transfer(policy_group, rollout_group) -> None:
     rollout_group.finish_transfer()
 
 
+@dataclass
+class LaunchedCall:
+    """A generation launched on the pool: its rows (with their seed), generated again if a rollout
+    process dies before it is collected, and the workers' future."""
+
+    rows: DataProto
+    future: DataProtoFuture
+
+
+@dataclass
+class EngineRestarts:
+    """The run's rollout process restarts: how many, against the limit, and their cost."""
+
+    limit: int  # rollout.max_engine_restarts
+    count: int = 0
+    seconds: float = 0.0  # since the last step's metrics
+    log_prob_diff: float | None = None  # of the last check, until the next step's metrics
+
+    def metrics(self) -> dict[str, float]:
+        out = {"rollout/engine_restarts": float(self.count), "rollout/restart_seconds": self.seconds}
+        if self.log_prob_diff is not None:
+            out["rollout/restart_log_prob_diff"] = self.log_prob_diff
+        self.seconds, self.log_prob_diff = 0.0, None
+        return out
+
+
 class PoolRollout:
-    def __init__(self, group, output_dir: str):
+    def __init__(self, group, output_dir: str, rollout_cfg: RolloutConfig | None = None):
+        cfg = rollout_cfg or RolloutConfig(max_engine_restarts=0)
         self.group = group  # the rollout workers
         self.versions_file = Path(output_dir) / "policy_versions.jsonl"
         self.served: int | None = None  # the version the engines serve
+        self.policy: Policy | None = None  # the policy last synced: a restarted engine gets its weights
+        self.restarts = EngineRestarts(cfg.max_engine_restarts)
+        self.seed, self.dtype = cfg.seed, cfg.dtype
+        self.calls = 0  # generation calls sent to the pool (each engine's sampling position)
 
     def sync_weights(self, policy: Policy) -> None:
+        self.policy = policy
+        self._retrying(lambda: self.transfer(policy))
+
+    def transfer(self, policy: Policy) -> None:
+        """The policy's weights to every engine, unless they serve its version already."""
         if self.served == policy.version:
             return
         self.served = None  # a failed transfer leaves the engines serving no known version
-        with naming_dead_processes():
-            self.group.start_receive_weights()
-            self.send(policy)
-            served = set(self.group.finish_transfer())
+        self.group.start_receive_weights()
+        self.send(policy)
+        served = set(self.group.finish_transfer())
         if served != {policy.version}:
             raise RuntimeError(
                 f"rollout engines serve {sorted(served)}, not the version sent ({policy.version})"
@@ -121,35 +188,119 @@ class PoolRollout:
         return step, self.generate(step.rows)
 
     def generate(self, rows: DataProto) -> DataProto:
-        with naming_dead_processes():
-            return self.group.generate_sequences(rows)
+        seeded = self._seeded(rows)
+        return self._retrying(lambda: self.group.generate_sequences(seeded))
 
-    def launch(self, rows: DataProto) -> DataProtoFuture:
+    def launch(self, rows: DataProto) -> LaunchedCall:
         """Generation on the pool while the driver goes on (the rollout generating ahead)."""
-        return self.group.generate_sequences_async(rows)
+        seeded = self._seeded(rows)
+        return LaunchedCall(seeded, self.group.generate_sequences_async(seeded))
 
-    def collect(self, launched: DataProtoFuture | DataProto) -> DataProto:
-        """A launched generation's responses, once finished."""
-        if not isinstance(launched, DataProtoFuture):
+    def collect(self, launched: LaunchedCall | DataProto) -> DataProto:
+        """A launched generation's responses, once finished (generated again if a process died)."""
+        if isinstance(launched, DataProto):
             return launched
-        with naming_dead_processes():
-            return launched.get()
+        return self._retrying(launched.future.get, lambda: self.group.generate_sequences(launched.rows))
+
+    def _seeded(self, rows: DataProto) -> DataProto:
+        """The rows (views) with this call's seed, the one the engines would pick themselves."""
+        seeded = rows.slice()
+        seeded.meta_info.setdefault("seed", self.seed + self.calls)
+        self.calls += 1
+        return seeded
+
+    def _retrying(self, call: Callable, again: Callable | None = None):
+        """call(); when a rollout process dies during it, a recovery and again() (call() when not
+        given), each time one dies, up to the restart limit."""
+        for attempt in itertools.count():
+            try:
+                result = call()
+            except Exception as err:
+                if not process_died(err):
+                    raise
+                died = err
+            else:
+                if isinstance(result, DataProto):
+                    result.meta_info.pop("seed", None)  # the call's, not the batch's
+                return result
+            if not self.recover(died) and attempt > 0:  # dead again, yet no process is
+                raise died_error(died) from died
+            call = again or call
+
+    def recover(self, cause: BaseException | None = None) -> list[int]:
+        """Restart every dead rollout process with the weights of the policy last synced (checked);
+        the restarted ranks. RolloutProcessDied beyond rollout.max_engine_restarts (or before any
+        sync). `cause`: the error of the call that met the death, named in that error."""
+        dead = self.group.dead_ranks()
+        if not dead:  # e.g. a call launched on a process restarted since
+            return []
+        self._check_limit(cause, dead)
+        start = time.monotonic()
+        with naming_dead_processes():  # one more death while restarting ends the run
+            for rank in dead:
+                self.group.restart_rank(rank)
+                self.group.call_rank(rank, "init_model")
+            self.reconnect()
+            self.transfer(self.policy)
+            self.restarts.log_prob_diff = self.check_engines(dead)
+        self.restarts.count += len(dead)
+        self.restarts.seconds += time.monotonic() - start
+        print(
+            f"rollout pool: restarted process(es) {dead}, {self.restarts.count} restart(s) so far", flush=True
+        )
+        return dead
+
+    def _check_limit(self, cause: BaseException | None, dead: list[int]) -> None:
+        limit, done = self.restarts.limit, self.restarts.count
+        if self.policy is not None and done + len(dead) <= limit:
+            return
+        note = f"{done} restart(s) before, rollout.max_engine_restarts={limit}; " if limit else ""
+        cause = cause or RuntimeError(f"rollout pool process(es) {dead} died")
+        raise died_error(cause, note, dead) from cause
+
+    def reconnect(self) -> None:
+        """A new transfer group: the sender drops the broken one first (a survivor's receive under
+        way then fails), every rollout process leaves it, and all join the new one."""
+        self.served = None
+        self.policy.group.leave_transfer()
+        self.group.leave_transfer()
+        connect_transfer(self.policy.group, self.group)
+
+    def check_engines(self, ranks: list[int]) -> float | None:
+        """The largest difference between the actor's log-probs of fixed tokens and each restarted
+        engine's (None where no engine can score); WeightSyncError beyond the dtype's tolerance."""
+        from engines.weight_sync.colocated import VERIFY_LOG_PROB_TOLERANCE
+
+        ids, actor = next(answer for answer in self.policy.group.probe_log_probs() if answer is not None)
+        diffs = []
+        for rank in ranks:
+            engine = self.group.call_rank(rank, "score_log_probs", ids)
+            if engine is not None:
+                diffs.append(float((actor - engine[:, -actor.shape[1] :]).abs().max()))
+        tolerance = VERIFY_LOG_PROB_TOLERANCE[self.dtype]
+        if diffs and not max(diffs) <= tolerance:
+            raise WeightSyncError(
+                f"restarted rollout process(es) {ranks}: their log-probs of fixed tokens differ from the "
+                f"actor's (policy version {self.served}) by up to {max(diffs):.3g} (tolerance {tolerance})"
+            )
+        return max(diffs) if diffs else None
 
     def metrics(self, batch: DataProto) -> dict[str, float]:
         """The batch's staleness against the version trained on (the one served since the last
-        sync), recorded in policy_versions.jsonl."""
+        sync), recorded in policy_versions.jsonl, and the engine restarts."""
         versions = batch.batch["policy_version"].tolist()
         with self.versions_file.open("a") as out:
             out.write(json.dumps({"trained_on": self.served, "sample_versions": versions}) + "\n")
         metrics = staleness_metrics(self.served, versions)
         if "rollout_versions" in batch.batch:  # partial rollouts
             metrics["async/mixed_version_share"] = mixed_version_share(batch.batch["rollout_versions"])
-        return metrics
+        return {**metrics, **self.restarts.metrics()}
 
     def save(self, path: str) -> None:
-        """Each engine's sampling position."""
+        """Each engine's sampling position: the pool's count of calls (a restarted engine's too)."""
+        self.group.advance_rng_state(self.calls)
         self.group.save_rng_state(path)
 
     def load(self, path: str) -> None:
-        self.group.load_rng_state(path)
+        self.calls = max(state["calls"] for state in self.group.load_rng_state(path))
         self.served = None

@@ -1,0 +1,134 @@
+"""A rollout process on the real vLLM CPU engine (trainer.placement=disaggregated, actor 1 process,
+vLLM 1 process, through scripts/run_recipe.sh) killed with SIGKILL while a generation call is in
+flight. The condition, not a timing: with HYBRIDFLOW_TEST_HOLD_GENERATION the rollout worker
+writes held.<pid>.<call> once a call has generated its tokens and holds the call there until the
+test releases it, so the kill lands with the call unanswered.
+
+- Killed once, at step 2 (policy version 1): the pool restarts the process, checks the fresh
+  engine's log-probs of fixed tokens against the actor's (within 1e-4), generates the lost call
+  again with its seed, and the run finishes its 3 steps having trained exactly what an unkilled
+  run trains (the same samples, step by step: the same metrics and sample versions).
+- Killed once more than rollout.max_engine_restarts: exit status 1, one `error:` line naming the
+  process, the call and the limit, no traceback, no process of the run left, no checkpoint.
+"""
+
+import json
+import signal
+import subprocess
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+from multinode_helpers import processes_with_env
+from run_outputs import trained_steps
+from test_run_lifecycle import cleanup, wait_for
+from tiny_run import command, environment, tiny_run_inputs
+
+from hybridflow.workers.rollout_worker import HOLD_ENV
+
+pytestmark = pytest.mark.slow
+
+RESTART_KEYS = ("rollout/engine_restarts", "rollout/restart_seconds", "rollout/restart_log_prob_diff")
+OVERRIDES = (
+    "trainer.placement=disaggregated", "trainer.n_gpus_per_node=1",
+    "actor.megatron.tensor_model_parallel_size=1", "trainer.rollout_pool.n_gpus_per_node=1",
+    "rollout.name=vllm", "trainer.total_training_steps=3", "trainer.save_freq=0", "trainer.export_hf=false",
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory) -> dict:
+    return tiny_run_inputs(tmp_path_factory.mktemp("restarts"))
+
+
+def start(local: dict, out: Path, hold: Path, marker: str, *overrides: str) -> subprocess.Popen:
+    hold.mkdir()
+    log = open(out.parent / f"{out.name}.log", "w")  # noqa: SIM115 - the run's, closed with it
+    return subprocess.Popen(
+        command(local, out, *OVERRIDES, *overrides),
+        env=environment(local, marker, **{HOLD_ENV: str(hold)}),
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+
+
+def held_call(hold: Path, proc: subprocess.Popen, call: int, not_pid: int | None = None) -> int:
+    """The pid of the rollout process holding its call number `call` (tokens generated)."""
+    found: list[Path] = []
+
+    def appeared() -> bool:
+        found[:] = [p for p in hold.glob(f"held.*.{call}") if p.name.split(".")[1] != str(not_pid)]
+        return bool(found) or proc.poll() is not None
+
+    wait_for(appeared, 900, f"a rollout call {call} holding its tokens")
+    assert proc.poll() is None, "the run ended before the rollout process held its call"
+    assert int(found[0].read_text()) > 0  # tokens generated: the call is in flight, unanswered
+    return int(found[0].name.split(".")[1])
+
+
+def kill(pid: int) -> None:
+    psutil.Process(pid).send_signal(signal.SIGKILL)
+
+
+def output_of(out: Path) -> str:
+    return (out.parent / f"{out.name}.log").read_text()
+
+
+def test_a_rollout_process_killed_mid_generation_is_restarted_and_the_run_trains_the_same(local, tmp_path):
+    killed, hold, marker = tmp_path / "killed", tmp_path / "hold", uuid.uuid4().hex
+    proc = start(local, killed, hold, marker)
+    try:
+        pid = held_call(hold, proc, 1)  # step 1's generation: let it go
+        (hold / f"release.{pid}.1").touch()
+        assert held_call(hold, proc, 2) == pid  # step 2's, with policy version 1: killed
+        kill(pid)
+        (hold / "release").touch()  # the restarted process's calls go through
+        assert proc.wait(timeout=900) == 0, output_of(killed)[-4000:]
+    finally:
+        cleanup(proc, marker)
+    records = [r for r in map(json.loads, (killed / "metrics.jsonl").read_text().splitlines()) if "step" in r]
+    assert [r["rollout/engine_restarts"] for r in records] == [0, 1, 1]
+    assert records[1]["rollout/restart_log_prob_diff"] <= 1e-4  # the fresh engine serves version 1
+    plain, marker = tmp_path / "plain", uuid.uuid4().hex
+    proc = start(local, plain, tmp_path / "plain_hold", marker)
+    try:
+        (tmp_path / "plain_hold" / "release").touch()
+        assert proc.wait(timeout=900) == 0, output_of(plain)[-4000:]
+    finally:
+        cleanup(proc, marker)
+    seconds = [json.loads(line)["timing/step"] for line in (plain / "metrics.jsonl").read_text().splitlines()]
+    restart = records[1]
+    print(
+        f"restart {restart['rollout/restart_seconds']:.1f} s, diff {restart['rollout/restart_log_prob_diff']}"
+    )
+    print(
+        f"steps {[round(r['timing/step'], 1) for r in records]} s, unkilled {[round(t, 1) for t in seconds]}"
+    )
+    assert without_restarts(trained_steps(killed)) == without_restarts(trained_steps(plain))
+    versions = (killed / "policy_versions.jsonl").read_text()
+    assert versions == (plain / "policy_versions.jsonl").read_text()
+    assert [len(json.loads(line)["sample_versions"]) for line in versions.splitlines()] == [8, 8, 8]
+
+
+def without_restarts(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in RESTART_KEYS} for r in records]
+
+
+def test_killed_once_more_than_max_engine_restarts_ends_the_run_with_one_named_error(local, tmp_path):
+    out, hold, marker = tmp_path / "run", tmp_path / "hold", uuid.uuid4().hex
+    proc = start(local, out, hold, marker, "rollout.max_engine_restarts=1", "trainer.save_freq=1")
+    try:
+        first = held_call(hold, proc, 1)
+        kill(first)  # restarted: the lost call is generated again on the new process, and held
+        kill(held_call(hold, proc, 1, not_pid=first))
+        assert proc.wait(timeout=900) == 1, output_of(out)[-4000:]
+        output = output_of(out)
+        assert "Traceback" not in output, output[-4000:]
+        last = output.rstrip().splitlines()[-1]
+        assert last.startswith("error: rollout pool process 0 died during `generate_sequences` ("), last
+        assert "1 restart(s) before, rollout.max_engine_restarts=1; rerun the same command" in last
+        assert processes_with_env(f"HYBRIDFLOW_TEST_RUN={marker}") == []
+        checkpoints = out / "checkpoints"
+        assert not checkpoints.exists() or not any(checkpoints.iterdir())  # nothing, half-written or not
+    finally:
+        cleanup(proc, marker)
