@@ -2,8 +2,11 @@
 quickstart's SFT warm start."""
 
 import os
+import shutil
+from pathlib import Path
 
 import pytest
+from filelock import FileLock
 from process_group import run_recipe_script
 from working_tree import build_quickstart_working_tree
 
@@ -57,13 +60,38 @@ def in_quickstart_working_tree(quickstart_working_tree, monkeypatch):
     return quickstart_working_tree
 
 
+def run_shared_dir(tmp_path_factory, worker_id: str) -> Path:
+    """A directory shared by this run's pytest-xdist workers (their base temporary directories'
+    parent is the run's own), or this process's base directory when xdist is off: never one an
+    earlier run left."""
+    base = tmp_path_factory.getbasetemp()
+    return base if worker_id == "master" else base.parent
+
+
 @pytest.fixture(scope="session")
-def quickstart_warm_start(tmp_path_factory):
-    """The quickstart's stage 1, run once per session: the tiny model and arithmetic data of
-    scripts/quickstart.sh, then recipes/quickstart_sft.yaml through scripts/run_recipe.sh (400
-    steps, ~2 min on 2 idle cores), without its validation passes. Returns the paths of the data
-    (train / test parquet) and of the SFT export (`hf`) an RL stage starts from."""
-    root = tmp_path_factory.mktemp("quickstart_warm_start")
+def quickstart_warm_start(tmp_path_factory, worker_id):
+    """The quickstart's stage 1, run once per `make test` whichever worker asks first (the others
+    wait on a file lock and reuse it): the tiny model and arithmetic data of scripts/quickstart.sh,
+    then recipes/quickstart_sft.yaml through scripts/run_recipe.sh (400 steps, ~2 min on 2 idle
+    cores), without its validation passes. Returns the paths of the data (train / test parquet)
+    and of the SFT export (`hf`) an RL stage starts from."""
+    root = run_shared_dir(tmp_path_factory, worker_id) / "quickstart_warm_start"
+    paths = {
+        "train": root / "data" / "train.parquet",
+        "test": root / "data" / "test.parquet",
+        "hf": root / "sft" / "hf",
+    }
+    with FileLock(f"{root}.lock"):
+        if not (root / "done").exists():
+            shutil.rmtree(root, ignore_errors=True)  # a worker's failed attempt
+            make_warm_start(root)
+            (root / "done").touch()
+    return paths
+
+
+def make_warm_start(root: Path) -> None:
+    """The tiny model, the arithmetic data (<root>/data/{train,test}.parquet) and the SFT run
+    (<root>/sft/hf)."""
     model = make_tiny_model(root / "tiny_model")
     data = write_arith_parquet(root / "data")
     overrides = [
@@ -76,4 +104,3 @@ def quickstart_warm_start(tmp_path_factory):
     ]
     done = run_recipe_script("recipes/quickstart_sft.yaml", overrides, timeout=1200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return {"train": data["train"], "test": data["test"], "hf": root / "sft" / "hf"}
