@@ -1,4 +1,4 @@
-"""Step time of GRPO in the three `trainer.async_training` modes on the disaggregated placement.
+"""Step time of GRPO in the `trainer.async_training` modes on the disaggregated placement.
 
 recipes/quickstart.yaml through scripts/run_recipe.sh, changed for the placement: the Megatron
 actor on 1 process (TP 1), the hf engine on 1 process of its own (`trainer.rollout_pool`), weights
@@ -12,6 +12,12 @@ Step time is the median `timing/step` over steps 2..STEPS (step 1 generates sync
 every mode); `gen` is the step's wait for its responses (in one_step / async: what was left of
 the generation launched a step earlier), `train` the old log-probs plus the actor update.
 
+The vLLM rows (sync, one_step, stream) run on heavy-tailed response lengths (`VLLM` below), where
+a whole-batch generation waits for its longest response; `vs_sync` compares each with the sync
+row of its own engine. `samples_per_s` is trained samples per second of step time; `engine_busy`
+the share of the step the engine generated (stream: `stream/engine_busy_share`, measured from its
+calls' windows; sync: `gen` / step; one_step and async: the batch's generation / step, at most 1).
+
 Run: `python -m benchmarks async`.
 """
 
@@ -23,7 +29,7 @@ from pathlib import Path
 
 from benchmarks._timing import REPO_ROOT
 
-TITLE = "Async RL: GRPO step time, sync vs one_step vs async (actor 1 process, hf rollout 1 process)"
+TITLE = "Async RL: GRPO step time, sync vs one_step vs async vs stream (actor 1 process, rollout 1 process)"
 STEPS = 8
 RESPONSE_LENGTH = 128
 PROMPTS_PER_STEP = 8  # x 8 responses = 64 sequences
@@ -31,6 +37,23 @@ MODES = {
     "sync": ["trainer.async_training.mode=sync"],
     "one_step": ["trainer.async_training.mode=one_step"],
     "async, max_staleness 2": ["trainer.async_training.mode=async", "trainer.async_training.max_staleness=2"],
+}
+# stream needs request-level generation: vLLM, with sync and one_step on vLLM beside it to compare,
+# on heavy-tailed response lengths: the untrained model samples nearly uniformly from its 263 byte
+# tokens, so six one-letter stop strings end a response after each token with probability about
+# 7/263 (with EOS): lengths geometric, mean about 38 tokens, a batch of 64's longest about 150, a few
+# at the limit of 256. (Not bench_megatron's log-normal: per-request limits are not a recipe setting.)
+VLLM = [
+    "rollout.name=vllm",
+    "rollout.calculate_log_probs=true",
+    "actor.update.off_policy.mode=truncated_is",
+    "rollout.sampling.stop=[a,e,i,o,u,s]",
+    "rollout.response_length=256",
+]
+MODES |= {
+    "sync, vllm": ["trainer.async_training.mode=sync", *VLLM],
+    "one_step, vllm": ["trainer.async_training.mode=one_step", *VLLM],
+    "stream, max_staleness 1, vllm": ["trainer.async_training.mode=stream", *VLLM],
 }
 
 
@@ -45,8 +68,11 @@ def run() -> list[dict]:
             mode: _step_timings(model, data, Path(tmp) / f"run{i}", extra)
             for i, (mode, extra) in enumerate(MODES.items())
         }
-    sync_step = timings["sync"]["step_s"]
-    return [{"mode": mode, **t, "vs_sync": t["step_s"] / sync_step} for mode, t in timings.items()]
+    rows = []
+    for mode, t in timings.items():
+        sync_step = timings["sync, vllm" if "vllm" in mode else "sync"]["step_s"]  # the same engine's
+        rows.append({"mode": mode, **t, "vs_sync": t["step_s"] / sync_step})
+    return rows
 
 
 def _step_timings(model: Path, data: dict[str, Path], out: Path, extra: list[str]) -> dict[str, float]:
@@ -84,8 +110,19 @@ def _step_timings(model: Path, data: dict[str, Path], out: Path, extra: list[str
     if done.returncode != 0:
         raise RuntimeError(f"GRPO run {extra} failed:\n{(done.stdout + done.stderr)[-4000:]}")
     steps = [r for r in read_metrics(out / "metrics.jsonl") if r["step"] >= 2 and "timing/step" in r]
+    step_s = statistics.median(r["timing/step"] for r in steps)
     return {
-        "step_s": statistics.median(r["timing/step"] for r in steps),
+        "step_s": step_s,
         "gen_s": statistics.median(r["timing/gen"] for r in steps),
         "train_s": statistics.median(r["timing/old_log_prob"] + r["timing/update_actor"] for r in steps),
+        "samples_per_s": PROMPTS_PER_STEP * 8 / step_s,  # trained
+        "engine_busy": statistics.median(_engine_busy_share(r) for r in steps),
     }
+
+
+def _engine_busy_share(record: dict) -> float:
+    """Share of the step's wall time the engine generated: stream measures it; sync generates
+    during `gen` only; generating ahead, its batch's generation (`rollout_gen`) spans the step."""
+    if "stream/engine_busy_share" in record:
+        return record["stream/engine_busy_share"]
+    return min(1.0, record.get("timing/rollout_gen", record["timing/gen"]) / record["timing/step"])

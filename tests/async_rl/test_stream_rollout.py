@@ -58,9 +58,15 @@ class Engines:
             self.clock = max(self.clock, min(self.calls[h]["end"] for h in handles))
         return [h for h in handles if self.calls[h]["end"] <= self.clock]
 
+    def kill(self, rank: int) -> None:
+        """The process of `rank` dies: its calls in flight are lost."""
+        self.dead.add(rank)
+        for call in self.calls.values():
+            call["lost"] = call.get("lost", False) or call["rank"] == rank
+
     def result(self, handle) -> DataProto:
         call = self.calls.pop(handle)
-        if call["rank"] in self.dead:
+        if call["rank"] in self.dead or call.get("lost"):
             raise worker_error(ray.exceptions.RayActorError(), call["rank"], "generate_sequences")
         rows = call["rows"]
         problem = rows.batch["input_ids"][:, -1:].clone()  # (n, 1): the problem the rows ask
@@ -242,7 +248,7 @@ def test_a_resumed_stream_trains_nothing_staler_than_the_bound_and_loses_no_prom
 def dead_rank_trainer(tmp_path, pool_cls):
     trainer = stream_trainer(tmp_path, pool_cls=pool_cls)
     train_step(trainer)
-    trainer.engines.dead.add(1)  # rank 1's process dies with groups in flight
+    trainer.engines.kill(1)  # rank 1's process dies with groups in flight
     return trainer
 
 
@@ -252,6 +258,17 @@ def test_a_dead_process_is_restarted_by_the_pool_and_its_groups_generated_again(
     for _ in range(4):
         trained += check_batch(train_step(trainer)[0], trainer.policy.version - 1, 1)
     assert len(trained) == len(set(trained)) and not trainer.engines.dead
+
+
+def test_groups_lost_with_a_process_restarted_by_another_call_are_generated_again(tmp_path):
+    """The weight sync met the death first and restarted the process: the stream's calls on it
+    fail later, when recover() has nothing left to restart."""
+    trainer = dead_rank_trainer(tmp_path, RecoveringPool)
+    assert trainer.rollout.pool.recover() == [1]
+    trained = []
+    for _ in range(4):
+        trained += check_batch(train_step(trainer)[0], trainer.policy.version - 1, 1)
+    assert len(trained) == len(set(trained))
 
 
 def test_a_dead_process_stops_the_run_where_the_pool_cannot_restart_it(tmp_path):

@@ -266,7 +266,7 @@ class StreamingRollout:
             with naming_dead_processes():
                 group.responses = self.calls.result(handle)
         except RolloutProcessDied as died:
-            self.lost_process(died, group.rank)
+            self.lost_process(died, handle)
             return
         del self.in_flight[handle]
         self.finished.append(group)
@@ -274,15 +274,19 @@ class StreamingRollout:
         self.counts.windows.append((group.rank, *window))
         self.counts.finished += 1
 
-    def lost_process(self, died: RolloutProcessDied, rank: int) -> None:
-        """A rollout process died: restarted by the pool where it can (`recover()`, the ranks it
-        restarted, with the current weights) and its groups submitted again from their prompts;
-        otherwise, or when the dead rank was not restarted, the run stops."""
+    def lost_process(self, died: RolloutProcessDied, failed) -> None:
+        """The call `failed` met a dead rollout process: where the pool restarts processes
+        (`recover()`: the ranks it restarted, with the current weights; none when an earlier call's
+        recovery restarted this one already, or RolloutProcessDied beyond the limit), that call and
+        every group on a restarted rank are submitted again from their prompts; otherwise the run
+        stops."""
         recover = getattr(self.pool, "recover", None)
-        restarted = set(recover()) if recover is not None else set()
-        if rank not in restarted:
+        if recover is None:
             raise died
+        restarted = set(recover())
         lost = [handle for handle, group in self.in_flight.items() if group.rank in restarted]
+        if failed not in lost:
+            lost.append(failed)
         for handle in lost:
             self.calls.forget(handle)
             self.submit(self.in_flight.pop(handle).again())
