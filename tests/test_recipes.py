@@ -258,6 +258,53 @@ def test_dapo_recipe_runs_two_steps_with_dynamic_sampling_and_overlong_shaping(l
     assert (out / "checkpoints" / "latest").read_text().strip() == "global_step_2"
 
 
+@pytest.mark.slow
+def test_distill_recipe_runs_two_steps_with_a_tp1_teacher_pool_beside_a_tp2_student(local, tmp_path):
+    """recipes/gsm8k_distill.yaml with a tiny Llama teacher (another model, the same tokenizer) on
+    a pool of its own at TP 1 and the Qwen2 student at TP 2 (3 CPU processes), packed
+    micro-batches (the recipe's use_dynamic_bsz) for both. The other way round, teacher TP 2 and
+    student TP 1, is tests/test_resume.py's distillation case."""
+    teacher = make_tiny_model(tmp_path / "teacher", arch="llama", num_layers=2, seed=7, init_std=0.1)
+    overrides = [
+        *cpu_overrides(local, tmp_path / "distill", tp=2),
+        f"teacher.path={teacher}",
+        "teacher.n_gpus_per_node=1",
+        "teacher.megatron.tensor_model_parallel_size=1",
+        "teacher.megatron.params_dtype=float32",
+        "teacher.log_prob_micro_batch_size=2",
+        "trainer.n_gpus_per_node=3",  # 2 for the student, 1 for the teacher
+        "rollout.sampling.n=2",
+        "actor.update.ppo_mini_batch_size=8",
+    ]
+    # 3 processes on a 2-core machine: logical CPUs for the fresh RAY_ADDRESS=local instance
+    env = {"PYTHONPATH": str(local["root"]), "RAY_OVERRIDE_RESOURCES": '{"CPU": 4}'}
+    result = run_recipe_script("recipes/gsm8k_distill.yaml", overrides, timeout=600, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    records = [json.loads(line) for line in (tmp_path / "distill" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for record in steps:
+        missing = [k for k in (*STEP_KEYS, *DISTILL_KEYS, "timing/teacher") if k not in record]
+        assert not missing, f"step {record['step']} lacks {missing}"
+        assert record["actor/grad_norm"] > 0 and "kl/mean" not in record  # no reference model
+        # pure distillation: each token's advantage is minus its reverse-KL estimate
+        assert record["advantages/mean"] == pytest.approx(-record["distill/reverse_kl"], rel=1e-5, abs=1e-7)
+        # two different random models: the teacher's numbers are its own, not the student's
+        assert record["distill/teacher_log_prob"] != pytest.approx(
+            record["distill/student_log_prob"], abs=1e-3
+        )
+        assert 0.0 < record["distill/teacher_more_confident"] < 1.0
+    assert "val/accuracy" in steps[-1]
+
+
+DISTILL_KEYS = (
+    "distill/reverse_kl",
+    "distill/student_log_prob",
+    "distill/teacher_log_prob",
+    "distill/teacher_more_confident",
+)
+
+
 @pytest.mark.usefixtures("in_quickstart_working_tree")
 @pytest.mark.parametrize("recipe", ["recipes/gsm8k_dapo.yaml", "recipes/gsm8k_gspo.yaml"])
 def test_dapo_and_gspo_recipes_validate_with_their_algorithm_settings(local, tmp_path, recipe):
