@@ -34,10 +34,10 @@ from pathlib import Path
 
 import torch
 
-from hybridflow.protocol import DataProto, DataProtoFuture
+from hybridflow.protocol import DataProto
 from hybridflow.trainer.policy import Policy
 from hybridflow.trainer.prompts import PromptBatches, StepPrompts
-from hybridflow.trainer.rollout.pool import PoolRollout
+from hybridflow.trainer.rollout.pool import LaunchedCall, PoolRollout
 
 AHEAD_FILE = "generation_ahead.pt"  # in the rollout's checkpoint directory
 
@@ -60,7 +60,7 @@ class GeneratingAhead:
         self.depth = depth
         self.prompts = prompts  # the loader's batches; launched ones wait in `prompts.ahead`
         # the rows of each launched generation and its responses (finished ones after a checkpoint)
-        self.pending: deque[tuple[DataProto, DataProtoFuture | DataProto]] = deque()
+        self.pending: deque[tuple[DataProto, LaunchedCall | DataProto]] = deque()
         self.work_windows: list[tuple[float, float]] = []  # the driver's work on each step (wall clock)
         self.step_start = 0.0  # when the step's batch arrived (wall clock)
 
