@@ -202,6 +202,7 @@ def test_recipe_with_a_correction_needs_the_rollout_log_probs(tmp_path):
         "data.max_prompt_length=256",
         "rollout.response_length=256",
         "actor.update.off_policy.mode=decoupled_ppo",
+        "rollout.calculate_log_probs=false",  # on by default (the mismatch monitor)
     ]
     cfg = load_recipe(Path(__file__).resolve().parents[1] / "recipes/gsm8k_grpo.yaml", overrides)
     message = "actor.update.off_policy.mode=decoupled_ppo .* set rollout.calculate_log_probs=true"
