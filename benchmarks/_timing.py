@@ -1,9 +1,10 @@
 """What the benchmarks share: the median time of a call after a warm-up, and torchrun launches.
 
-`median_seconds(fn, repeats, sync=None)` times `fn` (the warm-up call pays first-call costs:
-imports, allocations, a worker group's layout query). `run_torchrun(script, nproc, *args,
-what=...)` runs a benchmark's worker script on `nproc` local processes (OMP_NUM_THREADS=1 each)
-and raises RuntimeError with the output's tail when any rank fails.
+`median_seconds(fn, repeats, sync=None)` times `fn` (`timed_calls` gives each call's time; the
+warm-up call pays first-call costs: imports, allocations, a worker group's layout query).
+`run_torchrun(script, nproc, *args, what=...)` runs a benchmark's worker script on `nproc` local
+processes (OMP_NUM_THREADS=1 each) and raises RuntimeError with the output's tail when any rank
+fails.
 """
 
 import os
@@ -21,6 +22,13 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 def median_seconds(fn: Callable[[], object], repeats: int, sync: Callable[[], None] | None = None) -> float:
     """Median wall time of `repeats` calls after one warm-up call. `sync` (e.g.
     `torch.cuda.synchronize`) runs on both sides of each timed call, so queued device work counts."""
+    return statistics.median(timed_calls(fn, repeats, sync))
+
+
+def timed_calls(
+    fn: Callable[[], object], repeats: int, sync: Callable[[], None] | None = None
+) -> list[float]:
+    """The wall time of each of `repeats` calls after one warm-up call (see `median_seconds`)."""
     fn()
     times = []
     for _ in range(repeats):
@@ -31,7 +39,7 @@ def median_seconds(fn: Callable[[], object], repeats: int, sync: Callable[[], No
         if sync is not None:
             sync()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
 
 
 def run_torchrun(script: str, nproc: int, *args, what: str, timeout: float = 900) -> None:

@@ -5,16 +5,21 @@ Qwen2 shape (hidden 768, 12 layers, 12 heads of 64, 4 KV heads, random init), fp
 CPU has AVX512-BF16, bf16. Each request has its own length limit, drawn log-normal like
 bench_megatron's (median 39, log-std 1, capped at 256), and ignores EOS, so both engines produce
 the same useful tokens: vLLM stops each request at its limit; `generate` runs the whole batch to
-its longest limit (that is how the hf engine serves a batch). tokens/s counts useful tokens. One
-timed call per engine after a short warm-up call (4 prompts, 8 tokens). On the 76M shape vLLM runs
-twice: with its linears prepacked for oneDNN (`rollout.vllm_cpu_weights: packed`, the default)
-and on plain weights (`plain`).
+its longest limit (that is how the hf engine serves a batch). tokens/s counts useful tokens. Each
+engine runs in a fresh process with the same threads (GENERATION_THREADS, printed) and a short
+warm-up call (4 prompts, 8 tokens) before its one timed call; the engines alternate over REPEATS
+rounds (hf vllm hf vllm ...), and each row gives the median, the spread ((max - min) / median) and
+the ratio of medians to hf, which is refused when the machine's load moved during the rounds
+(benchmarks/_conditions.py; the load samples are printed). On the 76M shape vLLM runs twice: with
+its linears prepacked for oneDNN (`rollout.vllm_cpu_weights: packed`, the default) and on plain
+weights (`plain`). "of matmul peak": the FLOPs each engine achieves (2 per parameter per useful
+token; attention left out) against a 2048-square matmul on the same threads and dtype.
 
 Weight sync: the 76M shape held by a Megatron actor at TP1 (1 process) and TP2 (2 gloo processes,
 torchrun), synced into each rank's vLLM engine by `MegatronRolloutShardingManager.load_weights`
 (512 MiB buckets), with packed weights (vLLM's layerwise reload, which re-packs every layer) and
 with plain ones (loaded in place); against a plain copy of the same bytes into preallocated
-tensors. Median of 3 syncs after a warm-up.
+tensors. Median and spread of 3 syncs after a warm-up.
 
 Run: `python -m benchmarks vllm`.
 """
@@ -28,7 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks._timing import REPO_ROOT, median_seconds, run_torchrun
+from benchmarks._conditions import LoadSamples, alternating, ratio_text, summary
+from benchmarks._timing import REPO_ROOT, median_seconds, run_torchrun, timed_calls
 
 TITLE = "vLLM (CPU build) vs hf: generation with heavy-tailed lengths, weight sync into vLLM"
 REPEATS = 3
@@ -42,6 +48,7 @@ SHAPE_76M = dict(
     init_std=0.02,
 )
 PROMPTS, PROMPT_LEN, MAX_NEW, MEDIAN_NEW, SIGMA = 64, 32, 256, 39.0, 1.0
+GENERATION_THREADS = 2  # both cores for the one engine process, hf and vLLM alike
 
 
 def run() -> list[dict]:
@@ -92,32 +99,61 @@ def _prompts():
 
 
 def _generation_rows(model_dir: Path, label: str, dtype: str) -> list[dict]:
-    """Each engine in a fresh process: vLLM changes process-wide torch settings."""
-    rows = []
-    for engine in ("hf", "vllm", "vllm-plain") if label == "76M" else ("hf", "vllm"):
-        with tempfile.NamedTemporaryFile(suffix=".json") as out:
-            _run_generation(engine, model_dir, dtype, Path(out.name))
-            seconds, tokens, params = json.loads(Path(out.name).read_text())
-        rows.append(
-            {
-                "case": f"{engine} generate, {label}, {dtype}, {PROMPTS} prompts, heavy-tailed lengths",
-                "size": f"{params / 1e6:.1f}M params, {tokens} tokens",
-                "seconds": seconds,
-                "throughput": f"{tokens / seconds:.0f} tokens/s",
-            }
-        )
-    for row in rows[1:]:
-        row["throughput"] += f" ({float(rows[0]['seconds']) / float(row['seconds']):.2f}x hf)"
-    return rows
+    """Each engine in a fresh process per repetition (vLLM changes process-wide torch settings),
+    the engines alternating, REPEATS rounds; medians, spreads and ratios of medians."""
+    engines = ("hf", "vllm", "vllm-plain") if label == "76M" else ("hf", "vllm")
+    sizes: dict[str, tuple[int, int]] = {}  # engine -> (useful tokens, parameters)
+
+    def case(engine: str):
+        def run() -> float:
+            seconds, tokens, params = _run_worker("generate", engine, model_dir, dtype)
+            sizes[engine] = (tokens, params)
+            return seconds
+
+        return run
+
+    loads = LoadSamples()
+    seconds = alternating({engine: case(engine) for engine in engines}, REPEATS, loads)
+    peak = _run_worker("matmul", "probe", model_dir, dtype)[0]  # FLOP/s of the same threads and dtype
+    print(f"generation {label} {dtype}: {GENERATION_THREADS} threads per engine process; {loads.text()}")
+    base = summary(seconds["hf"])[0]
+    return [_generation_row(e, label, dtype, seconds[e], sizes[e], base, peak, loads) for e in engines]
 
 
-def _run_generation(engine: str, model_dir: Path, dtype: str, out: Path) -> None:
-    """Both cores for the one engine process (the torchrun workers get one thread each)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": str(REPO_ROOT)}
-    cmd = [sys.executable, __file__, "generate", engine, str(model_dir), dtype, str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{engine} generation failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
+def _generation_row(engine, label, dtype, seconds, size, base, peak, loads) -> dict:
+    median, spread = summary(seconds)
+    tokens, params = size
+    flops = 2 * params * tokens / median  # 2 FLOPs per parameter per token; attention not counted
+    throughput = f"{tokens / median:.0f} tokens/s"
+    return {
+        "case": f"{engine} generate, {label}, {dtype}, {PROMPTS} prompts, heavy-tailed lengths",
+        "size": f"{params / 1e6:.1f}M params, {tokens} tokens",
+        "seconds (median)": median,
+        "spread": f"{spread:.0%}",
+        "throughput": throughput if engine == "hf" else f"{throughput} ({ratio_text(base, median, loads)})",
+        "of matmul peak": f"{flops / peak:.1%} ({flops / 1e9:.1f} of {peak / 1e9:.0f} GFLOP/s)",
+    }
+
+
+def _run_worker(mode: str, engine: str, model_dir: Path, dtype: str) -> list:
+    """This file's `mode` worker in a fresh process with GENERATION_THREADS threads; its JSON result."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(GENERATION_THREADS), "PYTHONPATH": str(REPO_ROOT)}
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        cmd = [sys.executable, __file__, mode, engine, str(model_dir), dtype, out.name]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{engine} {mode} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
+        return json.loads(Path(out.name).read_text())
+
+
+def _matmul_worker(model_dir: Path, dtype: str, out: Path) -> None:
+    """The machine's matmul throughput at `dtype` (FLOP/s): the median of 5 square products of
+    2048 after a warm-up, on this process's threads."""
+    import torch
+
+    a, b = (torch.randn(2048, 2048, dtype=getattr(torch, dtype)) for _ in range(2))
+    seconds = median_seconds(lambda: torch.mm(a, b), 5)
+    out.write_text(json.dumps([2 * 2048**3 / seconds]))
 
 
 def _generate_worker(engine_name: str, model_dir: Path, dtype: str, out: Path) -> None:
@@ -192,7 +228,7 @@ def _sync_worker(model_dir: Path, result_file: Path, weights: str) -> None:
     cfg = RolloutConfig(name="vllm", free_cache_engine=False, vllm_cpu_weights=weights)
     engine = VLLMRolloutEngine(model_dir, cfg)
     manager = MegatronRolloutShardingManager(chunks, hf_config, engine, cfg)
-    seconds = median_seconds(manager.load_weights, REPEATS)
+    seconds = timed_calls(manager.load_weights, REPEATS)
     nbytes = manager.last_sync.bytes
     sources = [tensor.clone() for _, tensor in iter_hf_tensors(chunks, hf_config)]
     targets = [torch.empty_like(tensor) for tensor in sources]
@@ -202,7 +238,7 @@ def _sync_worker(model_dir: Path, result_file: Path, weights: str) -> None:
         for target, source in zip(targets, sources, strict=True):
             target.copy_(source)
 
-    copy_seconds = median_seconds(plain_copy, REPEATS)
+    copy_seconds = timed_calls(plain_copy, REPEATS)
     rows = [
         _sync_row(f"weight sync actor TP{tp} -> vllm, {weights} weights", nbytes, seconds, copy_seconds),
         _sync_row(f"plain copy, same bytes (TP{tp}, {weights} run)", nbytes, copy_seconds, copy_seconds),
@@ -213,17 +249,23 @@ def _sync_worker(model_dir: Path, result_file: Path, weights: str) -> None:
     engine.shutdown()  # also ends the process group (vLLM's teardown)
 
 
-def _sync_row(case: str, nbytes: int, seconds: float, copy_seconds: float) -> dict:
+def _sync_row(case: str, nbytes: int, seconds: list[float], copy_seconds: list[float]) -> dict:
+    median, spread = summary(seconds)
+    share = summary(copy_seconds)[0] / median
     return {
         "case": case,
         "size": f"{nbytes / 1e6:.0f} MB",
-        "seconds": seconds,
-        "throughput": f"{nbytes / seconds / 1e9:.2f} GB/s ({copy_seconds / seconds:.0%} of plain copy)",
+        "seconds (median)": median,
+        "spread": f"{spread:.0%}",
+        "throughput": f"{nbytes / median / 1e9:.2f} GB/s ({share:.0%} of plain copy)",
+        "of matmul peak": "",
     }
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "generate":
         _generate_worker(sys.argv[2], Path(sys.argv[3]), sys.argv[4], Path(sys.argv[5]))
+    elif sys.argv[1] == "matmul":
+        _matmul_worker(Path(sys.argv[3]), sys.argv[4], Path(sys.argv[5]))
     else:
         _sync_worker(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3])
