@@ -4,7 +4,8 @@ metrics rows up to N byte for byte (wall-clock timings included, so a rerun from
 reproduce them), continues the step numbering, and ends with the same metrics (bit for bit) and
 the same exported weights as a run that was never interrupted. Once for PPO with a critic and an
 adaptive KL controller (KL in the reward, so a reference policy too), once for GRPO with LoRA
-adapters and a KL loss (the reference is the actor with its adapters off).
+adapters and a KL loss (the reference is the actor with its adapters off), once for on-policy
+distillation with a TP-2 teacher on a pool of its own beside a TP-1 student.
 
 What has to come back for that: actor weights, Adam state and LR schedule (Megatron dist
 checkpoint), the worker and rollout sampling RNG, the driver RNG, the dataloader position, the
@@ -52,7 +53,13 @@ def local(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("resume")
     (root / "resume_reward.py").write_text(DIGIT_REWARD)
     data = write_arith_parquet(root / "data", ArithConfig(num_train=64, num_test=8, seed=5))
-    return {"root": root, "model": make_tiny_model(root / "tiny", num_layers=2), "data": data}
+    teacher = make_tiny_model(root / "teacher", arch="llama", num_layers=2, seed=7, init_std=0.1)
+    return {
+        "root": root,
+        "model": make_tiny_model(root / "tiny", num_layers=2),
+        "data": data,
+        "teacher": teacher,
+    }
 
 
 # (plain GRPO's resume is the LoRA case without adapters: the PPO case covers full weights)
@@ -75,6 +82,18 @@ ALGORITHMS = {
         "actor.optim.lr=2e-3",
         "actor.update.use_kl_loss=true",
         "actor.update.kl_loss_coef=0.1",
+    ],
+    # on-policy distillation mixed with the task reward: a tiny Llama teacher on a pool of its own
+    # at TP 2, the student at TP 1 on one process (3 processes); the teacher is frozen, so nothing
+    # of it is saved, and its scores must come out the same after the resume
+    "distill_teacher_tp2_student_tp1": [
+        "algorithm.distillation.enable=true",
+        "algorithm.distillation.task_coef=0.5",
+        "teacher.path={teacher}",
+        "teacher.n_gpus_per_node=2",
+        "teacher.megatron.tensor_model_parallel_size=2",
+        "actor.megatron.tensor_model_parallel_size=1",
+        "trainer.n_gpus_per_node=3",
     ],
 }
 
@@ -104,7 +123,7 @@ def command(local: dict, output_dir: Path, algorithm: str) -> list[str]:
         "trainer.val_before_train=false",
         "trainer.logger=[console]",
         f"trainer.output_dir={output_dir}",
-        *ALGORITHMS[algorithm],
+        *(override.format(teacher=local["teacher"]) for override in ALGORITHMS[algorithm]),
     ]
 
 
@@ -115,6 +134,9 @@ def environment(local: dict) -> dict:
         "OMP_NUM_THREADS": "1",
         "PYTHONWARNINGS": "ignore",
         "PYTHONPATH": str(local["root"]),
+        # logical CPUs for the distillation case's 3 processes on a 2-core machine (a fresh
+        # RAY_ADDRESS=local instance counts the cores)
+        "RAY_OVERRIDE_RESOURCES": '{"CPU": 4}',
     }
 
 
@@ -186,6 +208,9 @@ def test_killed_run_resumes_to_the_same_metrics_and_weights(local, tmp_path, alg
     if algorithm == "ppo_critic_adaptive_kl":  # the critic trained and the adaptive coefficient moved
         assert reference[0]["critic/grad_norm"] > 0
         assert len({r["kl/reward_coef"] for r in reference}) == TOTAL_STEPS
+    if "distill" in algorithm:  # the teacher scored every step (a frozen model of its own)
+        assert all(r["distill/teacher_more_confident"] > 0 for r in reference)
+        assert "timing/teacher" in reference[0]
 
     exported = load_hf_tensors(resumed_dir / "hf")
     expected = load_hf_tensors(reference_dir / "hf")
