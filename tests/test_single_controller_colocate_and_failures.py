@@ -139,6 +139,14 @@ def test_shutdown_kills_a_rank_too_busy_to_tear_down_and_reports_failures(pool_o
     assert "could not stop its engine" in capsys.readouterr().err
 
 
+def test_shutdown_says_nothing_of_a_rank_whose_process_is_gone(pool_of_two, tmp_path, capsys):
+    group = RayWorkerGroup(pool_of_two, RayClassWithInitArgs(TeardownRole, "actor", str(tmp_path)))
+    ray.kill(group.actors[1], no_restart=True)  # as a crash would: its death is reported elsewhere
+    group.shutdown()
+    assert (tmp_path / "actor-rank0").exists() and not (tmp_path / "actor-rank1").exists()
+    assert "rank 1" not in capsys.readouterr().err
+
+
 def test_pool_larger_than_cluster_fails_before_creating_anything(ray_cluster):
     before = len(ray.util.placement_group_table())
     with pytest.raises(ValueError, match=r"needs 1 distinct nodes hosting \[64\] slots"):

@@ -167,6 +167,8 @@ class RayWorkerGroup(WorkerGroup):
         for ref in done:
             try:
                 ray.get(ref)
+            except ray.exceptions.RayActorError:
+                pass  # the process is gone: nothing left to tear down, and its death was reported
             except ray.exceptions.RayError as err:
                 _warn(f"rank {rank_of[ref]}: {self._worker_cls.__name__}.teardown failed: {_summary(err)}")
         for ref in pending:
