@@ -1,6 +1,7 @@
 """The README's learning claim, checked: GRPO raises held-out accuracy above its SFT warm start,
-with full weights, with LoRA adapters (issue 26), and in one_step mode (issue 22: each batch
-generated on the rollout's own process with the weights one update older; docs/async.md).
+with full weights, with LoRA adapters (issue 26), in one_step mode (issue 22: each batch
+generated on the rollout's own process with the weights one update older; docs/async.md) and in
+stream mode (issue 36: groups generated on their own, steps taking the next finished ones).
 
 Stage 1 is the warm start stored once per session (`quickstart_warm_start`, tests/conftest.py:
 the quickstart's model, data and SFT stage). Stage 2 is recipes/quickstart.yaml through
@@ -45,6 +46,20 @@ ONE_STEP = [
     "rollout.calculate_log_probs=true",
     "actor.update.off_policy.mode=truncated_is",
     "actor.update.off_policy.upper=2",
+]
+
+# stream (docs/async.md): the same placement and correction with the vLLM engine, each prompt's group
+# generating on its own and a step training the next finished groups, at most 1 version old (stale
+# ones dropped). Measured from the same warm start, seeds 1/42 (2026-11-25, the shared 2-core machine
+# at load average 15-40): 36.5% -> 36.0% (-0.5 points; every batch after the first 1 version old, no
+# stale group, training reward 0.28 -> 0.35 over the last 5 steps; the GRPO stage 4 min 28 s, steps
+# 4.0-9.5 s, engine busy share 0.45-0.93). one_step on the same vLLM engine, same warm start and
+# settings: 36.5% -> 48.5% (+12.0). The margin is not met: marked xfail (strict) until it is.
+STREAM = [
+    *ONE_STEP[:4],
+    "trainer.async_training.mode=stream",
+    "rollout.name=vllm",
+    *ONE_STEP[5:],
 ]
 
 
@@ -98,3 +113,13 @@ def test_one_step_grpo_raises_held_out_accuracy_too(quickstart_warm_start, tmp_p
     check_accuracy_rises(records)
     staleness = [r["async/staleness_mean"] for r in records if "reward/mean" in r]
     assert staleness == [0.0] + [1.0] * (GRPO_STEPS - 1)  # trained on samples one update old
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="stream mode gained -0.5 points (one_step on vLLM: +12.0); see STREAM")
+def test_streaming_grpo_raises_held_out_accuracy_too(quickstart_warm_start, tmp_path):
+    records = run_grpo(quickstart_warm_start, tmp_path / "grpo_stream", STREAM)
+    check_accuracy_rises(records)
+    steps = [r for r in records if "reward/mean" in r]
+    assert all(r["async/staleness_max"] <= 1 for r in steps)  # within the bound, stale groups dropped
+    assert all("stream/stale_groups" in r for r in steps)
