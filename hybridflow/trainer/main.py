@@ -62,7 +62,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def connect_ray(cfg: RecipeConfig) -> None:
-    """Join RAY_ADDRESS or the cluster running on this machine, else start one for this run."""
+    """Join RAY_ADDRESS or the cluster running on this machine, else (or with RAY_ADDRESS=local)
+    start one for this run, with a logical CPU for each of its worker processes."""
     import ray
 
     if ray.is_initialized():
@@ -72,20 +73,29 @@ def connect_ray(cfg: RecipeConfig) -> None:
     # error" tracebacks after it, when the process exits.
     os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
     address = os.environ.get("RAY_ADDRESS")
-    if address:
+    if address and address != "local":
         ray.init(address=address, include_dashboard=False, configure_logging=False)
         return
-    try:
-        ray.init(address="auto", configure_logging=False)
+    if not address and joined_running_cluster():
         return
-    except ConnectionError as err:  # several clusters running is ambiguous: that error stands
-        if "Could not find any running Ray instance" not in str(err):
-            raise
     devices = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     if cfg.trainer.placement == "disaggregated":
         devices += cfg.trainer.rollout_pool.nnodes * cfg.trainer.rollout_pool.n_gpus_per_node
     # Logical CPUs: one per worker process even on a machine with fewer cores.
     ray.init(num_cpus=max(os.cpu_count() or 1, devices + 1), include_dashboard=False, configure_logging=False)
+
+
+def joined_running_cluster() -> bool:
+    """Whether a Ray cluster runs on this machine (then this driver joined it)."""
+    import ray
+
+    try:
+        ray.init(address="auto", configure_logging=False)
+        return True
+    except ConnectionError as err:  # several clusters running is ambiguous: that error stands
+        if "Could not find any running Ray instance" not in str(err):
+            raise
+        return False
 
 
 def prepare(argv: list[str] | None) -> tuple[RecipeConfig, Layout]:
