@@ -280,10 +280,7 @@ class StreamingRollout:
         recovery restarted this one already, or RolloutProcessDied beyond the limit), that call and
         every group on a restarted rank are submitted again from their prompts; otherwise the run
         stops."""
-        recover = getattr(self.pool, "recover", None)
-        if recover is None:
-            raise died
-        restarted = set(recover())
+        restarted = set(self.pool.recover())
         lost = [handle for handle, group in self.in_flight.items() if group.rank in restarted]
         if failed not in lost:
             lost.append(failed)
