@@ -9,6 +9,7 @@ then the policy's version (the number of updates applied).
     python tests/_mismatch_stop_run.py WORKDIR
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -92,4 +93,5 @@ def main(workdir: Path) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(Path(sys.argv[1])))
+    os.chdir(sys.argv[1])  # a subprocess worker: the recipe's relative paths land in its own directory
+    sys.exit(main(Path(sys.argv[1]).resolve()))

@@ -142,6 +142,8 @@ def test_shutdown_kills_a_rank_too_busy_to_tear_down_and_reports_failures(pool_o
 def test_shutdown_says_nothing_of_a_rank_whose_process_is_gone(pool_of_two, tmp_path, capsys):
     group = RayWorkerGroup(pool_of_two, RayClassWithInitArgs(TeardownRole, "actor", str(tmp_path)))
     ray.kill(group.actors[1], no_restart=True)  # as a crash would: its death is reported elsewhere
+    with pytest.raises(ray.exceptions.RayActorError):  # returns once the process is gone
+        ray.get(group.actors[1].__ray_ready__.remote())
     group.shutdown()
     assert (tmp_path / "actor-rank0").exists() and not (tmp_path / "actor-rank1").exists()
     assert "rank 1" not in capsys.readouterr().err
