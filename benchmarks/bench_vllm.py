@@ -24,6 +24,7 @@ tensors. Median and spread of 3 syncs after a warm-up.
 Run: `python -m benchmarks vllm`.
 """
 
+import functools
 import json
 import math
 import os
@@ -114,7 +115,7 @@ def _generation_rows(model_dir: Path, label: str, dtype: str) -> list[dict]:
 
     loads = LoadSamples()
     seconds = alternating({engine: case(engine) for engine in engines}, REPEATS, loads)
-    peak = _run_worker("matmul", "probe", model_dir, dtype)[0]  # FLOP/s of the same threads and dtype
+    peak = _matmul_peak(dtype)  # FLOP/s of the same threads and dtype
     print(f"generation {label} {dtype}: {GENERATION_THREADS} threads per engine process; {loads.text()}")
     base = summary(seconds["hf"])[0]
     return [_generation_row(e, label, dtype, seconds[e], sizes[e], base, peak, loads) for e in engines]
@@ -146,7 +147,13 @@ def _run_worker(mode: str, engine: str, model_dir: Path, dtype: str) -> list:
         return json.loads(Path(out.name).read_text())
 
 
-def _matmul_worker(model_dir: Path, dtype: str, out: Path) -> None:
+@functools.cache
+def _matmul_peak(dtype: str) -> float:
+    """`_matmul_worker`'s figure, probed once per dtype (the tiny and 76M fp32 rows share it)."""
+    return _run_worker("matmul", "probe", Path(), dtype)[0]
+
+
+def _matmul_worker(dtype: str, out: Path) -> None:
     """The machine's matmul throughput at `dtype` (FLOP/s): the median of 5 square products of
     2048 after a warm-up, on this process's threads."""
     import torch
@@ -266,6 +273,6 @@ if __name__ == "__main__":
     if sys.argv[1] == "generate":
         _generate_worker(sys.argv[2], Path(sys.argv[3]), sys.argv[4], Path(sys.argv[5]))
     elif sys.argv[1] == "matmul":
-        _matmul_worker(Path(sys.argv[3]), sys.argv[4], Path(sys.argv[5]))
+        _matmul_worker(sys.argv[4], Path(sys.argv[5]))
     else:
         _sync_worker(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3])

@@ -275,11 +275,11 @@ class StreamingRollout:
         self.counts.finished += 1
 
     def lost_process(self, died: RolloutProcessDied, failed) -> None:
-        """The call `failed` met a dead rollout process: where the pool restarts processes
+        """The call `failed` met a dead rollout process: the pool restarts dead processes
         (`recover()`: the ranks it restarted, with the current weights; none when an earlier call's
-        recovery restarted this one already, or RolloutProcessDied beyond the limit), that call and
-        every group on a restarted rank are submitted again from their prompts; otherwise the run
-        stops."""
+        recovery restarted this one already; RolloutProcessDied beyond rollout.max_engine_restarts,
+        which stops the run), then that call and every group on a restarted rank are submitted again
+        from their prompts."""
         restarted = set(self.pool.recover())
         lost = [handle for handle, group in self.in_flight.items() if group.rank in restarted]
         if failed not in lost:
