@@ -57,3 +57,28 @@ def clear_replay(model) -> None:
     for router in moe_routers(model):
         router.router_replay.clear_indices()
         router.router_replay.clear_router_replay_action()
+
+
+def check_replay_model(model_path: str, return_routed_experts: bool, moe_routing_replay: str) -> None:
+    """ValueError naming the routing-replay settings that are on when `model_path` (the policy, which
+    the engine and the actor both run) is a dense model. Checked before Ray starts: otherwise the hf
+    engine refuses only once its workers run (no router to hook), and the actor's dense
+    TransformerConfig has no routers, so it would replay nothing without a word."""
+    from engines.megatron.model import load_hf_config
+
+    settings = {  # the setting when on -> the value that switches it off
+        "rollout.return_routed_experts=true": ("rollout.return_routed_experts=false", return_routed_experts),
+        "actor.megatron.moe_routing_replay=rollout": (
+            "actor.megatron.moe_routing_replay=off",
+            moe_routing_replay == "rollout",
+        ),
+    }
+    on = {setting: fix for setting, (fix, is_on) in settings.items() if is_on}
+    hf_config = load_hf_config(model_path)
+    if hf_config.num_experts or not on:
+        return
+    raise ValueError(
+        f"{' and '.join(on)}: routing replay needs a mixture-of-experts model, but model.path={model_path} "
+        f"is a dense model ({hf_config.architecture}, no experts in its config.json); set "
+        f"{' and '.join(on.values())}, or use a Qwen3-MoE or Mixtral model"
+    )

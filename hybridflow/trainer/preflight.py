@@ -16,6 +16,7 @@ from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 
+from engines.megatron.routing_replay import check_replay_model
 from hybridflow.agents.template import check_incremental_template
 from hybridflow.agents.tool_parser import ToolCall, parse_tool_calls
 from hybridflow.agents.tools.base import prompt_tools
@@ -41,6 +42,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 def check_run_inputs(cfg: RecipeConfig) -> None:
     parameters = check_weights(cfg)
+    check_replay_model(
+        cfg.model.path, cfg.rollout.return_routed_experts, cfg.actor.megatron.moe_routing_replay
+    )
     tokenizer = load_tokenizer(cfg)
     check_chat_template(cfg, tokenizer)
     if uses_teacher(cfg):  # the teacher scores the student's token ids: one tokenizer for both
