@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines.megatron.actor import off_policy_correction, validate_off_policy_config
+from engines.megatron.actor import off_policy_correction
+from engines.megatron.checks import validate_off_policy_config
 from engines.megatron.config import OffPolicyCorrectionConfig
 from hybridflow.algorithms import compute_policy_loss, compute_policy_loss_gspo
 from hybridflow.algorithms.offpolicy import (

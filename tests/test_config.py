@@ -335,7 +335,7 @@ def engine_validators() -> list:
 def test_every_engine_validator_runs_in_validate_recipe(local):
     validators = {f"{fn.__module__}.{fn.__qualname__}": fn for fn in engine_validators()}
     assert {
-        "engines.megatron.actor.validate_actor_update_config",
+        "engines.megatron.checks.validate_actor_update_config",
         "engines.rollout.config.RolloutConfig.__post_init__",
     } <= set(validators)
     cfg = load_valid(
@@ -354,9 +354,9 @@ def test_every_engine_validator_runs_in_validate_recipe(local):
 def test_engine_checks_accept_exactly_the_schema_choices():
     """The engines still check values given to them directly (not through a recipe); their lists
     must be the schema's Literal values."""
+    from engines.megatron.checks import LR_DECAY_STYLES
     from engines.megatron.config import LrDecayStyle, ParamsDtype
     from engines.megatron.model import DTYPES
-    from engines.megatron.optimizer import LR_DECAY_STYLES
 
     assert set(DTYPES) == set(typing.get_args(ParamsDtype))
     assert set(LR_DECAY_STYLES) == set(typing.get_args(LrDecayStyle))

@@ -16,6 +16,7 @@ Loss normalisation over micro-batches and data-parallel ranks: see training.py.
 from functools import partial
 
 from engines.megatron import forward, moe
+from engines.megatron.checks import validate_actor_update_config
 from engines.megatron.config import ActorUpdateConfig, OffPolicyCorrectionConfig
 from engines.megatron.model import unwrap_model
 from engines.megatron.routing_replay import ROUTES_KEY
@@ -26,55 +27,18 @@ from engines.megatron.training import (
     require_optimizer,
     train_step,
     update_epochs,
-    validate_update_sizes,
 )
 from hybridflow.algorithms import (
-    POLICY_LOSSES,
     agg_loss,
     compute_policy_loss,
     compute_policy_loss_gspo,
     kl_penalty,
 )
-from hybridflow.algorithms.kl import KL_PENALTY_KINDS
 from hybridflow.algorithms.offpolicy import importance_weight_metrics, off_policy_weights, rollout_mismatch_kl
 from hybridflow.protocol import DataProto
 
 MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
 POLICY_KEYS = (*MODEL_KEYS, "old_log_probs", "advantages")
-
-
-def validate_actor_update_config(cfg: ActorUpdateConfig) -> None:
-    """ValueError naming the key, before any model work."""
-    validate_update_sizes(cfg, "actor")
-    if cfg.kl_loss_type not in KL_PENALTY_KINDS:
-        raise ValueError(
-            f"actor update kl_loss_type must be one of {KL_PENALTY_KINDS}, got {cfg.kl_loss_type!r}"
-        )
-    if not (0 <= cfg.clip_ratio_low < 1 and cfg.clip_ratio_high >= 0 and cfg.clip_ratio_c > 1):
-        raise ValueError(
-            "actor update needs 0 <= clip_ratio_low < 1, clip_ratio_high >= 0 and clip_ratio_c > 1; got "
-            f"{cfg.clip_ratio_low}, {cfg.clip_ratio_high}, {cfg.clip_ratio_c}"
-        )
-    if cfg.policy_loss not in POLICY_LOSSES:
-        raise ValueError(f"actor update policy_loss must be one of {POLICY_LOSSES}, got {cfg.policy_loss!r}")
-    validate_off_policy_config(cfg.off_policy)
-
-
-def validate_off_policy_config(cfg: OffPolicyCorrectionConfig) -> None:
-    """Bounds that keep on-policy tokens (rho = 1) at weight 1, and no setting the mode ignores."""
-    key = "off_policy"
-    if cfg.mode in ("truncated_is", "masked_is", "decoupled_ppo") and cfg.upper is not None and cfg.upper < 1:
-        raise ValueError(f"{key}.upper must be >= 1 (or null where the mode allows), got {cfg.upper}")
-    if cfg.mode == "truncated_is" and cfg.upper is None:
-        raise ValueError(f"{key}.mode=truncated_is needs upper (the truncation C, e.g. 2.0), got null")
-    if cfg.mode == "masked_is" and cfg.lower is None and cfg.upper is None:
-        raise ValueError(f"{key}.mode=masked_is needs lower and/or upper (e.g. 0.5 and 2.0)")
-    if cfg.lower is not None and not (cfg.mode == "masked_is" and 0 < cfg.lower <= 1):
-        raise ValueError(
-            f"{key}.lower is used by mode=masked_is only, in (0, 1]; got {cfg.lower} with mode={cfg.mode}"
-        )
-    if cfg.level != "token" and cfg.mode != "masked_is":
-        raise ValueError(f"{key}.level={cfg.level} is used by mode=masked_is only; set level: token")
 
 
 def off_policy_correction(data: DataProto, cfg: OffPolicyCorrectionConfig) -> dict[str, list[float]]:

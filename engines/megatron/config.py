@@ -12,7 +12,7 @@ from hybridflow.algorithms.kl import KL_PENALTY_KINDS
 from hybridflow.algorithms.losses import LOSS_AGG_MODES, POLICY_LOSSES
 from hybridflow.algorithms.offpolicy import IS_LEVELS, OFF_POLICY_MODES
 
-# The valid values of each choice. model.DTYPES and optimizer.LR_DECAY_STYLES, which check values
+# The valid values of each choice. model.DTYPES and checks.LR_DECAY_STYLES, which check values
 # given to the engine directly, must equal these (tests/test_config.py checks).
 ParamsDtype = Literal["float32", "bfloat16"]  # bf16 keeps fp32 master weights
 OptimizerName = Literal["adam"]  # AdamW (decoupled weight decay)

@@ -11,17 +11,11 @@ import torch
 
 from engines.megatron import forward, packing
 from engines.megatron.actor import MODEL_KEYS
+from engines.megatron.checks import validate_critic_update_config
 from engines.megatron.config import CriticUpdateConfig
-from engines.megatron.training import require_keys, require_optimizer, update_epochs, validate_update_sizes
+from engines.megatron.training import require_keys, require_optimizer, update_epochs
 from hybridflow.algorithms import compute_value_loss, masked_sum
 from hybridflow.protocol import DataProto
-
-
-def validate_critic_update_config(cfg: CriticUpdateConfig) -> None:
-    """ValueError naming the key, before any model work."""
-    validate_update_sizes(cfg, "critic")
-    if cfg.cliprange_value <= 0:
-        raise ValueError(f"critic update cliprange_value must be > 0, got {cfg.cliprange_value}")
 
 
 def response_values(output, micro_batch) -> torch.Tensor:

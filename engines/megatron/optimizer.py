@@ -18,50 +18,9 @@ from megatron.core.optimizer import _get_param_groups as megatron_param_groups
 from megatron.core.optimizer.optimizer import FP32Optimizer, MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from engines.megatron.checks import validate_optim_config
 from engines.megatron.config import MegatronConfig, OptimConfig
 from engines.megatron.model import params_dtype
-
-LR_DECAY_STYLES = ("constant", "linear", "cosine")
-
-
-def validate_optim_config(optim: OptimConfig) -> None:
-    """Raise ValueError naming the offending key before any model is built."""
-    if optim.optimizer != "adam":
-        raise ValueError(
-            f"optim.optimizer: only 'adam' (AdamW, decoupled weight decay) is supported, "
-            f"got {optim.optimizer!r}"
-        )
-    if optim.lr_decay_style not in LR_DECAY_STYLES:
-        raise ValueError(
-            f"optim.lr_decay_style must be one of {LR_DECAY_STYLES}, got {optim.lr_decay_style!r}"
-        )
-    if not 0.0 <= optim.min_lr <= optim.lr:
-        raise ValueError(f"optim.min_lr ({optim.min_lr}) must lie in [0, optim.lr ({optim.lr})]")
-    validate_lr_limits(optim)
-    if optim.clip_grad < 0 or optim.lr_warmup_iters < 0 or optim.weight_decay < 0:
-        raise ValueError("optim.clip_grad, optim.lr_warmup_iters and optim.weight_decay must be >= 0")
-    if optim.lr_decay_style != "constant" and (
-        optim.lr_decay_iters is None or optim.lr_decay_iters <= optim.lr_warmup_iters
-    ):
-        raise ValueError(
-            f"optim.lr_decay_style={optim.lr_decay_style!r} needs optim.lr_decay_iters greater than "
-            f"optim.lr_warmup_iters ({optim.lr_warmup_iters}), got {optim.lr_decay_iters}"
-        )
-
-
-def validate_lr_limits(optim: OptimConfig) -> None:
-    """optim.lr within optim.lr_limits, which must be [low, high] with 0 < low <= high."""
-    limits = list(optim.lr_limits)
-    if len(limits) != 2 or not 0 < limits[0] <= limits[1]:
-        raise ValueError(
-            f"optim.lr_limits must be [lowest, highest] with 0 < lowest <= highest, got {limits}"
-        )
-    low, high = limits
-    if not low <= optim.lr <= high:
-        raise ValueError(
-            f"optim.lr={optim.lr:g} is outside optim.lr_limits [{low:g}, {high:g}]: an lr beyond them "
-            "diverges or learns nothing (a typo?); set optim.lr_limits to allow it"
-        )
 
 
 def megatron_optimizer_config(optim: OptimConfig, cfg: MegatronConfig) -> OptimizerConfig:

@@ -22,24 +22,7 @@ from megatron.core import parallel_state
 
 from engines.megatron import forward
 from engines.megatron.optimizer import current_lr, update_to_weight_ratio
-from hybridflow.algorithms import LOSS_AGG_MODES
 from hybridflow.protocol import DataProto
-
-
-def validate_update_sizes(cfg, role: str) -> None:
-    """ValueError naming `<role> update <key>` unless the batch sizes, epochs and loss_agg_mode of
-    an `ActorUpdateConfig` / `CriticUpdateConfig` are valid (checked before any model work)."""
-    for key in ("ppo_mini_batch_size", "ppo_micro_batch_size", "ppo_epochs", "max_token_len_per_gpu"):
-        if getattr(cfg, key) < 1:
-            raise ValueError(f"{role} update {key} must be >= 1, got {getattr(cfg, key)}")
-    if cfg.max_update_ratio is not None and not cfg.max_update_ratio > 0:
-        raise ValueError(
-            f"{role} update max_update_ratio must be > 0 (or null: not measured), got {cfg.max_update_ratio}"
-        )
-    if cfg.loss_agg_mode not in LOSS_AGG_MODES:
-        raise ValueError(
-            f"{role} update loss_agg_mode must be one of {LOSS_AGG_MODES}, got {cfg.loss_agg_mode!r}"
-        )
 
 
 def require_keys(data: DataProto, keys, method: str) -> None:

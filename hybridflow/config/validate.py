@@ -21,7 +21,6 @@ from hybridflow.reward.registry import load_reward_fn
 from hybridflow.utils.disk import human_bytes
 from hybridflow.utils.hub import HOW_TO_FETCH
 from hybridflow.utils.imports import DottedPathError
-from hybridflow.utils.warning_filters import known_warnings_ignored
 
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
 UPDATE_SIZES = ("ppo_mini_batch_size", "ppo_micro_batch_size", "ppo_epochs")
@@ -348,10 +347,11 @@ def _check_ranges(cfg: RecipeConfig) -> list[str]:
 
 def _engine_validators(cfg: RecipeConfig) -> dict:
     """Section key -> the engine's own check of that section (each raises ValueError)."""
-    with known_warnings_ignored():  # Megatron-Core warns at import when Apex / TE are absent
-        from engines.megatron.actor import validate_actor_update_config
-        from engines.megatron.critic import validate_critic_update_config
-        from engines.megatron.optimizer import validate_optim_config
+    from engines.megatron.checks import (
+        validate_actor_update_config,
+        validate_critic_update_config,
+        validate_optim_config,
+    )
 
     checks = {
         "actor.optim": lambda: validate_optim_config(cfg.actor.optim),

@@ -4,11 +4,14 @@ rejected with the key named before any model is built."""
 import pytest
 import torch
 
-from engines.megatron.actor import validate_actor_update_config
 from engines.megatron.checkpoint import load_checkpoint
+from engines.megatron.checks import (
+    validate_actor_update_config,
+    validate_critic_update_config,
+    validate_optim_config,
+)
 from engines.megatron.config import ActorUpdateConfig, CriticUpdateConfig, OptimConfig
-from engines.megatron.critic import validate_critic_update_config
-from engines.megatron.optimizer import build_scheduler, current_lr, validate_optim_config
+from engines.megatron.optimizer import build_scheduler, current_lr
 
 
 def _lrs(optim: OptimConfig, steps: int) -> list[float]:
