@@ -74,3 +74,25 @@ def test_the_in_process_path_imports_no_ray():
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     assert out.stdout.strip() == "no ray needed", out.stderr[-3000:]
+
+
+def test_checking_a_recipe_imports_no_engine_library(tmp_path):
+    """The driver checks every recipe before anything starts; it builds no model, so importing
+    Megatron-Core or vLLM there would only cost every run seconds of CPU (the workers import them)."""
+    from hybridflow.data.arith import ArithConfig, write_arith_parquet
+    from hybridflow.utils.tiny_model import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "tiny", num_layers=2)
+    data = write_arith_parquet(tmp_path / "data", ArithConfig(num_train=32, num_test=4))
+    argv = [
+        str(ROOT / "recipes/quickstart.yaml"), f"model.path={model}", "rollout.name=vllm",
+        f"data.train_files=[{data['train']}]", f"data.val_files=[{data['test']}]",
+        "critic.enable=true", "algorithm.adv_estimator=gae", f"trainer.output_dir={tmp_path / 'out'}",
+    ]  # fmt: skip
+    probe = (
+        "import sys; from hybridflow.trainer.main import checked_recipe;"
+        f"checked_recipe({argv!r});"
+        f"print([m for m in sys.modules if m.split('.')[0] in {HEAVY_MODULES!r}])"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path)
+    assert out.stdout.strip().splitlines()[-1:] == ["[]"], out.stdout + out.stderr
