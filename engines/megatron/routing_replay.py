@@ -74,8 +74,10 @@ def check_replay_model(model_path: str, return_routed_experts: bool, moe_routing
         ),
     }
     on = {setting: fix for setting, (fix, is_on) in settings.items() if is_on}
+    if not on:
+        return  # a run without replay reads nothing more
     hf_config = load_hf_config(model_path)
-    if hf_config.num_experts or not on:
+    if hf_config.num_experts:
         return
     raise ValueError(
         f"{' and '.join(on)}: routing replay needs a mixture-of-experts model, but model.path={model_path} "
