@@ -5,7 +5,8 @@ reproduce them), continues the step numbering, and ends with the same metrics (b
 the same exported weights as a run that was never interrupted. Once for PPO with a critic and an
 adaptive KL controller (KL in the reward, so a reference policy too), once for GRPO with LoRA
 adapters and a KL loss (the reference is the actor with its adapters off), once for on-policy
-distillation with a TP-2 teacher on a pool of its own beside a TP-1 student.
+distillation with a TP-2 teacher on a pool of its own beside a TP-1 student, once for GRPO on a
+tiny Qwen3-MoE with routing replay (R3: the actor's routers use the experts the engine recorded).
 
 What has to come back for that: actor weights, Adam state and LR schedule (Megatron dist
 checkpoint), the worker and rollout sampling RNG, the driver RNG, the dataloader position, the
@@ -59,6 +60,7 @@ def local(tmp_path_factory) -> dict:
         "model": make_tiny_model(root / "tiny", num_layers=2),
         "data": data,
         "teacher": teacher,
+        "moe": make_tiny_model(root / "tiny_moe", arch="qwen3_moe", num_layers=2, num_experts=4),
     }
 
 
@@ -95,6 +97,17 @@ ALGORITHMS = {
         "actor.megatron.tensor_model_parallel_size=1",
         "trainer.n_gpus_per_node=3",
     ],
+    # R3 (docs/routing-replay.md) on the tiny Qwen3-MoE (2 layers, 4 experts, top-2), TP 1 (DP 2):
+    # the routes are not saved but recorded anew by each step's rollout, so they replay the same
+    # after the resume only if the sampling RNG and weights came back exactly; `stop` ends the run
+    # if the engine's and the actor's log-probs ever part
+    "grpo_moe_routing_replay": [
+        "model.path={moe}",  # after the dense model.path above: the later override wins
+        "actor.megatron.tensor_model_parallel_size=1",
+        "rollout.return_routed_experts=true",
+        "actor.megatron.moe_routing_replay=rollout",
+        "trainer.mismatch_policy=stop",
+    ],
 }
 
 
@@ -123,7 +136,7 @@ def command(local: dict, output_dir: Path, algorithm: str) -> list[str]:
         "trainer.val_before_train=false",
         "trainer.logger=[console]",
         f"trainer.output_dir={output_dir}",
-        *(override.format(teacher=local["teacher"]) for override in ALGORITHMS[algorithm]),
+        *(override.format(teacher=local["teacher"], moe=local["moe"]) for override in ALGORITHMS[algorithm]),
     ]
 
 
@@ -212,9 +225,10 @@ def test_killed_run_resumes_to_the_same_metrics_and_weights(local, tmp_path, alg
         assert all(r["distill/teacher_more_confident"] > 0 for r in reference)
         assert "timing/teacher" in reference[0]
 
+    moe = "moe" in algorithm
     exported = load_hf_tensors(resumed_dir / "hf")
     expected = load_hf_tensors(reference_dir / "hf")
-    initial = load_hf_tensors(local["model"])
+    initial = load_hf_tensors(local["moe" if moe else "model"])
     assert exported.keys() == expected.keys() == initial.keys()
     assert all(torch.equal(exported[k], expected[k]) for k in expected)  # bit-for-bit
     lora = "lora" in algorithm  # adapters on the linears only, merged into the export
@@ -222,15 +236,20 @@ def test_killed_run_resumes_to_the_same_metrics_and_weights(local, tmp_path, alg
     assert not torch.equal(exported[moved], initial[moved])
     if lora:
         assert torch.equal(exported["model.embed_tokens.weight"], initial["model.embed_tokens.weight"])
-    generates_with_transformers(resumed_dir / "hf")
+    if moe:  # replay picks the experts, the router's scores still weigh them: the router trained
+        assert not torch.equal(
+            exported["model.layers.0.mlp.gate.weight"], initial["model.layers.0.mlp.gate.weight"]
+        )
+        assert all(r["mismatch/log_prob_abs_diff_max"] < 1e-4 for r in reference)  # fp32 engine and actor
+    generates_with_transformers(resumed_dir / "hf", "Qwen3MoeForCausalLM" if moe else "Qwen2ForCausalLM")
 
 
-def generates_with_transformers(hf_dir: Path) -> None:
+def generates_with_transformers(hf_dir: Path, architecture: str) -> None:
     """The exported final actor (<output_dir>/hf) loads with transformers' Auto classes and
     generates."""
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     model = AutoModelForCausalLM.from_pretrained(hf_dir)
-    assert json.loads((hf_dir / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+    assert json.loads((hf_dir / "config.json").read_text())["architectures"] == [architecture]
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is 12+34?"}], add_generation_prompt=True, tokenize=False
     )
