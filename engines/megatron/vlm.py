@@ -1,0 +1,362 @@
+"""Hugging Face LLaVA config -> Megatron-Core's own `LLaVAModel` (megatron/core/models/multimodal/
+llava_model.py): a `CLIPViTModel` vision tower, a `MultimodalProjector` two-layer MLP and the
+project's GPT language model (model.py's Qwen2 / Llama config, layer spec and SDPA attention).
+
+Supported: `LlavaForConditionalGeneration` with a CLIP vision tower (quick_gelu), one integer
+`vision_feature_layer`, feature strategy "default" (CLS feature dropped) or "full", a GELU
+projector with biases, and a dense Qwen2 or Llama language model. Megatron builds only the vision
+layers up to `vision_feature_layer`: the later layers and the tower's post_layernorm never reach
+LLaVA's output, so they stay in the Hugging Face checkpoint (vlm_weights.py copies them on export).
+
+Megatron-Core's local layer specs only: Megatron's local ViT spec (vit_layer_specs.py) marks its
+attention causal, which CLIP is not, and allocates its attention on CUDA, so the vision layer spec
+is built here with a bidirectional SDPA core attention. The Transformer Engine path (TE ViT spec,
+fused-norm weight names) is not built yet.
+
+Input convention (Megatron's): one image token per image in `input_ids`; `LLaVAModel` expands it
+to the image's features. A processor's expanded ids become that with `collapse_image_tokens`.
+"""
+
+import json
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engines.megatron import cpu_compat
+from engines.megatron.attention import SDPACoreAttention
+from engines.megatron.config import MegatronConfig
+from engines.megatron.model import (
+    HFModelConfig,
+    ModelKernels,
+    _check_unsupported_features,
+    _rope_theta,
+    block_spec,
+    padded_vocab_size,
+    params_dtype,
+    to_transformer_config,
+)
+
+TEXT_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+# The local (no Transformer Engine) kernels: see the module docstring.
+LOCAL_KERNELS = ModelKernels(transformer_engine=False, fused_wgrad=False)
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """The CLIP vision tower's fields that the Megatron model needs."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int  # in the Hugging Face tower; Megatron builds `VLMConfig.vision_layers_used`
+    num_heads: int
+    image_size: int
+    patch_size: int
+    layer_norm_eps: float
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def num_positions(self) -> int:
+        return (self.image_size // self.patch_size) ** 2 + 1  # patches + CLS
+
+
+@dataclass(frozen=True)
+class VLMConfig:
+    """A Hugging Face LLaVA config.json, as the Megatron model reads it."""
+
+    text: HFModelConfig
+    vision: VisionConfig
+    image_token_id: int
+    vision_feature_layer: int
+    drop_class_token: bool  # vision_feature_select_strategy "default"
+    tie_word_embeddings: bool
+    raw: dict
+
+    @property
+    def vision_layers_used(self) -> int:
+        """Tower layers before the selected hidden state (hidden state 0 is the embeddings)."""
+        layer = self.vision_feature_layer
+        return layer if layer >= 0 else self.vision.num_layers + 1 + layer
+
+    @property
+    def image_feature_count(self) -> int:
+        return self.vision.num_positions - self.drop_class_token
+
+
+def _text_config(text: dict, source_dir: str, where: str) -> HFModelConfig:
+    family = text.get("model_type")
+    if family not in TEXT_ARCHITECTURES:
+        raise ValueError(
+            f"{where}: text model_type {family!r} is not supported; supported: {sorted(TEXT_ARCHITECTURES)}"
+        )
+    _check_unsupported_features(text, family, where)
+    heads = text["num_attention_heads"]
+    return HFModelConfig(
+        architecture=TEXT_ARCHITECTURES[family],
+        model_type=family,
+        vocab_size=text["vocab_size"],
+        hidden_size=text["hidden_size"],
+        intermediate_size=text["intermediate_size"],
+        num_hidden_layers=text["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=text.get("num_key_value_heads") or heads,
+        head_dim=text.get("head_dim") or text["hidden_size"] // heads,
+        rms_norm_eps=text.get("rms_norm_eps", 1e-6),
+        rope_theta=_rope_theta(text, where),
+        max_position_embeddings=text.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
+        qkv_bias=family == "qwen2",
+        initializer_range=text.get("initializer_range", 0.02),
+        source_dir=source_dir,
+        raw=text,
+    )
+
+
+def _vision_config(vision: dict, where: str) -> VisionConfig:
+    if vision.get("model_type") != "clip_vision_model" or vision.get("hidden_act") != "quick_gelu":
+        raise ValueError(
+            f"{where}: only a CLIP vision tower with quick_gelu is supported, got model_type "
+            f"{vision.get('model_type')!r}, hidden_act {vision.get('hidden_act')!r}"
+        )
+    return VisionConfig(
+        hidden_size=vision["hidden_size"],
+        intermediate_size=vision["intermediate_size"],
+        num_layers=vision["num_hidden_layers"],
+        num_heads=vision["num_attention_heads"],
+        image_size=vision["image_size"],
+        patch_size=vision["patch_size"],
+        layer_norm_eps=vision.get("layer_norm_eps", 1e-5),
+    )
+
+
+def _check_llava_options(raw: dict, where: str) -> None:
+    if raw.get("architectures") != ["LlavaForConditionalGeneration"]:
+        raise ValueError(f"{where}: expected LlavaForConditionalGeneration, got {raw.get('architectures')}")
+    if not isinstance(raw.get("vision_feature_layer", -2), int):
+        raise ValueError(f"{where}: a list of vision_feature_layer values is not supported")
+    if raw.get("vision_feature_select_strategy", "default") not in ("default", "full"):
+        raise ValueError(f"{where}: vision_feature_select_strategy must be 'default' or 'full'")
+    if raw.get("projector_hidden_act", "gelu") != "gelu" or not raw.get("multimodal_projector_bias", True):
+        raise ValueError(f"{where}: only a GELU projector with biases is supported")
+
+
+def load_vlm_config(path) -> VLMConfig:
+    """Read `<path>/config.json` of a LLaVA checkpoint; ValueError naming what is not supported."""
+    config_file = Path(path) / "config.json"
+    raw = json.loads(config_file.read_text())
+    where = str(config_file)
+    _check_llava_options(raw, where)
+    tie = bool(raw.get("tie_word_embeddings", False))
+    text = {**raw["text_config"], "tie_word_embeddings": tie}  # LLaVA keeps the flag at the top level
+    return VLMConfig(
+        text=_text_config(text, str(Path(path).resolve()), where),
+        vision=_vision_config(raw["vision_config"], where),
+        image_token_id=raw["image_token_index"],
+        vision_feature_layer=raw.get("vision_feature_layer", -2),
+        drop_class_token=raw.get("vision_feature_select_strategy", "default") == "default",
+        tie_word_embeddings=tie,
+        raw=raw,
+    )
+
+
+# ---------------------------------------------------------------- Megatron configs and specs
+
+
+def _common_settings(cfg: MegatronConfig) -> dict:
+    """TransformerConfig settings the vision tower and projector share with the language model."""
+    dtype = params_dtype(cfg)
+    return dict(
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        add_bias_linear=True,
+        gated_linear_unit=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        **cpu_compat.transformer_config_overrides(),
+    )
+
+
+def vision_transformer_config(vlm: VLMConfig, cfg: MegatronConfig):
+    """CLIP encoder layers: pre-LayerNorm, biased linears, quick_gelu, one KV head per head."""
+    from megatron.core.activations import quick_gelu
+    from megatron.core.transformer import TransformerConfig
+
+    v = vlm.vision
+    config = TransformerConfig(
+        num_layers=vlm.vision_layers_used,
+        hidden_size=v.hidden_size,
+        ffn_hidden_size=v.intermediate_size,
+        num_attention_heads=v.num_heads,
+        kv_channels=v.head_dim,
+        normalization="LayerNorm",
+        layernorm_epsilon=v.layer_norm_eps,
+        add_qkv_bias=True,
+        activation_func=quick_gelu,
+        **_common_settings(cfg),
+    )
+    config.vision_model_type = "clip"  # LLaVAModel reads this attribute (Megatron's own convention)
+    return config
+
+
+def projection_transformer_config(vlm: VLMConfig, cfg: MegatronConfig):
+    """LLaVA's projector: vision hidden -> text hidden (GELU) -> text hidden, with biases."""
+    from megatron.core.transformer import TransformerConfig
+
+    t = vlm.text
+    return TransformerConfig(
+        num_layers=1,
+        hidden_size=t.hidden_size,
+        ffn_hidden_size=t.hidden_size,
+        num_attention_heads=t.num_attention_heads,
+        activation_func=F.gelu,  # exact erf GELU, as HF's "gelu"
+        **_common_settings(cfg),
+    )
+
+
+class BidirectionalSDPACoreAttention(SDPACoreAttention):
+    """SDPA core attention without a causal mask: every image patch attends to every other."""
+
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
+        if attention_mask is not None or attention_bias is not None or packed_seq_params is not None:
+            raise ValueError("the vision tower's attention takes no mask, bias or packed sequences")
+        seq, batch, heads, head_dim = query.shape
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, n, d] -> [b, n, s, d]
+        dropout_p = self.dropout_p if self.training else 0.0
+        out = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=dropout_p, scale=self.softmax_scale
+        )  # (b, n, s, d)
+        return out.permute(2, 0, 1, 3).reshape(seq, batch, heads * head_dim)
+
+
+def vision_layer_spec():
+    """A CLIP encoder layer from Megatron-Core's local modules (see the module docstring)."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    attention = ModuleSpec(
+        module=SelfAttention,
+        params={"attn_mask_type": AttnMaskType.no_mask},
+        submodules=SelfAttentionSubmodules(
+            linear_qkv=ColumnParallelLinear,
+            core_attention=BidirectionalSDPACoreAttention,
+            linear_proj=RowParallelLinear,
+        ),
+    )
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=WrappedTorchNorm,
+            self_attention=attention,
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=WrappedTorchNorm,
+            mlp=projector_spec(),
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+
+
+def projector_spec():
+    """Column-parallel then row-parallel linear: the MLP of a CLIP layer and of LLaVA's projector."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    return ModuleSpec(
+        module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    )
+
+
+@contextmanager
+def _clip_norms_without_te():
+    """Megatron-Core 0.16.1's CLIPViTModel defaults its ln_pre to torch.nn.LayerNorm when Transformer
+    Engine is absent and builds it with `config=` (build_module), which LayerNorm refuses; LLaVAModel
+    passes no norm of its own. For the construction only, LLaVAModel's CLIPViTModel gets Megatron's
+    WrappedTorchNorm (a LayerNorm built from the config)."""
+    from functools import partial
+
+    from megatron.core.models.multimodal import llava_model
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    original = llava_model.CLIPViTModel
+    llava_model.CLIPViTModel = partial(original, ln_pre_impl=WrappedTorchNorm, ln_post_impl=WrappedTorchNorm)
+    try:
+        yield
+    finally:
+        llava_model.CLIPViTModel = original
+
+
+def build_llava_model(vlm: VLMConfig, cfg: MegatronConfig):
+    """Megatron-Core's LLaVAModel for this config (no pipeline parallelism; weights not loaded)."""
+    from megatron.core.models.multimodal.llava_model import LLaVAModel
+
+    if cfg.pipeline_model_parallel_size != 1 or cfg.context_parallel_size != 1 or cfg.sequence_parallel:
+        raise ValueError("the LLaVA model supports tensor parallelism only (PP, CP and SP are 1 / off)")
+    language_config = to_transformer_config(vlm.text, cfg)
+    with cpu_compat.cuda_calls_on_cpu(), _clip_norms_without_te():  # CLIPViTModel calls .cuda()
+        model = LLaVAModel(
+            language_transformer_config=language_config,
+            language_transformer_layer_spec=block_spec(vlm.text, language_config, LOCAL_KERNELS),
+            language_vocab_size=padded_vocab_size(vlm.text.vocab_size, cfg),
+            language_max_sequence_length=vlm.text.max_position_embeddings,
+            vision_transformer_config=vision_transformer_config(vlm, cfg),
+            vision_transformer_layer_spec=vision_layer_spec(),
+            drop_vision_class_token=vlm.drop_class_token,
+            vision_projection_config=projection_transformer_config(vlm, cfg),
+            vision_projection_layer_spec=projector_spec().submodules,
+            parallel_output=True,
+            share_embeddings_and_output_weights=vlm.tie_word_embeddings,
+            language_position_embedding_type="rope",
+            language_rotary_base=vlm.text.rope_theta,
+            img_h=vlm.vision.image_size,
+            img_w=vlm.vision.image_size,
+            patch_dim=vlm.vision.patch_size,
+            image_token_index=vlm.image_token_id,
+        )
+    return model
+
+
+def collapse_image_tokens(
+    input_ids: torch.Tensor, image_token_id: int, features_per_image: int
+) -> torch.Tensor:
+    """A processor's ids (one image token per image feature) -> Megatron's (one per image).
+
+    input_ids (B, T), each image `features_per_image` consecutive image tokens, the same number of
+    images in every row. Returns (B, T - images * (features_per_image - 1)): the first token of
+    each image kept."""
+    is_image = input_ids == image_token_id  # (B, T)
+    counts = is_image.sum(-1)  # (B,)
+    if (counts % features_per_image).any() or (counts != counts[0]).any():
+        raise ValueError(
+            f"image tokens per row {counts.tolist()}: each row must hold the same number of images "
+            f"of {features_per_image} tokens each"
+        )
+    order = is_image.cumsum(-1) - 1  # (B, T): index of each image token among its row's
+    keep = ~is_image | (order % features_per_image == 0)  # (B, T)
+    return input_ids[keep].view(input_ids.shape[0], -1)
