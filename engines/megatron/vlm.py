@@ -19,7 +19,7 @@ to the image's features. A processor's expanded ids become that with `collapse_i
 
 import json
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -34,6 +34,7 @@ from engines.megatron.model import (
     _check_unsupported_features,
     _rope_theta,
     block_spec,
+    fusion_settings,
     padded_vocab_size,
     params_dtype,
     to_transformer_config,
@@ -250,36 +251,39 @@ class BidirectionalSDPACoreAttention(SDPACoreAttention):
         return out.permute(2, 0, 1, 3).reshape(seq, batch, heads * head_dim)
 
 
-def vision_layer_spec():
-    """A CLIP encoder layer from Megatron-Core's local modules (see the module docstring)."""
-    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+def _vision_attention_spec():
+    """Self-attention with no mask (CLIP is bidirectional), biased QKV and output projections."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.spec_utils import ModuleSpec
+
+    submodules = SelfAttentionSubmodules(
+        linear_qkv=ColumnParallelLinear,
+        core_attention=BidirectionalSDPACoreAttention,
+        linear_proj=RowParallelLinear,
+    )
+    return ModuleSpec(
+        module=SelfAttention, params={"attn_mask_type": AttnMaskType.no_mask}, submodules=submodules
+    )
+
+
+def vision_layer_spec():
+    """A CLIP encoder layer from Megatron-Core's local modules (see the module docstring)."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-    attention = ModuleSpec(
-        module=SelfAttention,
-        params={"attn_mask_type": AttnMaskType.no_mask},
-        submodules=SelfAttentionSubmodules(
-            linear_qkv=ColumnParallelLinear,
-            core_attention=BidirectionalSDPACoreAttention,
-            linear_proj=RowParallelLinear,
-        ),
+    submodules = TransformerLayerSubmodules(
+        input_layernorm=WrappedTorchNorm,
+        self_attention=_vision_attention_spec(),
+        self_attn_bda=get_bias_dropout_add,
+        pre_mlp_layernorm=WrappedTorchNorm,
+        mlp=projector_spec(),
+        mlp_bda=get_bias_dropout_add,
     )
-    return ModuleSpec(
-        module=TransformerLayer,
-        submodules=TransformerLayerSubmodules(
-            input_layernorm=WrappedTorchNorm,
-            self_attention=attention,
-            self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=WrappedTorchNorm,
-            mlp=projector_spec(),
-            mlp_bda=get_bias_dropout_add,
-        ),
-    )
+    return ModuleSpec(module=TransformerLayer, submodules=submodules)
 
 
 def projector_spec():
@@ -312,13 +316,18 @@ def _clip_norms_without_te():
         llava_model.CLIPViTModel = original
 
 
+def _language_config(vlm: VLMConfig, cfg: MegatronConfig):
+    """model.py's TransformerConfig of the text model, its fused kernels off to match the local spec."""
+    return replace(to_transformer_config(vlm.text, cfg), **fusion_settings(LOCAL_KERNELS))
+
+
 def build_llava_model(vlm: VLMConfig, cfg: MegatronConfig):
     """Megatron-Core's LLaVAModel for this config (no pipeline parallelism; weights not loaded)."""
     from megatron.core.models.multimodal.llava_model import LLaVAModel
 
     if cfg.pipeline_model_parallel_size != 1 or cfg.context_parallel_size != 1 or cfg.sequence_parallel:
         raise ValueError("the LLaVA model supports tensor parallelism only (PP, CP and SP are 1 / off)")
-    language_config = to_transformer_config(vlm.text, cfg)
+    language_config = _language_config(vlm, cfg)
     with cpu_compat.cuda_calls_on_cpu(), _clip_norms_without_te():  # CLIPViTModel calls .cuda()
         model = LLaVAModel(
             language_transformer_config=language_config,
@@ -339,7 +348,9 @@ def build_llava_model(vlm: VLMConfig, cfg: MegatronConfig):
             patch_dim=vlm.vision.patch_size,
             image_token_index=vlm.image_token_id,
         )
-    return model
+    if not cpu_compat.cuda_available():
+        return model
+    return model.cuda(torch.cuda.current_device())  # CLIPViTModel's conv and embeddings start on the host
 
 
 def collapse_image_tokens(

@@ -264,14 +264,18 @@ def _copy_side_files(source: Path, out: Path, dtype: torch.dtype) -> None:
 
 def save_vlm_hf_checkpoint(model, vlm: VLMConfig, cfg: MegatronConfig, out_dir) -> None:
     """Write a transformers-loadable LLaVA directory (one model.safetensors, the source's config,
-    tokenizer and processor files). Collective over TP; global rank 0 writes."""
+    tokenizer and processor files), replacing the weights of an earlier export there. Collective
+    over TP; global rank 0 keeps the tensors and writes."""
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    tensors = dict(iter_vlm_hf_tensors(model, vlm, cfg))
-    if dist.get_rank() == 0:
+    writer = dist.get_rank() == 0
+    tensors = {name: t for name, t in iter_vlm_hf_tensors(model, vlm, cfg) if writer}
+    if writer:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
+        for stale in out.glob("model*.safetensors*"):  # an earlier export's shards and index
+            stale.unlink()
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
         _copy_side_files(Path(vlm.text.source_dir), out, model.config.params_dtype)
     dist.barrier()

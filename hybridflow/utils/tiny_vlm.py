@@ -71,10 +71,8 @@ def build_vlm_tokenizer():
     return tokenizer
 
 
-def build_llava_config(cfg: TinyVLMConfig, tokenizer):
-    """LlavaConfig of a CLIP vision config and the tiny text model's config (vocabulary with `<image>`)."""
-    from transformers import CLIPVisionConfig, LlavaConfig
-
+def _text_hf_config(cfg: TinyVLMConfig, tokenizer):
+    """The tiny text model's transformers config (tiny_model.py), its vocabulary holding `<image>`."""
     text_cfg = TinyModelConfig(
         arch=cfg.text_arch,
         num_layers=cfg.text_layers,
@@ -85,18 +83,30 @@ def build_llava_config(cfg: TinyVLMConfig, tokenizer):
         tie_word_embeddings=cfg.tie_word_embeddings,
     )
     text_cfg.validate()
-    vision = CLIPVisionConfig(
+    return build_hf_config(text_cfg, tokenizer)
+
+
+def _clip_config(cfg: TinyVLMConfig):
+    from transformers import CLIPVisionConfig
+
+    return CLIPVisionConfig(
         hidden_size=cfg.vision_hidden_size,
         intermediate_size=cfg.vision_intermediate_size,
         num_hidden_layers=cfg.vision_layers,
         num_attention_heads=cfg.vision_heads,
         image_size=cfg.image_size,
         patch_size=cfg.patch_size,
-        projection_dim=cfg.vision_hidden_size,
+        projection_dim=cfg.vision_hidden_size,  # CLIP's contrastive head, which LLaVA does not build
     )
+
+
+def build_llava_config(cfg: TinyVLMConfig, tokenizer):
+    """LlavaConfig of the CLIP tower, the tiny text model and the feature choices of `cfg`."""
+    from transformers import LlavaConfig
+
     return LlavaConfig(
-        vision_config=vision,
-        text_config=build_hf_config(text_cfg, tokenizer),
+        vision_config=_clip_config(cfg),
+        text_config=_text_hf_config(cfg, tokenizer),
         image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
         image_seq_length=cfg.image_feature_count(),
         vision_feature_layer=cfg.vision_feature_layer,
