@@ -1,5 +1,5 @@
 """The tiny LLaVA-shaped model (hybridflow/utils/tiny_vlm.py) on Megatron-Core's LLaVAModel against
-transformers, one torchrun launch per TP size: logits and next-token log-probs within 1e-5 (fp32),
+transformers, one torchrun launch per case: logits and next-token log-probs within 1e-5 (fp32),
 and the HF -> Megatron -> HF export bit for bit. The checks live in `_vlm_parity_worker.py`, which
 prints one "VLM PARITY OK tp=.. rank=.." line per rank when all of them passed."""
 
@@ -8,17 +8,27 @@ from launch import run_distributed
 
 from hybridflow.utils.tiny_vlm import make_tiny_vlm
 
-
-@pytest.fixture(scope="module")
-def tiny_vlm(tmp_path_factory):
-    return make_tiny_vlm(tmp_path_factory.mktemp("tiny_vlm"))
+MODELS = {
+    # llava-1.5's choices: hidden state -2 (the tower's last layer unused), CLS feature dropped
+    "qwen2": dict(text_arch="qwen2"),
+    # every tower layer used, CLS kept, tied embeddings, one KV head (shared by both TP ranks)
+    "llama_tied_full": dict(
+        text_arch="llama",
+        tie_word_embeddings=True,
+        text_kv_heads=1,
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="full",
+        seed=1,
+    ),
+}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp", [1, 2])
-def test_llava_logits_and_export_match_transformers(tiny_vlm, tmp_path, tp):
+@pytest.mark.parametrize(("model", "tp"), [("qwen2", 1), ("qwen2", 2), ("llama_tied_full", 2)])
+def test_llava_logits_and_export_match_transformers(tmp_path, model, tp):
+    hf_dir = make_tiny_vlm(tmp_path / model, **MODELS[model])
     output = run_distributed(
-        "_vlm_parity_worker.py", tp, "--hf-dir", tiny_vlm, "--out-dir", tmp_path / "export", timeout=600
+        "_vlm_parity_worker.py", tp, "--hf-dir", hf_dir, "--out-dir", tmp_path / "export", timeout=600
     )
     for rank in range(tp):
         line = f"VLM PARITY OK tp={tp} rank={rank}"
