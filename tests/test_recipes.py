@@ -15,9 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 import yaml
 from process_group import run_recipe_script
+from safetensors.torch import load_file
 from shared_data import gsm8k_dir
+from torch.distributed.checkpoint import FileSystemReader
 from transformers import AutoModelForCausalLM
 
 from hybridflow.utils.tiny_model import make_tiny_model
@@ -262,8 +265,9 @@ def test_dapo_recipe_runs_two_steps_with_dynamic_sampling_and_overlong_shaping(l
 def test_distill_recipe_runs_two_steps_with_a_tp1_teacher_pool_beside_a_tp2_student(local, tmp_path):
     """recipes/gsm8k_distill.yaml with a tiny Llama teacher (another model, the same tokenizer) on
     a pool of its own at TP 1 and the Qwen2 student at TP 2 (3 CPU processes), packed
-    micro-batches (the recipe's use_dynamic_bsz) for both. The other way round, teacher TP 2 and
-    student TP 1, is tests/test_resume.py's distillation case."""
+    micro-batches (the recipe's use_dynamic_bsz) for both, and a LoRA student (the signal trains its
+    adapters, the base stays frozen). The other way round, teacher TP 2 and a full-weight student at
+    TP 1, is tests/test_resume.py's distillation case."""
     teacher = make_tiny_model(tmp_path / "teacher", arch="llama", num_layers=2, seed=7, init_std=0.1)
     overrides = [
         *cpu_overrides(local, tmp_path / "distill", tp=2),
@@ -273,11 +277,11 @@ def test_distill_recipe_runs_two_steps_with_a_tp1_teacher_pool_beside_a_tp2_stud
         "teacher.megatron.params_dtype=float32",
         "teacher.log_prob_micro_batch_size=2",
         "trainer.n_gpus_per_node=3",  # 2 for the student, 1 for the teacher
+        "actor.lora.rank=8",  # a LoRA student: the reverse KL trains its adapters only
         "rollout.sampling.n=2",
         "actor.update.ppo_mini_batch_size=8",
     ]
-    # 3 processes on a 2-core machine: logical CPUs for the fresh RAY_ADDRESS=local instance
-    env = {"PYTHONPATH": str(local["root"]), "RAY_OVERRIDE_RESOURCES": '{"CPU": 4}'}
+    env = {"PYTHONPATH": str(local["root"])}  # 3 processes: connect_ray gives each a logical CPU
     result = run_recipe_script("recipes/gsm8k_distill.yaml", overrides, timeout=600, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     records = [json.loads(line) for line in (tmp_path / "distill" / "metrics.jsonl").read_text().splitlines()]
@@ -295,6 +299,24 @@ def test_distill_recipe_runs_two_steps_with_a_tp1_teacher_pool_beside_a_tp2_stud
         )
         assert 0.0 < record["distill/teacher_more_confident"] < 1.0
     assert "val/accuracy" in steps[-1]
+    saved = tmp_path / "distill/checkpoints/global_step_2/actor"
+    trained = actor_checkpoint_tensors(saved, "lora_B")
+    assert trained and all(tensor.abs().max() > 0 for tensor in trained.values())  # B starts at zero
+    embedding = actor_checkpoint_tensors(
+        tmp_path / "distill/checkpoints/global_step_2/actor", "word_embeddings"
+    )
+    student = load_file(Path(local["model"]) / "model.safetensors")["model.embed_tokens.weight"]
+    assert torch.equal(next(iter(embedding.values()))[: len(student)], student)  # the base stays frozen
+
+
+def actor_checkpoint_tensors(path: Path, part: str) -> dict[str, torch.Tensor]:
+    """The model tensors (not the optimizer's) of a saved actor whose names contain `part`, whole."""
+    reader = FileSystemReader(path)
+    shapes = reader.read_metadata().state_dict_metadata
+    names = [name for name in shapes if part in name and not name.startswith("optimizer.")]
+    state = {name: torch.empty(shapes[name].size, dtype=shapes[name].properties.dtype) for name in names}
+    dcp.load(state, storage_reader=reader, no_dist=True)  # this process only: no process group
+    return state
 
 
 DISTILL_KEYS = (

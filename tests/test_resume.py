@@ -147,9 +147,6 @@ def environment(local: dict) -> dict:
         "OMP_NUM_THREADS": "1",
         "PYTHONWARNINGS": "ignore",
         "PYTHONPATH": str(local["root"]),
-        # logical CPUs for the distillation case's 3 processes on a 2-core machine (a fresh
-        # RAY_ADDRESS=local instance counts the cores)
-        "RAY_OVERRIDE_RESOURCES": '{"CPU": 4}',
     }
 
 
