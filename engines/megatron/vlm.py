@@ -135,11 +135,21 @@ def _vision_config(vision: dict, where: str) -> VisionConfig:
     )
 
 
+def _check_feature_layer(raw: dict, where: str) -> None:
+    """The selected hidden state must be a layer's output (Megatron builds layers 1..it)."""
+    layer, layers = raw.get("vision_feature_layer", -2), raw["vision_config"]["num_hidden_layers"]
+    if not 1 <= (layer if layer >= 0 else layers + 1 + layer) <= layers:
+        raise ValueError(
+            f"{where}: vision_feature_layer={layer} selects no layer output of the {layers}-layer tower"
+        )
+
+
 def _check_llava_options(raw: dict, where: str) -> None:
     if raw.get("architectures") != ["LlavaForConditionalGeneration"]:
         raise ValueError(f"{where}: expected LlavaForConditionalGeneration, got {raw.get('architectures')}")
     if not isinstance(raw.get("vision_feature_layer", -2), int):
         raise ValueError(f"{where}: a list of vision_feature_layer values is not supported")
+    _check_feature_layer(raw, where)
     if raw.get("vision_feature_select_strategy", "default") not in ("default", "full"):
         raise ValueError(f"{where}: vision_feature_select_strategy must be 'default' or 'full'")
     if raw.get("projector_hidden_act", "gelu") != "gelu" or not raw.get("multimodal_projector_bias", True):
@@ -169,7 +179,8 @@ def load_vlm_config(path) -> VLMConfig:
 
 
 def _common_settings(cfg: MegatronConfig) -> dict:
-    """TransformerConfig settings the vision tower and projector share with the language model."""
+    """TransformerConfig settings the vision tower and projector share: TP size, dtype, biased
+    non-gated MLPs, no dropout, and no fused kernels (they run Megatron-Core's local modules)."""
     dtype = params_dtype(cfg)
     return dict(
         hidden_dropout=0.0,

@@ -76,6 +76,7 @@ def test_plan_refuses_a_tensor_it_cannot_place(tiny_vlm):
     ("change", "message"),
     [
         ({"vision_feature_layer": [-2, -1]}, "list of vision_feature_layer"),
+        ({"vision_feature_layer": 0}, "vision_feature_layer=0 selects no layer output"),
         ({"projector_hidden_act": "relu"}, "GELU projector"),
         ({"vision_config": {"model_type": "siglip_vision_model"}}, "CLIP vision tower"),
     ],
