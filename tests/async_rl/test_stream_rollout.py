@@ -41,6 +41,7 @@ class Engines:
     def __init__(self, ranks: int = 2):
         self.ranks, self.clock, self.serving = ranks, 0, None
         self.calls: dict[int, dict] = {}  # handle -> rank, rows, version, end
+        self.submitted: list[dict] = []  # every call, in submission order
         self.dead: set[int] = set()  # ranks whose process died
         self.handles = 0
 
@@ -51,6 +52,7 @@ class Engines:
         end = self.clock + length(problem)
         call = {"rank": rank, "rows": rows, "version": self.serving, "start": self.clock, "end": end}
         self.calls[self.handles] = call
+        self.submitted.append(call)
         return self.handles, rank
 
     def wait(self, handles: list, block: bool = True) -> list:
@@ -77,7 +79,7 @@ class Engines:
             "policy_version": torch.full((len(rows),), call["version"]),  # (n,)
             "generation_window": window,
         }
-        return DataProto.from_dict(batch)
+        return DataProto.from_dict(batch, meta_info=dict(rows.meta_info))  # as the engines' output
 
     def forget(self, handle) -> None:
         self.calls.pop(handle, None)
@@ -204,6 +206,30 @@ def test_a_step_takes_short_groups_before_a_long_one_ends(tmp_path):
     batch, _ = train_step(trainer)
     assert 4 not in check_batch(batch, 0, 1)
     assert trainer.engines.clock < length(4)
+
+
+def test_a_steps_batch_is_in_submission_order_whatever_order_its_groups_finished(tmp_path):
+    """Which groups a step takes is timing (the first to finish); their order in the batch is not,
+    since it decides the micro-batches and so the update's rounding: a run must not depend on it."""
+    trainer = stream_trainer(tmp_path)
+    batch, _ = train_step(trainer)
+    assert check_batch(batch, 0, 1) == [0, 1, 3, 6]  # finished in the order 0, 3, 6, 1
+
+
+@pytest.mark.parametrize("stale_groups", ["drop", "regenerate"])
+def test_each_group_samples_with_the_pools_next_seed_in_submission_order(tmp_path, stale_groups):
+    """Concurrent group calls reach an engine in an order that is timing, and an engine without a
+    seed given takes rollout.seed + (its calls so far): each call carries the pool's next seed
+    instead (rollout.seed + k, k counting the pool's calls), so a group samples alike whatever that
+    order; regenerated groups get seeds of their own. The call's seed stays out of the batch."""
+    trainer = stream_trainer(tmp_path, stale_groups=stale_groups)
+    for _ in range(trainer.total_steps):
+        batch, _ = train_step(trainer)
+        assert "seed" not in batch.meta_info
+    seeds = [call["rows"].meta_info.get("seed") for call in trainer.engines.submitted]
+    base = trainer.rollout.pool.seed
+    assert seeds == [base + k for k in range(len(seeds))]
+    assert trainer.rollout.dropped_total > 0  # stale groups were met, and resubmitted when regenerated
 
 
 def test_regenerated_groups_train_their_prompt_later_and_no_prompt_is_lost(tmp_path):

@@ -20,6 +20,13 @@ max_staleness; taken in completion order, a slow group is overtaken and may be, 
 check catches. The step's prompt rows (uid, ground truth) are the taken groups' own
 (`responses` returns them with the responses). Prompts are drawn from the loader as slots free up.
 
+What a run samples and trains depends on timing only through which groups a step takes and where
+a weight update lands in a group still generating: every group call carries the pool's next seed
+(rollout.seed + k, k counting the pool's calls, as the pool's own calls do), where an engine given
+none would take the next of its own in the order the concurrent calls reach it; and a step's
+groups are batched in submission order, not completion order (the order decides the
+micro-batches, so the update's rounding).
+
 Checkpoints hold what is outstanding: finished groups with their responses, and the prompts of
 groups still generating (regenerated after a resume) or drawn and not submitted. A resumed run
 takes them under the same check, so it never trains a sample staler than the bound.
@@ -69,7 +76,7 @@ class StreamSettings:
 @dataclass
 class Group:
     """One prompt's n samples: its step row, the rows generated from, and once finished the
-    responses; `rank` and `submitted` (wall clock) while it generates."""
+    responses; `rank`, `submitted` (wall clock) and `seed` once submitted."""
 
     batch: DataProto  # 1 row: uid, ground truth, data source
     prompt: DataProto  # 1 row: the prompt tensors
@@ -77,6 +84,7 @@ class Group:
     responses: DataProto | None = None
     rank: int = -1
     submitted: float = 0.0
+    seed: int = -1  # the call's sampling seed once submitted: grows with each submission
 
     def version(self) -> int:
         """The policy version of the group's oldest token."""
@@ -218,8 +226,8 @@ class StreamingRollout:
         return self.step_prompts(groups), concat_rounds([group.responses for group in groups], pad)
 
     def take(self, prompts: PromptBatches, waiting: int) -> list[Group]:
-        """The step's groups, in completion order; stale ones are replaced (up to `waiting`
-        outstanding, the taken ones included)."""
+        """The step's groups: the first to finish, in submission order; stale ones are replaced (up
+        to `waiting` outstanding, the taken ones included)."""
         groups = []
         while len(groups) < self.settings.groups_per_step:
             group = self.next_finished()
@@ -228,7 +236,7 @@ class StreamingRollout:
                 self.fill(prompts, waiting - len(groups))
             else:
                 groups.append(group)
-        return groups
+        return sorted(groups, key=lambda group: group.seed)
 
     def outstanding(self) -> int:
         return len(self.in_flight) + len(self.finished)
@@ -241,7 +249,9 @@ class StreamingRollout:
             self.submit(self.unsent.popleft())
 
     def submit(self, group: Group) -> None:
-        handle, group.rank = self.calls.submit(group.rows)
+        rows = self.pool._seeded(group.rows)  # the pool's next seed: not the engine's arrival order
+        group.seed = rows.meta_info["seed"]
+        handle, group.rank = self.calls.submit(rows)
         group.submitted = self.clock()
         self.in_flight[handle] = group
 
@@ -268,6 +278,7 @@ class StreamingRollout:
         except RolloutProcessDied as died:
             self.lost_process(died, handle)
             return
+        group.responses.meta_info.pop("seed", None)  # the call's, not the batch's
         del self.in_flight[handle]
         self.finished.append(group)
         window = group.responses.batch["generation_window"][0].tolist()  # (2,): the call's start, end
