@@ -50,12 +50,14 @@ ONE_STEP = [
 
 # stream (docs/async.md): the same placement and correction with the vLLM engine, each prompt's group
 # generating on its own and a step training the next finished groups, at most 1 version old (stale
-# ones dropped). Measured from the same warm start, seeds 1/42 (2026-11-25, the shared 2-core machine
-# at load average 15-40): 36.5% -> 36.0% (-0.5 points; every batch after the first 1 version old, no
-# stale group, training reward 0.28 -> 0.35 over the last 5 steps; the GRPO stage 4 min 28 s, steps
-# 4.0-9.5 s, engine busy share 0.45-0.93). one_step on the same vLLM engine, same warm start and
-# settings: 36.5% -> 48.5% (+12.0). The margin is not met: skipped, with that reason in every
-# run's summary, until it is (a known failure is not worth 4.5 minutes of every run).
+# ones dropped). Not reproducible run to run: step 1 takes the first 32 of the 64 groups submitted
+# (timing), so runs differ from step 1 on. Measured from the same warm start (2026-11-25/26, the
+# shared 2-core machine at load average 6-38), seeds 1/42: 36.5% -> 36.0%, 47.0%, 45.5% (-0.5,
+# +10.5, +9.0) with group seeds taken in arrival order, 41.5% twice (+5.0) with the pool's seeds in
+# submission order (the code now); seeds 2/2: 45.0% (+8.5). one_step on the same vLLM engine and
+# settings: 36.5% -> 48.5% (+12.0) at seeds 1/42, 43.0% (+6.5) at 2/2. No bug found (rewards, groups,
+# staleness and validation checked, docs/async.md); the margin is not met reliably: skipped, with
+# that reason in every run's summary.
 STREAM = [
     *ONE_STEP[:4],
     "trainer.async_training.mode=stream",
@@ -118,7 +120,7 @@ def test_one_step_grpo_raises_held_out_accuracy_too(quickstart_warm_start, tmp_p
 
 @pytest.mark.slow
 @pytest.mark.skip(
-    reason="stream mode gained -0.5 points where one_step on vLLM gained +12.0 (see STREAM): open"
+    reason="stream runs are not reproducible and gained -0.5 to +10.5 points at seeds 1/42 (see STREAM)"
 )
 def test_streaming_grpo_raises_held_out_accuracy_too(quickstart_warm_start, tmp_path):
     records = run_grpo(quickstart_warm_start, tmp_path / "grpo_stream", STREAM)
