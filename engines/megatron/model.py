@@ -80,7 +80,7 @@ class HFModelConfig:
     raw: dict = field(default_factory=dict, repr=False, compare=False)
 
 
-def _rope_theta(raw: dict, where: str) -> float:
+def rope_theta_of(raw: dict, where: str) -> float:
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type != "default":
@@ -91,7 +91,7 @@ def _rope_theta(raw: dict, where: str) -> float:
     return float(theta)
 
 
-def _check_unsupported_features(raw: dict, family: str, where: str) -> None:
+def check_unsupported_features(raw: dict, family: str, where: str) -> None:
     if raw.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{where}: hidden_act {raw['hidden_act']!r} is not supported (expected 'silu')")
     if family == "llama" and (raw.get("attention_bias") or raw.get("mlp_bias")):
@@ -150,7 +150,7 @@ def load_hf_config(path) -> HFModelConfig:
         )
     architecture = architectures[0]
     family = SUPPORTED_ARCHITECTURES[architecture]
-    _check_unsupported_features(raw, family, str(config_file))
+    check_unsupported_features(raw, family, str(config_file))
     heads = raw["num_attention_heads"]
     return HFModelConfig(
         architecture=architecture,
@@ -163,7 +163,7 @@ def load_hf_config(path) -> HFModelConfig:
         num_key_value_heads=raw.get("num_key_value_heads") or heads,
         head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
         rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-        rope_theta=_rope_theta(raw, str(config_file)),
+        rope_theta=rope_theta_of(raw, str(config_file)),
         max_position_embeddings=raw.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=family == "qwen2",

@@ -31,12 +31,12 @@ from engines.megatron.config import MegatronConfig
 from engines.megatron.model import (
     HFModelConfig,
     ModelKernels,
-    _check_unsupported_features,
-    _rope_theta,
     block_spec,
+    check_unsupported_features,
     fusion_settings,
     padded_vocab_size,
     params_dtype,
+    rope_theta_of,
     to_transformer_config,
 )
 
@@ -95,7 +95,7 @@ def _text_config(text: dict, source_dir: str, where: str) -> HFModelConfig:
         raise ValueError(
             f"{where}: text model_type {family!r} is not supported; supported: {sorted(TEXT_ARCHITECTURES)}"
         )
-    _check_unsupported_features(text, family, where)
+    check_unsupported_features(text, family, where)
     heads = text["num_attention_heads"]
     return HFModelConfig(
         architecture=TEXT_ARCHITECTURES[family],
@@ -108,7 +108,7 @@ def _text_config(text: dict, source_dir: str, where: str) -> HFModelConfig:
         num_key_value_heads=text.get("num_key_value_heads") or heads,
         head_dim=text.get("head_dim") or text["hidden_size"] // heads,
         rms_norm_eps=text.get("rms_norm_eps", 1e-6),
-        rope_theta=_rope_theta(text, where),
+        rope_theta=rope_theta_of(text, where),
         max_position_embeddings=text.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
         qkv_bias=family == "qwen2",
