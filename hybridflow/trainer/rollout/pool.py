@@ -188,12 +188,12 @@ class PoolRollout:
         return step, self.generate(step.rows)
 
     def generate(self, rows: DataProto) -> DataProto:
-        seeded = self._seeded(rows)
+        seeded = self.seeded(rows)
         return self._retrying(lambda: self.group.generate_sequences(seeded))
 
     def launch(self, rows: DataProto) -> LaunchedCall:
         """Generation on the pool while the driver goes on (the rollout generating ahead)."""
-        seeded = self._seeded(rows)
+        seeded = self.seeded(rows)
         return LaunchedCall(seeded, self.group.generate_sequences_async(seeded))
 
     def collect(self, launched: LaunchedCall | DataProto) -> DataProto:
@@ -202,8 +202,9 @@ class PoolRollout:
             return launched
         return self._retrying(launched.future.get, lambda: self.group.generate_sequences(launched.rows))
 
-    def _seeded(self, rows: DataProto) -> DataProto:
-        """The rows (views) with this call's seed, the one the engines would pick themselves."""
+    def seeded(self, rows: DataProto) -> DataProto:
+        """The rows (views) with this call's seed, the one the engines would pick themselves (a
+        streaming rollout seeds each group call here, in submission order)."""
         seeded = rows.slice()
         seeded.meta_info.setdefault("seed", self.seed + self.calls)
         self.calls += 1

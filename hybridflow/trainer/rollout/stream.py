@@ -249,7 +249,7 @@ class StreamingRollout:
             self.submit(self.unsent.popleft())
 
     def submit(self, group: Group) -> None:
-        rows = self.pool._seeded(group.rows)  # the pool's next seed: not the engine's arrival order
+        rows = self.pool.seeded(group.rows)  # the pool's next seed: not the engine's arrival order
         group.seed = rows.meta_info["seed"]
         handle, group.rank = self.calls.submit(rows)
         group.submitted = self.clock()
