@@ -191,12 +191,7 @@ def _common_settings(cfg: MegatronConfig) -> dict:
         bf16=dtype == torch.bfloat16,
         add_bias_linear=True,
         gated_linear_unit=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        gradient_accumulation_fusion=False,
-        apply_rope_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
+        **fusion_settings(LOCAL_KERNELS),
         **cpu_compat.transformer_config_overrides(),
     )
 
