@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from engines.megatron.model import HFModelConfig, padded_vocab_size, unwrap_model, use_transformer_engine
 from engines.megatron.qkv_layout import qkv_row_sources, split_fused_qkv
+from engines.megatron.tp_staging import Split, TPStaging
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -385,13 +386,53 @@ def load_hf_weights(chunks, hf_dir, hf_config: HFModelConfig) -> None:
 # ---------------------------------------------------------------- export
 
 
+def _split_dim(plan: TensorPlan) -> int:
+    """The dimension `plan`'s parameter is split along over TP ranks."""
+    return 1 if plan.kind == "row" else 0
+
+
 def _gather_full(local: torch.Tensor, plan: TensorPlan, tp_group, tp: int) -> torch.Tensor:
     """All TP shards of `plan` concatenated along the split dimension (the Megatron full layout)."""
     if plan.kind == "replicated" or tp == 1:
         return local.detach()
     shards = [torch.empty_like(local) for _ in range(tp)]
     dist.all_gather(shards, local.detach().contiguous(), group=tp_group)
-    return torch.cat(shards, dim=1 if plan.kind == "row" else 0)
+    return torch.cat(shards, dim=_split_dim(plan))
+
+
+def _staged_shards(model, hf_config: HFModelConfig) -> tuple[dict[str, torch.Tensor], dict[str, Split]]:
+    """This rank's TP shard of every TP-split parameter its pipeline stage owns (experts, split over
+    expert-TP, excluded), by Megatron name, with how each is split."""
+    from megatron.core import parallel_state
+
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    plans = [
+        plan
+        for plan in weight_plan(hf_config, model_layout(model))
+        if plan.owner_pp == pp_rank and not plan.expert and plan.kind != "replicated"
+    ]
+    shards = {plan.megatron_name: model.get_parameter(plan.megatron_name) for plan in plans}
+    return shards, {
+        plan.megatron_name: Split(_split_dim(plan), 2 if plan.kind == "gate_up" else 1) for plan in plans
+    }
+
+
+def _gather_stage_tensor(
+    model, plan: TensorPlan, staging: TPStaging | None, tp_group, tp: int
+) -> torch.Tensor:
+    """The full tensor of a non-expert parameter this rank's pipeline stage owns."""
+    if staging is not None and plan.megatron_name in staging:
+        return staging.full(plan.megatron_name)
+    return _gather_full(model.get_parameter(plan.megatron_name), plan, tp_group, tp)
+
+
+def tp_staging(chunks, hf_config: HFModelConfig) -> TPStaging | None:
+    """The shared-memory TP gather for `iter_hf_tensors(..., staging=)` (tp_staging.py), or None
+    where it does not apply (TP 1, CUDA, ranks on different hosts). Collective over the TP group."""
+    from megatron.core import parallel_state
+
+    shards, splits = _staged_shards(unwrap_model(chunks[0]), hf_config)
+    return TPStaging.create(shards, splits, parallel_state.get_tensor_model_parallel_group())
 
 
 def _gather_expert(model, plan: TensorPlan, layout: ModelLayout, ep_rank: int, dtype, device) -> torch.Tensor:
@@ -412,11 +453,11 @@ def _gather_expert(model, plan: TensorPlan, layout: ModelLayout, ep_rank: int, d
 def _to_hf(full: torch.Tensor, plan: TensorPlan, hf: HFModelConfig, tp: int) -> list[torch.Tensor]:
     if plan.kind == "vocab":
         return [full[: hf.vocab_size]]
-    if plan.kind == "gate_up" and tp == 1:
-        return list(full.chunk(2))  # views: one rank's [gate; up] is already the HF order
     if plan.kind == "gate_up":
-        per_rank = [shard.chunk(2) for shard in full.chunk(tp)]
-        return [torch.cat([g for g, _ in per_rank]), torch.cat([u for _, u in per_rank])]
+        # Megatron's [gate_r; up_r] of each rank r -> HF's [gate; up]: views at TP 1 and of the TP
+        # staging's buffer (which holds HF's order), one copy of a plain gathered tensor.
+        rest = plan.full_shape[1:]
+        return list(full.reshape(tp, 2, -1, *rest).transpose(0, 1).reshape(2, -1, *rest).unbind())
     if plan.kind == "qkv":
         groups = hf.num_key_value_heads
         return list(split_fused_qkv(full, groups, hf.num_attention_heads // groups, hf.head_dim))
@@ -434,7 +475,7 @@ def stream_tensor_shapes(chunks, hf_config: HFModelConfig) -> dict[str, tuple[in
 
 
 def iter_hf_tensors(
-    chunks, hf_config: HFModelConfig, copies: bool = True
+    chunks, hf_config: HFModelConfig, copies: bool = True, staging: TPStaging | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, full tensor) for the whole model on every rank, in lockstep.
 
@@ -447,6 +488,11 @@ def iter_hf_tensors(
     or reordering are views of the actor's parameters, for a consumer that copies what it reads
     before the actor's next update and never writes to it. With LoRA adapters (lora.py) the
     adapted tensors are merged, base + scale * B @ A, so every engine receives plain HF tensors.
+
+    With `staging` (`tp_staging(chunks, hf_config)`, kept by the caller across streams) the TP
+    gather goes through shared memory instead of one collective per tensor: every rank writes its
+    shards into the staging buffer when the stream starts, and with `copies=False` the gathered
+    tensors are views of that buffer, valid until the next stream over it starts.
     """
     from megatron.core import parallel_state
 
@@ -461,15 +507,17 @@ def iter_hf_tensors(
     ep_rank = parallel_state.get_expert_model_parallel_rank()
     dtype = model.config.params_dtype
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    if staging is not None:
+        staging.fill(_staged_shards(model, hf_config)[0])
     for plan in weight_plan(hf_config, layout):
         if plan.owner_pp == pp_rank and plan.expert:
             full = _gather_expert(model, plan, layout, ep_rank, dtype, device)
-        elif plan.owner_pp == pp_rank:
-            full = _gather_full(model.get_parameter(plan.megatron_name), plan, tp_group, layout.tp)
+        elif plan.owner_pp == pp_rank:  # (megatron names repeat across stages: the owner first)
+            full = _gather_stage_tensor(model, plan, staging, tp_group, layout.tp)
         else:
             full = torch.empty(plan.full_shape, dtype=dtype, device=device)
         if layout.pp > 1:
-            full = full.contiguous()
+            full = full.reshape(plan.full_shape).contiguous()  # (a staged gate/up is 4-d: tp_staging.py)
             dist.broadcast(full, group=pp_group, group_src=plan.owner_pp)
         split = layout.etp if plan.expert else layout.tp
         for name, tensor in zip(plan.hf_names, _to_hf(full, plan, hf_config, split), strict=True):

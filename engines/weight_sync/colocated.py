@@ -65,6 +65,11 @@ class ColocatedWeightSync:
         self.cfg = rollout_cfg
         self._rollout_group = rollout_group  # the ranks of one engine (SGLang: the first one holds it)
         self._check_stream()
+        from engines.megatron.weights import tp_staging
+
+        # On CPU gloo's per-tensor all-gather was nearly all of a TP2 sync: where the actor's TP ranks
+        # share a host, the gather goes through one shared buffer, kept for every sync (tp_staging.py).
+        self._staging = tp_staging(actor_chunks, hf_config)
 
     def _check_stream(self) -> None:
         """Collective: a WeightSyncError on every rank, naming the tensor, when the actor's stream
@@ -89,7 +94,7 @@ class ColocatedWeightSync:
         # the stream may hand them the actor's parameters; SGLang's scheduler reads the tensors
         # from another process through CUDA-IPC handles, which must not expose the actor's memory.
         copies = self.cfg.name == "sglang"
-        stream = iter_hf_tensors(self.actor_chunks, self.hf_config, copies=copies)
+        stream = iter_hf_tensors(self.actor_chunks, self.hf_config, copies=copies, staging=self._staging)
         if self.cfg.verify_weight_sync and self.engine is not None:
             stream = _recording_checksums(stream, sent, torch_dtype(self.cfg.dtype))
         failure = self._session_call("begin_weight_update")
