@@ -19,9 +19,13 @@ Weight sync: the 76M shape held by a Megatron actor at TP1 (1 process) and TP2 (
 torchrun), synced into each rank's vLLM engine by `MegatronRolloutShardingManager.load_weights`
 (512 MiB buckets), with packed weights (vLLM's layerwise reload, which re-packs every layer) and
 with plain ones (loaded in place); against a plain copy of the same bytes into preallocated
-tensors. Median and spread of 3 syncs after a warm-up.
+tensors. After a warm-up of each, syncs and copies alternate over REPEATS rounds; each row gives
+the median, the spread and the load samples, and the share of a plain copy's rate is refused
+when the load moved (as the generation ratios are).
 
-Run: `python -m benchmarks vllm`.
+Run: `python -m benchmarks vllm`; the weight-sync rows alone: `python -m benchmarks.bench_vllm sync`.
+With BENCH_SYNC_PROFILE=PREFIX each sync worker also profiles one more sync (cProfile, rank 0) into
+PREFIX.tp<N>.<weights>.txt.
 """
 
 import functools
@@ -34,8 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks._conditions import LoadSamples, alternating, ratio_text, summary
-from benchmarks._timing import REPO_ROOT, median_seconds, run_torchrun, timed_calls
+from benchmarks._conditions import LOAD_LIMIT, LoadSamples, alternating, ratio_text, summary
+from benchmarks._timing import REPO_ROOT, median_seconds, run_torchrun
 
 TITLE = "vLLM (CPU build) vs hf: generation with heavy-tailed lengths, weight sync into vLLM"
 REPEATS = 3
@@ -61,13 +65,29 @@ def run() -> list[dict]:
         for model_dir, label in ((_make_model(tmp / "tiny"), "tiny"), (big, "76M")):
             for dtype in dtypes if label == "76M" else ["float32"]:
                 rows += _generation_rows(model_dir, label, dtype)
-        for nproc in (1, 2):
-            for weights in ("packed", "plain"):
-                result = tmp / f"sync{nproc}{weights}.json"
-                what = f"vllm sync benchmark at TP{nproc} ({weights} weights)"
-                run_torchrun(__file__, nproc, big, result, weights, what=what)
-                rows += json.loads(result.read_text())
+        rows += _sync_rows(big, tmp)
     return rows
+
+
+def _sync_rows(model_dir: Path, tmp: Path) -> list[dict]:
+    """The weight-sync rows: actor TP1 and TP2, packed and plain weights (torchrun each)."""
+    rows = []
+    for nproc in (1, 2):
+        for weights in ("packed", "plain"):
+            result = tmp / f"sync{nproc}{weights}.json"
+            what = f"vllm sync benchmark at TP{nproc} ({weights} weights)"
+            run_torchrun(__file__, nproc, model_dir, result, weights, what=what)
+            rows += json.loads(result.read_text())
+    return rows
+
+
+def _sync_only() -> None:
+    """`python -m benchmarks.bench_vllm sync`: the weight-sync rows alone (about 3 minutes)."""
+    from benchmarks.__main__ import _format_table
+
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = _sync_rows(_make_model(Path(tmp) / "m76", **SHAPE_76M), Path(tmp))
+    print(_format_table(rows), flush=True)
 
 
 def _cpu_has_bf16() -> bool:
@@ -235,8 +255,6 @@ def _sync_worker(model_dir: Path, result_file: Path, weights: str) -> None:
     cfg = RolloutConfig(name="vllm", free_cache_engine=False, vllm_cpu_weights=weights)
     engine = VLLMRolloutEngine(model_dir, cfg)
     manager = MegatronRolloutShardingManager(chunks, hf_config, engine, cfg)
-    seconds = timed_calls(manager.load_weights, REPEATS)
-    nbytes = manager.last_sync.bytes
     sources = [tensor.clone() for _, tensor in iter_hf_tensors(chunks, hf_config)]
     targets = [torch.empty_like(tensor) for tensor in sources]
 
@@ -245,28 +263,72 @@ def _sync_worker(model_dir: Path, result_file: Path, weights: str) -> None:
         for target, source in zip(targets, sources, strict=True):
             target.copy_(source)
 
-    copy_seconds = timed_calls(plain_copy, REPEATS)
+    # Warm-up, then sync and copy alternating, so that a change of the machine's load hits both.
+    manager.load_weights()
+    plain_copy()
+    loads = LoadSamples()
+    seconds = alternating({"sync": _timer(manager.load_weights), "copy": _timer(plain_copy)}, REPEATS, loads)
+    nbytes = manager.last_sync.bytes
+    sync_case = f"weight sync actor TP{tp} -> vllm, {weights} weights"
     rows = [
-        _sync_row(f"weight sync actor TP{tp} -> vllm, {weights} weights", nbytes, seconds, copy_seconds),
-        _sync_row(f"plain copy, same bytes (TP{tp}, {weights} run)", nbytes, copy_seconds, copy_seconds),
+        _sync_row(sync_case, nbytes, seconds["sync"], seconds["copy"], loads),
+        _sync_row(
+            f"plain copy, same bytes (TP{tp}, {weights} run)", nbytes, seconds["copy"], seconds["copy"], loads
+        ),
     ]
     if dist.get_rank() == 0:
         result_file.write_text(json.dumps(rows))
+    if os.environ.get("BENCH_SYNC_PROFILE"):
+        _profile_one_sync(manager, Path(f"{os.environ['BENCH_SYNC_PROFILE']}.tp{tp}.{weights}.txt"))
     dist.barrier()
     engine.shutdown()  # also ends the process group (vLLM's teardown)
 
 
-def _sync_row(case: str, nbytes: int, seconds: list[float], copy_seconds: list[float]) -> dict:
+def _profile_one_sync(manager, out: Path) -> None:
+    """cProfile of one more sync (collective: every rank syncs); rank 0 writes its costliest calls,
+    by own time and by cumulative time (docs/engines.md, "Weight sync at TP2")."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch.distributed as dist
+
+    profiler = cProfile.Profile()
+    profiler.runcall(manager.load_weights)
+    if dist.get_rank() == 0:
+        text = io.StringIO()
+        for order in ("tottime", "cumulative"):
+            pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(25)
+        out.write_text(text.getvalue())
+
+
+def _timer(fn):
+    def run() -> float:
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    return run
+
+
+def _sync_row(case: str, nbytes: int, seconds: list[float], copy_seconds: list[float], loads) -> dict:
     median, spread = summary(seconds)
-    share = summary(copy_seconds)[0] / median
+    share = _share_text(summary(copy_seconds)[0] / median, loads)
     return {
         "case": case,
         "size": f"{nbytes / 1e6:.0f} MB",
         "seconds (median)": median,
         "spread": f"{spread:.0%}",
-        "throughput": f"{nbytes / median / 1e9:.2f} GB/s ({share:.0%} of plain copy)",
+        "throughput": f"{nbytes / median / 1e9:.2f} GB/s ({share}; {loads.text()})",
         "of matmul peak": "",
     }
+
+
+def _share_text(share: float, loads: LoadSamples) -> str:
+    """`share` of a plain copy's rate, or why none is given (as `ratio_text` refuses a ratio)."""
+    if loads.moved() > LOAD_LIMIT:
+        return f"no share: the load moved by {loads.moved():.2f} during the run (limit {LOAD_LIMIT:g})"
+    return f"{share:.0%} of plain copy"
 
 
 if __name__ == "__main__":
@@ -274,5 +336,7 @@ if __name__ == "__main__":
         _generate_worker(sys.argv[2], Path(sys.argv[3]), sys.argv[4], Path(sys.argv[5]))
     elif sys.argv[1] == "matmul":
         _matmul_worker(sys.argv[4], Path(sys.argv[5]))
+    elif sys.argv[1] == "sync":
+        _sync_only()
     else:
         _sync_worker(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3])
