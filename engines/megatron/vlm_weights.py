@@ -35,9 +35,9 @@ from engines.megatron.weights import (
     ModelLayout,
     SafetensorsReader,
     TensorPlan,
-    _gather_full,
-    _to_hf,
+    gather_full,
     read_shard,
+    to_hf_tensors,
     weight_plan,
 )
 
@@ -214,7 +214,7 @@ def _full_tensor(model, plan: TensorPlan, tp: int) -> torch.Tensor:
     local = model.get_parameter(plan.megatron_name)
     if plan.kind not in SPLIT_KINDS:
         return local.detach()
-    return _gather_full(local, plan, parallel_state.get_tensor_model_parallel_group(), tp)
+    return gather_full(local, plan, parallel_state.get_tensor_model_parallel_group(), tp)
 
 
 def _vision_to_hf(full: torch.Tensor, plan: TensorPlan, vlm: VLMConfig) -> list[torch.Tensor]:
@@ -235,7 +235,7 @@ def iter_vlm_hf_tensors(model, vlm: VLMConfig, cfg: MegatronConfig) -> Iterator[
         plan = vlm_plan(vlm, cfg, reader.weight_map)
         for p in plan.language:
             for name, tensor in zip(
-                p.hf_names, _to_hf(_full_tensor(model, p, tp), p, vlm.text, tp), strict=True
+                p.hf_names, to_hf_tensors(_full_tensor(model, p, tp), p, vlm.text, tp), strict=True
             ):
                 yield name, tensor.clone(memory_format=torch.contiguous_format)
         for p in plan.vision:

@@ -391,7 +391,7 @@ def _split_dim(plan: TensorPlan) -> int:
     return 1 if plan.kind == "row" else 0
 
 
-def _gather_full(local: torch.Tensor, plan: TensorPlan, tp_group, tp: int) -> torch.Tensor:
+def gather_full(local: torch.Tensor, plan: TensorPlan, tp_group, tp: int) -> torch.Tensor:
     """All TP shards of `plan` concatenated along the split dimension (the Megatron full layout)."""
     if plan.kind == "replicated" or tp == 1:
         return local.detach()
@@ -423,7 +423,7 @@ def _gather_stage_tensor(
     """The full tensor of a non-expert parameter this rank's pipeline stage owns."""
     if staging is not None and plan.megatron_name in staging:
         return staging.full(plan.megatron_name)
-    return _gather_full(model.get_parameter(plan.megatron_name), plan, tp_group, tp)
+    return gather_full(model.get_parameter(plan.megatron_name), plan, tp_group, tp)
 
 
 def tp_staging(chunks, hf_config: HFModelConfig) -> TPStaging | None:
@@ -441,7 +441,7 @@ def _gather_expert(model, plan: TensorPlan, layout: ModelLayout, ep_rank: int, d
 
     if ep_rank == plan.owner_ep:
         etp_group = parallel_state.get_expert_tensor_parallel_group()
-        full = _gather_full(model.get_parameter(plan.megatron_name), plan, etp_group, layout.etp).contiguous()
+        full = gather_full(model.get_parameter(plan.megatron_name), plan, etp_group, layout.etp).contiguous()
     else:
         full = torch.empty(plan.full_shape, dtype=dtype, device=device)
     if layout.ep > 1:
@@ -450,7 +450,7 @@ def _gather_expert(model, plan: TensorPlan, layout: ModelLayout, ep_rank: int, d
     return full
 
 
-def _to_hf(full: torch.Tensor, plan: TensorPlan, hf: HFModelConfig, tp: int) -> list[torch.Tensor]:
+def to_hf_tensors(full: torch.Tensor, plan: TensorPlan, hf: HFModelConfig, tp: int) -> list[torch.Tensor]:
     if plan.kind == "vocab":
         return [full[: hf.vocab_size]]
     if plan.kind == "gate_up":
@@ -520,7 +520,7 @@ def iter_hf_tensors(
             full = full.reshape(plan.full_shape).contiguous()  # (a staged gate/up is 4-d: tp_staging.py)
             dist.broadcast(full, group=pp_group, group_src=plan.owner_pp)
         split = layout.etp if plan.expert else layout.tp
-        for name, tensor in zip(plan.hf_names, _to_hf(full, plan, hf_config, split), strict=True):
+        for name, tensor in zip(plan.hf_names, to_hf_tensors(full, plan, hf_config, split), strict=True):
             tensor = merge(name, tensor) if merge else tensor
             yield name, tensor.clone(memory_format=torch.contiguous_format) if copies else tensor.contiguous()
 
