@@ -35,6 +35,7 @@ from engines.megatron.weights import (
     ModelLayout,
     SafetensorsReader,
     TensorPlan,
+    copy_shard,
     gather_full,
     read_shard,
     to_hf_tensors,
@@ -180,15 +181,6 @@ def read_vision_shard(
     return torch.cat([reader.rows(plan.hf_names[w], shapes[w], a, b) for w, a, b in segments])  # qkv
 
 
-def _copy_into(model, plan: TensorPlan, shard: torch.Tensor) -> None:
-    param = model.get_parameter(plan.megatron_name)
-    if shard.shape != param.shape:
-        raise RuntimeError(
-            f"{plan.megatron_name}: shard shape {tuple(shard.shape)} != parameter shape {tuple(param.shape)}"
-        )
-    param.copy_(shard)
-
-
 @torch.no_grad()
 def load_vlm_weights(model, hf_dir, vlm: VLMConfig, cfg: MegatronConfig) -> None:
     """Copy this TP rank's slices of the HF LLaVA checkpoint at `hf_dir` into the LLaVAModel."""
@@ -199,9 +191,9 @@ def load_vlm_weights(model, hf_dir, vlm: VLMConfig, cfg: MegatronConfig) -> None
         reader = SafetensorsReader(hf_dir, stack)
         plan = vlm_plan(vlm, cfg, reader.weight_map)
         for p in plan.language:
-            _copy_into(model, p, read_shard(reader, vlm.text, p, rank, tp))
+            copy_shard(model, p, read_shard(reader, vlm.text, p, rank, tp))
         for p in plan.vision:
-            _copy_into(model, p, read_vision_shard(reader, vlm, p, rank, tp))
+            copy_shard(model, p, read_vision_shard(reader, vlm, p, rank, tp))
 
 
 # ---------------------------------------------------------------- export

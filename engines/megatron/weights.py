@@ -373,14 +373,18 @@ def load_hf_weights(chunks, hf_dir, hf_config: HFModelConfig) -> None:
             for plan in _load_plans(hf_config, layout, pp_rank, ep_rank):
                 if layout.value_head and plan.hf_names == ("score.weight",) and "score.weight" not in reader:
                     continue  # a fresh value head on a causal-LM checkpoint keeps its initialisation
-                param = model.get_parameter(plan.megatron_name)
                 shard = read_shard(reader, hf_config, plan, *_split_ranks(plan, layout, tp_rank, etp_rank))
-                if shard.shape != param.shape:
-                    raise RuntimeError(
-                        f"{plan.megatron_name}: shard shape {tuple(shard.shape)} != parameter shape "
-                        f"{tuple(param.shape)}"
-                    )
-                param.copy_(shard)
+                copy_shard(model, plan, shard)
+
+
+def copy_shard(model, plan: TensorPlan, shard: torch.Tensor) -> None:
+    """`shard` into `plan`'s parameter of `model`; a RuntimeError when the shapes differ."""
+    param = model.get_parameter(plan.megatron_name)
+    if shard.shape != param.shape:
+        raise RuntimeError(
+            f"{plan.megatron_name}: shard shape {tuple(shard.shape)} != parameter shape {tuple(param.shape)}"
+        )
+    param.copy_(shard)
 
 
 # ---------------------------------------------------------------- export
