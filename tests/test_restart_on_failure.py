@@ -114,14 +114,24 @@ def test_a_dead_process_with_no_restart_left_is_one_line_naming_it(tmp_path):
     assert message.endswith("trainer.restart_on_failure=N restarts it by itself") and "\n" not in message
 
 
-def test_errors_that_say_what_happened_stop_the_run_unchanged(tmp_path):
-    """A failed save caused by a dead process names its step already (no restart left); an
-    exception raised in a worker is never turned into a death."""
+def test_an_exception_raised_in_a_worker_stops_the_run_unchanged(tmp_path):
     budget = Restarts(recipe(tmp_path, allowed=0), first_plan=None)
-    for err in (RESTARTS["a checkpoint save a dead process failed"][0](), in_the_worker(ValueError("bad"))):
-        with pytest.raises(type(err)) as stopped:
-            budget.after(err)
-        assert stopped.value is err
+    err = in_the_worker(ValueError("bad"))
+    with pytest.raises(type(err)) as stopped:
+        budget.after(err)
+    assert stopped.value is err
+
+
+def test_a_save_a_dead_process_failed_names_the_process_then_the_save(tmp_path):
+    """No restart left: the line leads with the death, as a dead process's call's does, then keeps
+    the save's own words (its step, where a rerun resumes from)."""
+    budget = Restarts(recipe(tmp_path, allowed=0), first_plan=None)
+    with pytest.raises(WorkerProcessDied) as stopped:
+        budget.after(RESTARTS["a checkpoint save a dead process failed"][0]())
+    assert str(stopped.value) == (
+        "worker rank 0 (HybridPolicyWorker, pid 4242) died during `policy_save`: step 3: saving failed; "
+        "trainer.restart_on_failure=N restarts it by itself"
+    )
 
 
 def publish_checkpoint(cfg: RecipeConfig, step: int) -> Path:

@@ -26,6 +26,7 @@ from pathlib import Path
 from hybridflow.config.loader import load_recipe, write_resolved_recipe
 from hybridflow.config.schema import RecipeConfig
 from hybridflow.config.validate import Layout, validate_recipe
+from hybridflow.launch.local_ray import start_local_ray
 from hybridflow.reward.manager import RewardFunctionError
 from hybridflow.trainer.checkpoint import CheckpointManager, CheckpointSaveError
 from hybridflow.trainer.mismatch import TrainInferenceMismatchError
@@ -82,7 +83,7 @@ def connect_ray(cfg: RecipeConfig) -> None:
     if cfg.trainer.placement == "disaggregated":
         devices += cfg.trainer.rollout_pool.nnodes * cfg.trainer.rollout_pool.n_gpus_per_node
     # Logical CPUs: one per worker process even on a machine with fewer cores.
-    ray.init(num_cpus=max(os.cpu_count() or 1, devices + 1), include_dashboard=False, configure_logging=False)
+    start_local_ray(num_cpus=max(os.cpu_count() or 1, devices + 1))
 
 
 def joined_running_cluster() -> bool:

@@ -7,8 +7,9 @@ main.py stops every worker group (their processes and slots), starts them again 
 the newest complete checkpoint with the ordinary resume (`plan_resume`, `PPOTrainer.resume`), at
 most N times a run. Only Ray's word that a process died counts (`dead_process`): an exception
 raised by hybridflow's or the user's code, a bad recipe or a refused step would recur on every
-restart, so they stop the run as before. With N = 0 a dead process ends the run with one `error:`
-line naming it (`WorkerProcessDied`).
+restart, so they stop the run as before. With no restart left a dead process ends the run with one
+`error:` line naming it (`WorkerProcessDied`), followed by what failed when the death failed a
+checkpoint save.
 
 Where a restart resumes from: the newest checkpoint this run has published (its `latest` file was
 replaced since the run started); before the first, where the run itself started (its resume
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from hybridflow.config.schema import RecipeConfig
 from hybridflow.single_controller.errors import WorkerError
-from hybridflow.trainer.checkpoint import LATEST, capture_rng_state, restore_rng_state
+from hybridflow.trainer.checkpoint import LATEST, CheckpointSaveError, capture_rng_state, restore_rng_state
 from hybridflow.trainer.resume import ResumePlan, plan_resume
 from hybridflow.utils.imports import first_line
 
@@ -99,14 +100,17 @@ class Restarts:
         if self.take(err):
             return self.resume_plan(err)
         died = dead_process(err)
-        if died is None or not is_worker_call_error(err):
+        failed_save = isinstance(err, CheckpointSaveError)
+        if died is None or not (is_worker_call_error(err) or failed_save):
             raise err
         spent = f"after {self.done} restart(s), " if self.done else ""
         hint = "" if self.allowed else "; trainer.restart_on_failure=N restarts it by itself"
-        raise WorkerProcessDied(
-            f"{describe_death(err)}: {first_line(died).rstrip('.')}; {spent}the run stops: rerun the same "
-            f"command to resume from the last checkpoint{hint}"
-        ) from err
+        if failed_save:  # its message says which save failed and where a rerun resumes from
+            what = f"{spent}{err}"
+        else:
+            stops = "the run stops: rerun the same command to resume from the last checkpoint"
+            what = f"{first_line(died).rstrip('.')}; {spent}{stops}"
+        raise WorkerProcessDied(f"{describe_death(err)}: {what}{hint}") from err
 
     def resume_plan(self, err: BaseException) -> ResumePlan | None:
         """The plan of the restart `take(err)` granted, announced on the console."""
