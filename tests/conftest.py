@@ -11,6 +11,7 @@ from process_group import run_recipe_script
 from working_tree import build_quickstart_working_tree
 
 from hybridflow.data.arith import write_arith_parquet
+from hybridflow.launch.local_ray import start_local_ray
 from hybridflow.utils.tiny_model import make_tiny_model
 
 # Ray and torch each start thread pools sized to the machine; on 2 cores that oversubscribes.
@@ -35,13 +36,12 @@ def ray_cluster():
     """One local Ray instance for the session. Logical CPUs exceed the 2 real cores so that
     8-rank worker groups can be placed; tests that need their own cluster (multi-node
     simulation) run in a subprocess instead of shutting this one down. address="local": a new
-    instance even while another test (another pytest-xdist worker) runs a `ray start` head."""
+    instance even while another test (another pytest-xdist worker) runs a `ray start` head; a start
+    that timed out on a busy machine is tried again (hybridflow/launch/local_ray.py)."""
     import ray
 
     if not ray.is_initialized():
-        ray.init(
-            address="local", num_cpus=16, include_dashboard=False, log_to_driver=True, configure_logging=False
-        )
+        start_local_ray(num_cpus=16, address="local", log_to_driver=True)
     yield ray
     ray.shutdown()
 

@@ -21,12 +21,13 @@ class RayStartError(ConnectionError):
     """The local Ray node did not start (main.py prints it as one `error:` line)."""
 
 
-def start_local_ray(num_cpus: int) -> None:
-    """ray.init for a fresh local node of `num_cpus` logical CPUs, at most START_ATTEMPTS starts."""
+def start_local_ray(num_cpus: int, **init_options) -> None:
+    """ray.init for a fresh local node of `num_cpus` logical CPUs (and ray.init's `init_options`),
+    at most START_ATTEMPTS starts."""
     import ray
 
     def start() -> None:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, configure_logging=False)
+        ray.init(num_cpus=num_cpus, include_dashboard=False, configure_logging=False, **init_options)
 
     start_with_retries(start, START_ATTEMPTS)
 
