@@ -19,7 +19,7 @@ from engines.megatron import forward, moe
 from engines.megatron.checks import validate_actor_update_config
 from engines.megatron.config import ActorUpdateConfig, OffPolicyCorrectionConfig
 from engines.megatron.model import unwrap_model
-from engines.megatron.routing_replay import ROUTES_KEY
+from engines.megatron.routing_replay import AGREEMENT, ROUTES_KEY, replays_routes
 from engines.megatron.training import (
     global_counts,
     loss_scale,
@@ -68,18 +68,25 @@ class MegatronActor:
     def compute_log_prob(self, data: DataProto, calculate_entropy: bool = True) -> DataProto | None:
         """`old_log_probs` (and `entropys`) (B, R) under the current weights; meta_info may set
         `micro_batch_size`, `temperature` and `max_token_len` (packed micro-batches of at most
-        that many tokens; None or absent: padded micro-batches)."""
+        that many tokens; None or absent: padded micro-batches). With routing replay, the output's
+        meta_info["metrics"] has `mismatch/router_agreement` (routing_replay.py)."""
         require_keys(data, MODEL_KEYS[:4], "compute_log_prob")
         for chunk in self.chunks:
             chunk.eval()
-        return forward.compute_log_prob(
-            self.chunks,
-            data,
-            data.meta_info.get("micro_batch_size", self.cfg.ppo_micro_batch_size),
-            temperature=data.meta_info.get("temperature", 1.0),
-            calculate_entropy=calculate_entropy,
-            max_token_len=data.meta_info.get("max_token_len"),
-        )
+        with AGREEMENT.counting():
+            out = forward.compute_log_prob(
+                self.chunks,
+                data,
+                data.meta_info.get("micro_batch_size", self.cfg.ppo_micro_batch_size),
+                temperature=data.meta_info.get("temperature", 1.0),
+                calculate_entropy=calculate_entropy,
+                max_token_len=data.meta_info.get("max_token_len"),
+            )
+        if ROUTES_KEY in data.batch and replays_routes(self.chunks[0]):  # every rank: a collective
+            agreement = AGREEMENT.share()
+            if out is not None:  # the last pipeline stage
+                out.meta_info["metrics"] = {"mismatch/router_agreement": [agreement]}
+        return out
 
     def compute_ref_log_prob(self, data: DataProto) -> DataProto | None:
         """The same log-probs under the reference weights, as `ref_log_prob` (B, R). The reference

@@ -56,7 +56,7 @@ def build_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 def _forward_step(loss_fn, device, data_iterator, model):
     micro_batch = next(data_iterator).to(device)
-    if unwrap_model(model).config.moe_enable_routing_replay:
+    if routing_replay.replays_routes(model):
         routing_replay.replay_routes(model, micro_batch)  # R3: the rollout's experts, when it has them
     output = model(
         input_ids=micro_batch["input_ids"],

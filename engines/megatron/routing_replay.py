@@ -20,10 +20,99 @@ so a layer's indices are `routed_experts[:, :, layer]` (b, T, k) transposed to (
 yet (the recipe check refuses them); TP, EP and PP are (each rank routes all T * b tokens of its
 micro-batch; PP stages pick their layers by the router's layer number).
 
-Shapes: b rows, T positions (prompt + response), L MoE layers, k experts per token.
+Agreement (`mismatch/router_agreement`, per step): the share of (token, MoE layer) pairs of the
+old-log-prob pass (the weights the engine sampled with) whose router, on the same logits, would
+itself have picked exactly the replayed experts: 1 means the engine and the trainer route alike
+and replay changes nothing; below 1, replay overrides the trainer's own routes on the rest.
+Counted on the positions whose outputs are read (real tokens but each row's last: the engine never
+ran that one, its routes are filler), by a hook on each router that reruns Megatron's routing
+function without the replay (one h x E matmul per token and layer), only inside `counting()`.
+
+Shapes: b rows, T positions (prompt + response), L MoE layers, k experts per token, E experts.
 """
 
+import weakref
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
 ROUTES_KEY = "routed_experts"
+
+
+class RouterAgreement:
+    """Counts of (token, layer) pairs over the replayed forwards inside `counting()`: how many
+    there were and on how many the router's own top-k equals the replayed one."""
+
+    def __init__(self):
+        self.agree = self.total = 0
+        self.on = False
+        self.read: torch.Tensor | None = None  # (T*b,) bool, the current micro-batch's read positions
+        self.hooked: weakref.WeakSet = weakref.WeakSet()  # the routers with the hook
+
+    def watch(self, routers: list, attention_mask: torch.Tensor) -> None:
+        """Hook `routers` (once each) and count the next forward on `attention_mask`'s (b, T) read
+        positions: real, with a real position after them."""
+        mask = attention_mask.bool()  # (b, T)
+        read = mask & torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], dim=1)  # (b, T)
+        self.read = read.transpose(0, 1).reshape(-1)  # (T*b,), the routers' token order
+        for router in routers:
+            if router not in self.hooked:
+                router.register_forward_hook(self.count)
+                self.hooked.add(router)
+
+    def count(self, router, args, output) -> None:
+        from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        if not self.on or router.router_replay.router_replay_action != RouterReplayAction.REPLAY_FORWARD:
+            return
+        replayed = output[1]  # (T*b, E) bool routing map
+        with torch.no_grad():
+            logits = router.gating(args[0]).view(replayed.shape)  # (T*b, E)
+            _, own = topk_routing_with_score_function(
+                logits,
+                router.topk,
+                use_pre_softmax=router.config.moe_router_pre_softmax,
+                num_groups=router.config.moe_router_num_groups,
+                group_topk=router.config.moe_router_group_topk,
+                scaling_factor=router.config.moe_router_topk_scaling_factor,
+                score_function=router.score_function,
+                expert_bias=router.expert_bias,
+            )
+        same = (own == replayed).all(-1)[self.read.to(replayed.device)]  # (N,)
+        self.agree += int(same.sum())
+        self.total += same.numel()
+
+    @contextmanager
+    def counting(self):
+        """Counts the replayed forwards of the block, from zero."""
+        self.agree = self.total = 0
+        self.on = True
+        try:
+            yield self
+        finally:
+            self.on = False
+
+    def share(self) -> float | None:
+        """The agreement over this rank's counts and those of the pipeline stages and data-parallel
+        ranks (collective over both groups); None when nothing was replayed."""
+        from megatron.core import parallel_state
+
+        counts = torch.tensor([self.agree, self.total], dtype=torch.float64)
+        dist.all_reduce(counts, group=parallel_state.get_pipeline_model_parallel_group())
+        dist.all_reduce(counts, group=parallel_state.get_data_parallel_group())
+        return float(counts[0] / counts[1]) if counts[1] else None
+
+
+AGREEMENT = RouterAgreement()
+
+
+def replays_routes(model) -> bool:
+    """Whether `model` (a chunk, wrapped or not) was built with routing replay."""
+    from engines.megatron.model import unwrap_model
+
+    return unwrap_model(model).config.moe_enable_routing_replay
 
 
 def moe_routers(model) -> list:
@@ -41,6 +130,8 @@ def replay_routes(model, micro_batch) -> None:
     if not routers:
         return
     routes = micro_batch.get(ROUTES_KEY) if ROUTES_KEY in micro_batch else None  # (b, T, L, k)
+    if routes is not None:
+        AGREEMENT.watch(routers, micro_batch["attention_mask"])
     for router in routers:
         replay = router.router_replay
         replay.clear_indices()

@@ -178,8 +178,10 @@ class PPOTrainer:
             self.sync_weights(timings)  # the rollout takes the policy's newest weights
             batch, sampling_metrics = self.sample(timings)  # responses from the rollout
             with metrics.timer("old_log_prob", timings):
-                batch = batch.union(self.policy.log_probs(batch))
+                log_probs = self.policy.log_probs(batch)
+                batch = batch.union(log_probs)
             mismatch_metrics = check_mismatch(batch, self.cfg.trainer, self.global_step)  # may stop the run
+            mismatch_metrics |= metrics.mean_worker_metrics(log_probs)  # MoE routing replay's agreement
             if self.use_ref:
                 with metrics.timer("ref", timings):
                     batch = batch.union(self.policy.ref_log_probs(batch))

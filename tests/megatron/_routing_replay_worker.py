@@ -11,6 +11,8 @@ Per model and layout, on every rank:
   3. replay: the same pass with routes that Megatron would not pick ((e + 1) mod E) uses exactly
      those experts on every token (the hooks' routing maps), and the log-probs change;
   4. the update's forward (forward_only=False, through Megatron's schedule and DDP) uses them too;
+     with the engine's routes on half the rows, mismatch/router_agreement's counts equal the
+     hooks' (the router's own top-k against the replayed one);
   5. a bf16 engine against the fp32 actor (16 sampled responses): the log-prob mismatch (k3 KL /
      mean / max |difference|) with replay is at most the one without (docs/routing-replay.md).
 Prints "REPLAY OK <arch> ep=<ep> rank=<rank> near_ties=<n>/<tokens>" and "BF16 ENGINE ..." lines.
@@ -32,7 +34,7 @@ from engines.megatron.config import MegatronConfig
 from engines.megatron.forward import compute_log_prob, run_micro_batches
 from engines.megatron.model import load_hf_config
 from engines.megatron.parallel import init_megatron
-from engines.megatron.routing_replay import ROUTES_KEY, moe_routers
+from engines.megatron.routing_replay import AGREEMENT, ROUTES_KEY, moe_routers
 from engines.rollout.config import RolloutConfig, SamplingConfig
 from engines.rollout.hf_rollout import HFRolloutEngine
 from hybridflow.algorithms.mismatch import log_prob_mismatch
@@ -43,12 +45,14 @@ PROMPT_LEN, RESPONSE_LEN, TIE = 6, 5, 1e-5
 
 
 class RouterMaps:
-    """Forward hooks on every replaying TopKRouter: each forward's routing map (T*b, E) and
-    whether its top-k is a near-tie (T*b,), by layer number."""
+    """Forward hooks on every replaying TopKRouter: each forward's routing map (T*b, E), whether
+    its top-k is a near-tie (T*b,) and the router's own top-k on its logits (T*b, E), by layer
+    number (the top-k of the softmax: Qwen3-MoE and Mixtral both pick their experts by it)."""
 
     def __init__(self, chunks):
         self.maps: dict[int, list[torch.Tensor]] = {}
         self.ties: dict[int, list[torch.Tensor]] = {}
+        self.own: dict[int, list[torch.Tensor]] = {}
         self.handles = [router.register_forward_hook(self.keep) for router in moe_routers(chunks[0])]
 
     def remove(self) -> None:
@@ -59,15 +63,18 @@ class RouterMaps:
         _, routing_map = output  # (T*b, E) bool
         with torch.no_grad():
             probs = router.gating(args[0]).view(-1, routing_map.shape[1]).float().softmax(-1)  # (T*b, E)
-        top = probs.topk(router.topk + 1, dim=-1).values  # (T*b, k+1)
+        top = probs.topk(router.topk + 1, dim=-1)  # (T*b, k+1)
         self.maps.setdefault(router.layer_number, []).append(routing_map.detach().clone())
-        self.ties.setdefault(router.layer_number, []).append(top[:, -2] - top[:, -1] < TIE)
+        self.ties.setdefault(router.layer_number, []).append(top.values[:, -2] - top.values[:, -1] < TIE)
+        own = one_hot(top.indices[:, :-1], routing_map.shape[1])  # (T*b, E)
+        self.own.setdefault(router.layer_number, []).append(own)
 
-    def take(self) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
-        maps = {layer: torch.cat(m) for layer, m in self.maps.items()}
-        ties = {layer: torch.cat(t) for layer, t in self.ties.items()}
-        self.maps, self.ties = {}, {}
-        return maps, ties
+    def take(self) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+        """Routing maps, near-ties and own top-k since the last take, by layer."""
+        kept = (self.maps, self.ties, self.own)
+        taken = tuple({layer: torch.cat(t) for layer, t in by_layer.items()} for by_layer in kept)
+        self.maps, self.ties, self.own = {}, {}, {}
+        return taken
 
 
 def engine_batch(hf_dir: Path, vocab_size: int, rows: int = 4, dtype: str = "float32") -> DataProto:
@@ -127,6 +134,25 @@ def check_recorded(maps, ties, batch: DataProto, experts: int) -> tuple[int, int
     return near_ties, total
 
 
+def check_agreement(taken, batch: DataProto) -> None:
+    """mismatch/router_agreement's counts (routing_replay.AGREEMENT) against the hooks': the
+    (token, layer) pairs on read positions whose own top-k is the replayed one, up to near-ties;
+    the share over both ranks is the all-reduced counts'."""
+    maps, ties, own = taken
+    read = as_tokens(ran_positions(batch))  # (T*b,)
+    agree = total = slack = 0
+    for layer, routing_map in maps.items():
+        agree += int(((own[layer] == routing_map).all(-1) & read).sum())
+        total += int(read.sum())
+        slack += int((ties[layer] & read).sum())
+    counted = (AGREEMENT.agree, AGREEMENT.total)
+    assert counted[1] == total and abs(counted[0] - agree) <= slack, (counted, agree, total, slack)
+    assert 0 < agree < total  # half the rows replay the router's own picks, half other experts
+    counts = torch.tensor([AGREEMENT.agree, AGREEMENT.total], dtype=torch.float64)
+    dist.all_reduce(counts)
+    assert AGREEMENT.share() == float(counts[0] / counts[1])
+
+
 def check_replayed(maps, routes: torch.Tensor, experts: int) -> None:
     for layer, routing_map in maps.items():
         expected = one_hot(as_tokens(routes[:, :, layer - 1]), experts)  # (T*b, E)
@@ -144,7 +170,7 @@ def bf16_mismatch(chunks, hf_dir: Path, vocab_size: int) -> str:
     plain = without_routes(batch)
     hooks = RouterMaps(chunks)
     own = compute_log_prob(chunks, plain, micro_batch_size=2).batch["old_log_probs"]  # (b, R)
-    maps, _ = hooks.take()
+    maps = hooks.take()[0]
     replayed = compute_log_prob(chunks, batch, micro_batch_size=2).batch["old_log_probs"]  # (b, R)
     hooks.remove()
     ran = as_tokens(ran_positions(batch))  # (T*b,)
@@ -173,11 +199,17 @@ def run_model(arch: str, hf_dir: Path, ep: int) -> None:
     hooks = RouterMaps(chunks)
     plain = without_routes(batch)
     own = compute_log_prob(chunks, plain, micro_batch_size=2)
-    near_ties, total = check_recorded(*hooks.take(), batch, experts)
+    near_ties, total = check_recorded(*hooks.take()[:2], batch, experts)
     other = (batch.batch[ROUTES_KEY].long() + 1) % experts  # (b, T, L, k): not the router's picks
     replayed = DataProto.from_dict({**dict(plain.batch.items()), ROUTES_KEY: other.to(torch.int16)})
     out = compute_log_prob(chunks, replayed, micro_batch_size=2)
     check_replayed(hooks.take()[0], other, experts)
+    half = batch.batch[ROUTES_KEY].clone()
+    half[1::2] = other[1::2].to(half.dtype)  # odd rows: other experts
+    half_replayed = DataProto.from_dict({**dict(plain.batch.items()), ROUTES_KEY: half})
+    with AGREEMENT.counting():
+        compute_log_prob(chunks, half_replayed, micro_batch_size=2)
+    check_agreement(hooks.take(), batch)
     mask = batch.batch["response_mask"].bool()
     assert not torch.allclose(out.batch["old_log_probs"][mask], own.batch["old_log_probs"][mask])
     run_micro_batches(chunks, replayed, 2, mean_logit, forward_only=False)  # the update's path
