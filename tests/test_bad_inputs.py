@@ -31,6 +31,7 @@ from hybridflow.trainer import main as entry
 from hybridflow.trainer.checkpoint import CheckpointManager, save_trainer_state
 from hybridflow.trainer.preflight import check_reward_inputs
 from hybridflow.utils.tiny_model import build_tokenizer, make_tiny_model
+from hybridflow.utils.tiny_vlm import make_tiny_vlm
 
 # the shipped recipes' relative paths exist, as after `make quickstart` (tests/working_tree.py)
 pytestmark = pytest.mark.usefixtures("in_quickstart_working_tree")
@@ -140,6 +141,9 @@ def broken_parquets(rows: list[dict], out: Path) -> dict[str, Path]:
     files = {f"{name}.parquet": write_rows(out / f"{name}.parquet", bad) for name, bad in variants.items()}
     files["no_prompt.parquet"] = out / "no_prompt.parquet"
     pq.write_table(pa.Table.from_pylist(rows).drop(["prompt"]), files["no_prompt.parquet"])
+    files["images.parquet"] = out / "images.parquet"  # the rows and a column of images (PNG bytes)
+    png = {"bytes": b"\x89PNG\r\n\x1a\n", "path": None}  # never decoded: the column's presence is refused
+    pq.write_table(pa.Table.from_pylist([{**r, "images": [png]} for r in rows]), files["images.parquet"])
     files["empty.parquet"] = out / "empty.parquet"
     pq.write_table(pa.Table.from_pylist(rows).slice(0, 0), files["empty.parquet"])
     files["not_parquet.parquet"] = out / "not_parquet.parquet"
@@ -168,6 +172,7 @@ def files(tmp_path_factory):
     """Every `<name>` the table uses, built once for the module."""
     root = tmp_path_factory.mktemp("bad_inputs")
     files = {"tiny": make_tiny_model(root / "tiny"), "out": root / "out", "missing": root / "missing"}
+    files["vlm"] = make_tiny_vlm(root / "vlm")
     files.update(write_arith_parquet(root / "data", ArithConfig(num_train=8, num_test=4, seed=3)))
     files.update(broken_models(files["tiny"], root))
     files.update(broken_parquets(pq.read_table(files["train"]).to_pylist(), root / "bad_data"))

@@ -139,6 +139,12 @@ def load_hf_config(path) -> HFModelConfig:
         raise ValueError(f"{config_file} is not valid JSON ({err})") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{config_file} must hold a JSON object, got {type(raw).__name__}")
+    if "vision_config" in raw:  # its text fields sit under text_config: the missing-field list would mislead
+        names = ", ".join(raw.get("architectures") or ["the model"])
+        raise ValueError(
+            f"{config_file}: {names} is a vision-language model, which hybridflow does not train yet "
+            "(docs/vlm.md: what is built); use a text model"
+        )
     missing = [key for key in REQUIRED_FIELDS if key not in raw]
     if missing:
         raise ValueError(f"{config_file} lacks {missing}, which the Megatron model needs")

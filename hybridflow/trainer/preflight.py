@@ -14,6 +14,7 @@ import json
 import logging
 from pathlib import Path
 
+import pyarrow.parquet as pq
 from safetensors import SafetensorError, safe_open
 
 from engines.megatron.routing_replay import check_replay_model
@@ -50,6 +51,7 @@ def check_run_inputs(cfg: RecipeConfig) -> None:
     if uses_teacher(cfg):  # the teacher scores the student's token ids: one tokenizer for both
         check_teacher_tokenizer(cfg.teacher.path, tokenizer, cfg.model.path)
     train_rows = check_data(cfg, tokenizer)
+    check_no_image_columns(cfg)
     check_resume_point(cfg)
     warn_if_a_checkpoint_does_not_fit(cfg, parameters)
     warn_if_staleness_is_out_of_reach(cfg, train_rows)
@@ -297,6 +299,28 @@ def _prompt_dataset(cfg: RecipeConfig, tokenizer, files: list[str], max_samples:
     dataset = PromptDataset(files, tokenizer, data.max_prompt_length, data.prompt_key, max_samples, tools)
     check_reward_inputs(read_located_rows(files, REQUIRED_COLUMNS)[:max_samples], cfg.reward.custom_fn)
     return dataset
+
+
+IMAGE_COLUMNS = ("images", "image")  # verl's data.image_key and the usual datasets column
+
+
+def check_no_image_columns(cfg: RecipeConfig) -> None:
+    """ValueError for a prompt file with an image column: the policy is a text model (a
+    vision-language one is refused with its config.json) and the trainer reads only the prompt's
+    text, so the images would be dropped without a word."""
+    from engines.megatron.model import load_hf_config
+
+    for key in ("train_files", "val_files"):
+        for index, path in enumerate(getattr(cfg.data, key)):
+            images = [name for name in pq.read_schema(path).names if name in IMAGE_COLUMNS]
+            if images:
+                architecture = load_hf_config(cfg.model.path).architecture
+                raise ValueError(
+                    f"data.{key}[{index}]={path} has an image column '{images[0]}', but model.path="
+                    f"{cfg.model.path} is a text-only model ({architecture}): its images would be dropped "
+                    "without a word; drop the column, or train a vision-language model once they are "
+                    "built (docs/vlm.md)"
+                )
 
 
 def check_reward_inputs(located: list[tuple[str, dict]], custom_fn: str | None) -> None:
