@@ -468,3 +468,70 @@ def test_what_vllm_on_cpu_cannot_do_is_refused_before_it_starts(local, tmp_path)
     )
     cfg.trainer.use_gpu = True
     validate_recipe(cfg, cuda_available=True)  # CUDA takes it
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["rollout.top_k_log_probs=-1"], "rollout.top_k_log_probs must be an int >= 0 (0: off), got -1"),
+        (
+            ["rollout.top_k_log_probs=3", "rollout.calculate_log_probs=false"],
+            "rollout.top_k_log_probs=3 needs the engine's log-probs: set rollout.calculate_log_probs=true",
+        ),
+        (
+            ["rollout.top_k_log_probs=3", "rollout.name=sglang"],
+            "rollout.top_k_log_probs=3 with rollout.name='sglang': only the hf and vllm engines return the "
+            "top K; use one of them or set rollout.top_k_log_probs=0",
+        ),
+        (
+            [
+                "rollout.top_k_log_probs=3",
+                "rollout.name=vllm",
+                "rollout.agent.loop=tool",
+                "rollout.agent.tools=[hybridflow.agents.tools.calculator.Calculator]",
+            ],
+            "rollout.top_k_log_probs=3 with rollout.agent.loop='tool': tool-response tokens have no engine "
+            "distribution; set rollout.top_k_log_probs=0 or rollout.agent.loop=single_turn",
+        ),
+        (
+            ["rollout.top_k_log_probs=21", "rollout.name=vllm"],
+            "rollout.top_k_log_probs=21 exceeds vLLM's max_logprobs=20: lower rollout.top_k_log_probs or "
+            "set rollout.vllm.max_logprobs to at least 21",
+        ),
+    ],
+    ids=["negative", "no-log-probs", "sglang", "agent-loop", "vllm-max-logprobs"],
+)
+def test_top_k_log_probs_an_engine_cannot_return_are_refused_when_the_recipe_loads(local, overrides, message):
+    with pytest.raises(ValueError) as err:
+        load_recipe(GRPO, [*cpu_overrides(local), *overrides])
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        (
+            "trainer.placement=disaggregated",
+            "trainer.rollout_pool.n_gpus_per_node=1",
+            "trainer.async_training.mode=async",
+            "trainer.async_training.max_staleness=2",
+            "trainer.async_training.partial_rollout=true",
+        ),
+        ("trainer.async_training.mode=stream",),
+    ],
+    ids=["partial-rollout", "stream"],
+)
+def test_top_k_log_probs_with_request_level_generation_are_refused(local, overrides):
+    """Partial rollouts and mode=stream generate through requests, which do not return them yet."""
+    setting = overrides[-1].removeprefix("trainer.async_training.")
+    message = invalid(GRPO, local, "rollout.top_k_log_probs=3", "rollout.name=vllm", *overrides)
+    assert (
+        f"rollout.top_k_log_probs=3 with trainer.async_training.{setting}: request-level generation does not "
+        "return the top-K log-probs yet; set rollout.top_k_log_probs=0"
+    ) in message
+
+
+def test_top_k_log_probs_within_what_the_engine_returns_are_accepted(local):
+    load_valid(GRPO, local, "rollout.top_k_log_probs=3")
+    load_valid(GRPO, local, "rollout.top_k_log_probs=21", "rollout.name=vllm", "rollout.vllm.max_logprobs=32")
+    load_valid(GRPO, local, "rollout.top_k_log_probs=21", "rollout.name=vllm", "rollout.vllm.max_logprobs=-1")

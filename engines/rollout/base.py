@@ -12,6 +12,10 @@ repeated in place, `[a, a, b, b]`, non-tensor data repeated the same way), R = r
 | `attention_mask` | (B*n, P+R) | prompt mask then response_mask |
 | `position_ids` | (B*n, P+R) | prompt positions, then the last prompt position + 1, + 2, ... |
 | `rollout_log_probs` | (B*n, R) | with `calculate_log_probs`: log p(token) at the rollout temperature |
+| `rollout_top_k_ids` | (B*n, R, K) | with `top_k_log_probs` K > 0: the K likeliest ids, likeliest first |
+| `rollout_top_k_log_probs` | (B*n, R, K) | their log-probs, in the distribution of `rollout_log_probs` |
+
+The top-K tensors are 0 past each response's end.
 
 meta_info switches read by the engines:
   - `validate: True` selects `val_sampling` instead of `sampling`;
@@ -27,7 +31,7 @@ meta_info switches read by the engines:
 
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -39,6 +43,13 @@ PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
 WEIGHTS_TAG, KV_CACHE_TAG, CUDA_GRAPH_TAG = "weights", "kv_cache", "cuda_graph"
 SEED_STREAM_KEY = "rollout_seed_stream"
 _SEED_MODULUS = 2**62
+
+
+class TopK(NamedTuple):
+    """The engine's K likeliest tokens at each generated position, likeliest first."""
+
+    ids: torch.Tensor  # (B, L, K) int64
+    log_probs: torch.Tensor  # (B, L, K) float32, of the distribution the token was sampled from
 
 
 class RolloutEngine(Protocol):
@@ -78,7 +89,8 @@ class SeededGenerationMixin:
 
     An engine sets `cfg`, `eos_token_ids`, `pad_token_id`, `tokenizer` (None unless stop strings
     are used) and `_calls = 0`, and implements `_generate(prompts, sampling, seed)` returning the
-    generated ids (B, L) and their log-probs (B, L) or None, on CPU.
+    generated ids (B, L), their log-probs (B, L) or None, and with `top_k_log_probs` K > 0 their
+    `TopK` (B, L, K) (else None), on CPU.
     """
 
     cfg: RolloutConfig
@@ -92,7 +104,7 @@ class SeededGenerationMixin:
 
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         prompts, sampling, seed = self.start_call(prompts)
-        responses, log_probs = self._generate(prompts, sampling, seed)
+        responses, log_probs, top_k = self._generate(prompts, sampling, seed)
         return assemble_rollout_output(
             prompts,
             responses,
@@ -102,6 +114,7 @@ class SeededGenerationMixin:
             stop=sampling.stop,
             tokenizer=self.tokenizer,
             log_probs=log_probs,
+            top_k=top_k,
         )
 
     def start_call(self, prompts: DataProto) -> tuple[DataProto, SamplingConfig, int]:
@@ -234,12 +247,14 @@ def assemble_rollout_output(
     stop: list[str],
     tokenizer=None,
     log_probs: torch.Tensor | None = None,
+    top_k: TopK | None = None,
 ) -> DataProto:
     """Build the `generate_sequences` output from raw generated ids.
 
     `responses` (B, L), L <= response_length, holds each row's generated ids; tokens after a row's
     first EOS (or after its first stop string, when `stop` is given) are masked and set to the pad
-    id. `log_probs` (B, L) are the chosen tokens' log-probs, or None.
+    id. `log_probs` (B, L) are the chosen tokens' log-probs, or None; `top_k` (B, L, K) the
+    likeliest tokens at each position, or None.
     """
     batch_size, length = responses.shape
     if length > response_length:
@@ -275,9 +290,25 @@ def assemble_rollout_output(
             log_probs.float() * mask[:, :length], (0, padding), value=0.0
         )  # (B, R)
         tensors["rollout_log_probs"] = log_probs
+    if top_k is not None:
+        tensors.update(_padded_top_k(top_k, mask))
     return DataProto.from_dict(
         tensors=tensors, non_tensors=prompts.non_tensor_batch, meta_info=prompts.meta_info
     )
+
+
+def _padded_top_k(top_k: TopK, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The top-K tensors of the output, 0 past each response's end. `mask` is (B, R)."""
+    length = top_k.ids.shape[1]
+    padding = (0, 0, 0, mask.shape[1] - length)  # the position dimension, from L to R
+    outside = (mask[:, :length] == 0)[..., None]  # (B, L, 1)
+    # masked_fill, not a product: vLLM's processed log-probs are -inf outside top-k / top-p filters
+    ids = top_k.ids.long().masked_fill(outside, 0)  # (B, L, K)
+    log_probs = top_k.log_probs.float().masked_fill(outside, 0.0)  # (B, L, K)
+    return {
+        "rollout_top_k_ids": torch.nn.functional.pad(ids, padding),  # (B, R, K)
+        "rollout_top_k_log_probs": torch.nn.functional.pad(log_probs, padding),  # (B, R, K)
+    }
 
 
 def read_special_token_ids(model_path: Path, hf_config) -> tuple[list[int], int]:

@@ -28,6 +28,7 @@ ROLLOUT_ENGINES = get_args(RolloutName)
 ROLLOUT_DTYPES = get_args(RolloutDtype)
 LOAD_FORMATS = get_args(LoadFormat)
 VLLM_CPU_WEIGHTS = get_args(VLLMCPUWeights)
+VLLM_MAX_LOGPROBS = 20  # vLLM 0.32's default max_logprobs (vllm/config/model.py ModelConfig)
 
 # ServerArgs fields the sglang engine sets from the rollout settings (or needs as they are)
 SGLANG_SET_ELSEWHERE = {
@@ -166,6 +167,9 @@ class RolloutConfig:
     # mixture-of-experts models: each input token's top-k experts per layer as routed_experts
     # (B, P+R, L, k), for actor.megatron.moe_routing_replay=rollout (hf engine; docs/routing-replay.md)
     return_routed_experts: bool = False
+    # 0 = off; K > 0: every response token also gets the engine's K most likely tokens and their log-probs
+    # (the opt-in full-distribution mismatch check)
+    top_k_log_probs: int = 0
     weight_sync_bucket_mb: int = 512
     # after every sync: hf compares every tensor's checksum; vllm its log-probs of fixed tokens
     verify_weight_sync: bool = False
@@ -230,6 +234,7 @@ class RolloutConfig:
                 f"rollout.gpu_memory_utilization must be in (0, 1), got {self.gpu_memory_utilization}"
             )
         self._check_engine_specific_settings()
+        self._check_top_k_log_probs()
 
     def _check_engine_specific_settings(self) -> None:
         """Settings that only some engines take, and the engines' own pass-through settings."""
@@ -272,6 +277,33 @@ class RolloutConfig:
             f"vLLM {VLLM_VERSION} EngineArgs",
             VLLM_SET_ELSEWHERE,
         )
+
+    def _check_top_k_log_probs(self) -> None:
+        """What rollout.top_k_log_probs needs: the engine's log-probs, an engine that returns the top K
+        (vLLM: at most its max_logprobs), and responses the engine sampled every token of."""
+        k, key = self.top_k_log_probs, "rollout.top_k_log_probs"
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"{key} must be an int >= 0 (0: off), got {k!r}")
+        if k == 0:
+            return
+        if not self.calculate_log_probs:
+            raise ValueError(f"{key}={k} needs the engine's log-probs: set rollout.calculate_log_probs=true")
+        if self.name not in ("hf", "vllm"):
+            raise ValueError(
+                f"{key}={k} with rollout.name={self.name!r}: only the hf and vllm engines return the top K; "
+                f"use one of them or set {key}=0"
+            )
+        if self.agent.loop != "single_turn":
+            raise ValueError(
+                f"{key}={k} with rollout.agent.loop={self.agent.loop!r}: tool-response tokens have no engine "
+                f"distribution; set {key}=0 or rollout.agent.loop=single_turn"
+            )
+        limit = self.vllm.get("max_logprobs", VLLM_MAX_LOGPROBS)  # -1: vLLM's "no cap"
+        if self.name == "vllm" and limit != -1 and k > limit:
+            raise ValueError(
+                f"{key}={k} exceeds vLLM's max_logprobs={limit}: lower {key} or set "
+                f"rollout.vllm.max_logprobs to at least {k}"
+            )
 
     def max_new_tokens(self, sampling: SamplingConfig) -> int:
         """New tokens to generate under `sampling` (its own limit, else response_length)."""

@@ -18,7 +18,13 @@ from typing import Any
 
 import torch
 
-from engines.rollout.base import WEIGHTS_TAG, SeededGenerationMixin, load_tokenizer, read_special_token_ids
+from engines.rollout.base import (
+    WEIGHTS_TAG,
+    SeededGenerationMixin,
+    TopK,
+    load_tokenizer,
+    read_special_token_ids,
+)
 from engines.rollout.config import RolloutConfig, SamplingConfig
 from engines.rollout.hf_routes import ROUTES_KEY, RouteRecorder
 from engines.weight_sync.common import check_named_shapes, tensor_checksum, torch_dtype
@@ -69,12 +75,14 @@ class SampledLogProbs:
     generate passes each step's raw logits (custom processors run before its temperature, top-k and
     top-p warpers, transformers/generation/utils.py `_get_logits_processor`), and the token drawn
     from them is the last column of the next step's ids. Holds one step's (B, V) log-probs, where
-    `output_logits` would keep (B, L, V) until generate returns; leaves the logits unchanged."""
+    `output_logits` would keep (B, L, V) until generate returns; leaves the logits unchanged. With
+    `top_k` K > 0 it also keeps each step's K likeliest tokens of the same log-probs."""
 
-    def __init__(self, temperature: float):
-        self.temperature = temperature
+    def __init__(self, temperature: float, top_k: int = 0):
+        self.temperature, self.top_k = temperature, top_k
         self.pending: torch.Tensor | None = None  # (B, V): the last step's log-probs, token not yet drawn
         self.columns: list[torch.Tensor] = []  # L of (B,)
+        self.top_columns: list[tuple[torch.Tensor, torch.Tensor]] = []  # L of (values, ids), each (B, K)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         self._take(input_ids[:, -1])  # the token drawn from the previous step's distribution
@@ -84,6 +92,8 @@ class SampledLogProbs:
     def _take(self, drawn: torch.Tensor) -> None:
         if self.pending is not None:
             self.columns.append(self.pending.gather(-1, drawn[:, None]).squeeze(-1))  # (B,)
+            if self.top_k:
+                self.top_columns.append(self.pending.topk(self.top_k, dim=-1))  # (B, K) sorted, descending
             self.pending = None
 
     def log_probs(self, sequences: torch.Tensor) -> torch.Tensor:
@@ -92,6 +102,15 @@ class SampledLogProbs:
         if not self.columns:
             return torch.zeros(sequences.shape[0], 0)
         return torch.stack(self.columns, dim=1)  # (B, L)
+
+    def top_k_tokens(self) -> TopK | None:
+        """(B, L, K) ids and log-probs of each step's K likeliest tokens, on CPU (None with K = 0);
+        call it after `log_probs`, which takes the last step."""
+        if not self.top_k:
+            return None
+        values = torch.stack([values for values, _ in self.top_columns], dim=1)  # (B, L, K)
+        ids = torch.stack([ids for _, ids in self.top_columns], dim=1)  # (B, L, K)
+        return TopK(ids.cpu(), values.cpu())
 
 
 class HFRolloutEngine(SeededGenerationMixin):
@@ -126,17 +145,18 @@ class HFRolloutEngine(SeededGenerationMixin):
         return out
 
     def _generate(self, prompts: DataProto, sampling: SamplingConfig, seed: int):
-        """Generated ids (B, L) and, with calculate_log_probs, their log-probs (B, L), on CPU."""
+        """Generated ids (B, L) and, with calculate_log_probs, their log-probs (B, L) and with
+        top_k_log_probs their `TopK` (B, L, K), on CPU."""
         from transformers import LogitsProcessorList
 
         input_ids = prompts.batch["input_ids"]  # (B, P)
         if len(prompts) == 0:
-            empty = torch.zeros(0, 0, dtype=torch.long)
-            return empty, (empty.float() if self.cfg.calculate_log_probs else None)
+            return self._empty_output()
         generation_config = self._generation_config(sampling)
         recorder = None
         if self.cfg.calculate_log_probs:
-            recorder = SampledLogProbs(sampling.temperature if sampling.do_sample else 1.0)
+            temperature = sampling.temperature if sampling.do_sample else 1.0
+            recorder = SampledLogProbs(temperature, self.cfg.top_k_log_probs)
         routes = self.route_recorder.recording(len(prompts)) if self.route_recorder else nullcontext()
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), routes:
@@ -150,7 +170,14 @@ class HFRolloutEngine(SeededGenerationMixin):
             )
         responses = out.sequences[:, input_ids.shape[1] :]  # (B, L)
         log_probs = recorder.log_probs(out.sequences).cpu() if recorder else None  # (B, L)
-        return responses.cpu(), log_probs
+        return responses.cpu(), log_probs, (recorder.top_k_tokens() if recorder else None)
+
+    def _empty_output(self):
+        """`_generate`'s output for no prompt rows: the same keys, with no positions."""
+        empty, k = torch.zeros(0, 0, dtype=torch.long), self.cfg.top_k_log_probs
+        log_probs = empty.float() if self.cfg.calculate_log_probs else None
+        top_k = TopK(torch.zeros(0, 0, k, dtype=torch.long), torch.zeros(0, 0, k)) if k else None  # (0, 0, K)
+        return empty, log_probs, top_k
 
     def _generation_config(self, sampling: SamplingConfig):
         from transformers import GenerationConfig

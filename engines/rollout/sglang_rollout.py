@@ -105,11 +105,12 @@ class SGLangRolloutEngine(SeededGenerationMixin):
 
     # ------------------------------------------------------------------ generation
     def _generate(self, prompts: DataProto, sampling: SamplingConfig, seed: int):
-        """Generated ids (B, L) padded with the pad id, and their log-probs (B, L) or None."""
+        """Generated ids (B, L) padded with the pad id, their log-probs (B, L) or None, and no top-K
+        (rollout.top_k_log_probs is refused for sglang)."""
         input_ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
         requests = [row[row_mask.bool()].tolist() for row, row_mask in zip(input_ids, mask, strict=True)]
         if not requests:
-            return torch.zeros(0, 0, dtype=torch.long), None
+            return torch.zeros(0, 0, dtype=torch.long), None, None
         params = [self._sampling_params(sampling, row_seed(seed, row)) for row in range(len(requests))]
         outputs = self.engine.generate(
             input_ids=requests, sampling_params=params, return_logprob=self.cfg.calculate_log_probs
@@ -120,7 +121,7 @@ class SGLangRolloutEngine(SeededGenerationMixin):
         for row, row_ids in enumerate(ids):
             responses[row, : len(row_ids)] = torch.tensor(row_ids, dtype=torch.long)
         log_probs = _output_log_probs(outputs, ids, length) if self.cfg.calculate_log_probs else None
-        return responses, log_probs
+        return responses, log_probs, None
 
     def _sampling_params(self, sampling: SamplingConfig, seed: int) -> dict[str, Any]:
         params: dict[str, Any] = {

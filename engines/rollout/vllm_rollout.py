@@ -11,7 +11,9 @@ vLLM 0.32.0; the calls it makes, as that version defines them:
   - `generate(TokensPrompt, SamplingParams)`: per-request `seed` (`v1/sample/sampler.py` keeps a
     generator per seeded request), `logprobs=0` for the sampled token's log-prob, which
     `logprobs_mode="processed_logprobs"` computes after temperature (and top-k/top-p), i.e. of
-    the distribution the token was drawn from;
+    the distribution the token was drawn from; `logprobs=K` with `rollout.top_k_log_probs`, which
+    adds the K likeliest tokens to each position's {token id: `Logprob`} with ranks 1..K
+    (`logprobs.py` `append_logprobs_for_next_position`);
   - weights: `initialize_layerwise_reload(model)`, then `model.load_weights(bucket)` per bucket,
     then `finalize_layerwise_reload(model, model_config)`
     (`model_executor/model_loader/reload/layerwise.py`, what the weight-transfer engines of
@@ -42,6 +44,7 @@ from engines.rollout.base import (
     KV_CACHE_TAG,
     WEIGHTS_TAG,
     SeededGenerationMixin,
+    TopK,
     load_tokenizer,
     pad_rows,
     read_special_token_ids,
@@ -138,10 +141,29 @@ def sampling_params(cfg: RolloutConfig, sampling: SamplingConfig, seed: int, eos
         seed=seed,
         stop=list(sampling.stop) or None,
         stop_token_ids=list(eos_token_ids),  # without a tokenizer vLLM knows no EOS of its own
-        logprobs=0 if cfg.calculate_log_probs else None,
+        logprobs=cfg.top_k_log_probs if cfg.calculate_log_probs else None,  # the sampled token's, + K
         detokenize=bool(sampling.stop),
         skip_special_tokens=False,
     )
+
+
+def top_k_tokens(completions, k: int) -> TopK:
+    """The entries of rank 1..K at each generated position of vLLM's completions, by rank, 0 past
+    a row's end. The sampled token is there too, under its own rank: > K when it is not among the
+    K (its rank counts the tokens at least as likely, itself included). -> (B, L, K)"""
+    length = max(len(c.token_ids) for c in completions)
+    ids = torch.zeros(len(completions), length, k, dtype=torch.long)  # (B, L, K)
+    log_probs = torch.zeros(len(completions), length, k)  # (B, L, K)
+    for row, completion in enumerate(completions):
+        ranked = [
+            sorted((entry.rank, token, entry.logprob) for token, entry in position.items() if entry.rank <= k)
+            for position in completion.logprobs
+        ]  # L of K (rank, id, log-prob)
+        if ranked:
+            table = torch.tensor(ranked, dtype=torch.float64)  # (L, K, 3): ids < 2**53 stay exact
+            ids[row, : len(ranked)] = table[..., 1].long()
+            log_probs[row, : len(ranked)] = table[..., 2].float()
+    return TopK(ids, log_probs)
 
 
 class VLLMRolloutEngine(SeededGenerationMixin):
@@ -186,12 +208,13 @@ class VLLMRolloutEngine(SeededGenerationMixin):
 
     # ------------------------------------------------------------------ generation
     def _generate(self, prompts: DataProto, sampling: SamplingConfig, seed: int):
-        """Generated ids (B, L) padded with the pad id, and their log-probs (B, L) or None."""
+        """Generated ids (B, L) padded with the pad id, their log-probs (B, L) or None, and with
+        top_k_log_probs their `TopK` (B, L, K) (else None)."""
         from vllm.inputs import TokensPrompt
 
         requests = [TokensPrompt(prompt_token_ids=ids) for ids in unpadded_prompts(prompts)]
         if not requests:
-            return torch.zeros(0, 0, dtype=torch.long), None
+            return torch.zeros(0, 0, dtype=torch.long), None, None
         params = [
             sampling_params(self.cfg, sampling, row_seed(seed, row), self.eos_token_ids)
             for row in range(len(requests))
@@ -200,12 +223,14 @@ class VLLMRolloutEngine(SeededGenerationMixin):
         completions = [out.outputs[0] for out in outputs]
         responses = pad_rows([list(c.token_ids) for c in completions], self.pad_token_id, torch.long)
         if not self.cfg.calculate_log_probs:
-            return responses, None
+            return responses, None, None
         log_probs = [
             [entry[token].logprob for entry, token in zip(c.logprobs, c.token_ids, strict=True)]
             for c in completions
         ]
-        return responses, pad_rows(log_probs, 0.0, torch.float32)
+        k = self.cfg.top_k_log_probs
+        top_k = top_k_tokens(completions, k) if k else None  # (B, L, K)
+        return responses, pad_rows(log_probs, 0.0, torch.float32), top_k
 
     # ------------------------------------------------------------------ weights
     def begin_weight_update(self) -> None:

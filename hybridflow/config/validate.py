@@ -94,7 +94,7 @@ def validate_recipe(cfg: RecipeConfig, cuda_available: bool | None = None) -> La
             "frozen base weights would stay on the GPU during generation; set param_offload=false"
         )
     errors += _check_placement(cfg) + _check_async_training(cfg) + _check_lora_sync(cfg)
-    errors += _check_distillation(cfg)
+    errors += _check_distillation(cfg) + _check_top_k_requests(cfg)
     if errors:
         raise RecipeError(errors)
     return layout
@@ -265,6 +265,19 @@ def _check_stream(cfg: RecipeConfig) -> list[str]:
             f"vLLM engine does here: set rollout.name=vllm (got {cfg.rollout.name})"
         )
     return errors
+
+
+def _check_top_k_requests(cfg: RecipeConfig) -> list[str]:
+    """rollout.top_k_log_probs comes with the engines' batch calls; the request-level generation of
+    partial rollouts and mode=stream (engines/rollout/request_batches.py) does not return it yet."""
+    k, settings = cfg.rollout.top_k_log_probs, cfg.trainer.async_training
+    uses = {"partial_rollout=true": settings.partial_rollout, "mode=stream": settings.mode == "stream"}
+    return [
+        f"rollout.top_k_log_probs={k} with trainer.async_training.{setting}: request-level generation "
+        "does not return the top-K log-probs yet; set rollout.top_k_log_probs=0"
+        for setting, used in uses.items()
+        if k and used
+    ]
 
 
 def _check_agent_tools(cfg: RecipeConfig) -> list[str]:

@@ -18,6 +18,9 @@ Checks, printing "OK <check>" on rank 0 after each:
   log-probs-match   sampled responses' rollout_log_probs (temperature 0.8) equal the actor's
                     compute_log_prob of the same tokens within 1e-4 (fp32);
   seeds             the same seed gives the same samples, another seed other samples;
+  top-k             (N = 1) the same engine with rollout.top_k_log_probs=3: unchanged samples and
+                    log-probs, (B, R, 3) top-K ids and log-probs, likeliest first, consistent with
+                    the sampled token's, equal to hf's forward of the same tokens within 1e-4;
   requests-equal-batch  (N = 1) requests awaited one by one through the request-level engine
                     (engines/rollout/requests.py), joining at different decoding steps, sample
                     what one batch call samples with the same seeds, with their log-probs and
@@ -229,6 +232,48 @@ def check_requests_equal_batch(engine: VLLMRolloutEngine, cfg: RolloutConfig, pr
     say("requests-equal-batch")
 
 
+def check_top_k(engine: VLLMRolloutEngine, hf_engine: HFRolloutEngine, prompts: DataProto) -> None:
+    """The same engine asked for K = 3: the samples and their log-probs are those of K = 0; (B, R, K)
+    ids and log-probs, likeliest first, 0 on padding; a sampled token among them has its own
+    log-prob there, one outside them is below all K; and they are hf's forward of the same tokens."""
+    k, plain = 3, engine.cfg
+    prompts.meta_info["seed"] = 13
+    engine.cfg = replace(plain, top_k_log_probs=k)
+    try:
+        out = engine.generate_sequences(prompts)
+    finally:
+        engine.cfg = plain
+    expected = engine.generate_sequences(prompts)
+    for key in ("responses", "rollout_log_probs"):
+        assert torch.equal(out.batch[key], expected.batch[key]), key
+    ids, log_probs = out.batch["rollout_top_k_ids"], out.batch["rollout_top_k_log_probs"]  # (B, R, K)
+    assert ids.shape == log_probs.shape == (PROMPTS, RESPONSE_LENGTH, k)
+    assert (ids.dtype, log_probs.dtype) == (torch.int64, torch.float32)
+    mask = out.batch["response_mask"].bool()  # (B, R)
+    assert (ids[~mask] == 0).all() and (log_probs[~mask] == 0).all()
+    top_ids, top = ids[mask], log_probs[mask]  # (N, K)
+    assert (top[:, :-1] >= top[:, 1:]).all()
+    sampled, sampled_lp = out.batch["responses"][mask], out.batch["rollout_log_probs"][mask]  # (N,)
+    hit = top_ids == sampled[:, None]  # (N, K)
+    among = hit.any(-1)  # (N,)
+    assert torch.equal(top[hit], sampled_lp[among]) and (top[~among] >= sampled_lp[~among, None]).all()
+    assert among.any() and (~among).any(), "both cases should occur at temperature 0.8"
+    with torch.no_grad():
+        logits = hf_engine.model(
+            input_ids=out.batch["input_ids"],
+            attention_mask=out.batch["attention_mask"],
+            position_ids=out.batch["position_ids"],
+        ).logits  # (B, P+R, V)
+    reference = (logits[:, -RESPONSE_LENGTH - 1 : -1].float() / TEMPERATURE).log_softmax(-1)  # (B, R, V)
+    # values against hf's own top K, and hf's log-probs of vLLM's ids (near ties may swap ids)
+    worst = max(
+        float((reference.topk(k).values[mask] - top).abs().max()),
+        float((reference.gather(-1, ids)[mask] - top).abs().max()),
+    )
+    assert worst < LOG_PROB_TOLERANCE, f"max |hf - vllm| top-{k} log-prob = {worst:.2e}"
+    say("top-k")
+
+
 def check_prompts_beyond_one_step(engine: VLLMRolloutEngine) -> None:
     """More prompt tokens than one engine step schedules, every request seeded: the prefills span
     several steps and sampling still works (with chunked prefill vLLM 0.32 fails here on CPU)."""
@@ -326,6 +371,7 @@ def main(hf_dir: Path, out_dir: Path, weights: str) -> None:
     check_seeds(vllm_manager, vllm_engine, make_prompts(validate=False))
     if world == 1:
         check_requests_equal_batch(vllm_engine, vllm_cfg, make_prompts(validate=False))
+        check_top_k(vllm_engine, hf_engine, make_prompts(validate=False))
         check_prompts_beyond_one_step(vllm_engine)
     if four:
         check_bad_stream(vllm_manager, lambda name, t: (name.replace("layers", "layer"), t), "layer.")

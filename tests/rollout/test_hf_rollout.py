@@ -233,6 +233,36 @@ def test_rollout_log_probs_match_a_forward_pass(checkpoint, reference_model):
     torch.testing.assert_close(out.batch["rollout_log_probs"], expected, atol=1e-4, rtol=1e-4)
 
 
+def test_top_k_log_probs_match_a_forward_pass(checkpoint, reference_model):
+    """K = 3: each response position also carries log_softmax(logits / T).topk(3) of an independent
+    forward, likeliest first, 0 on padding; the samples and their log-probs are those of K = 0."""
+    k, temperature = 3, 0.7
+    sampling = SamplingConfig(max_new_tokens=MAX_NEW, temperature=temperature)
+    prompts = make_prompts(data_seed=9, seed=77)
+    plain = HFRolloutEngine(checkpoint, make_cfg(sampling=sampling)).generate_sequences(prompts)
+    engine = HFRolloutEngine(checkpoint, make_cfg(sampling=sampling, top_k_log_probs=k))
+    out = engine.generate_sequences(prompts)
+    assert torch.equal(out.batch["responses"], plain.batch["responses"])
+    assert torch.equal(out.batch["rollout_log_probs"], plain.batch["rollout_log_probs"])
+    ids, log_probs = out.batch["rollout_top_k_ids"], out.batch["rollout_top_k_log_probs"]  # (B, R, K)
+    assert ids.shape == log_probs.shape == (len(PROMPT_LENGTHS), RESPONSE_LENGTH, k)
+    assert (ids.dtype, log_probs.dtype) == (torch.int64, torch.float32)
+    with torch.no_grad():
+        logits = reference_model(
+            input_ids=out.batch["input_ids"],
+            attention_mask=out.batch["attention_mask"],
+            position_ids=out.batch["position_ids"],
+        ).logits  # (B, P+R, V)
+    expected = (logits[:, PROMPT_WIDTH - 1 : -1] / temperature).log_softmax(-1).topk(k)  # (B, R, K)
+    mask = out.batch["response_mask"].bool()  # (B, R)
+    torch.testing.assert_close(log_probs[mask], expected.values[mask], atol=1e-5, rtol=0)
+    assert torch.equal(ids[mask], expected.indices[mask])
+    assert (log_probs[mask][:, :-1] >= log_probs[mask][:, 1:]).all()
+    assert (~mask).any() and (ids[~mask] == 0).all() and (log_probs[~mask] == 0).all()
+    empty = engine.generate_sequences(prompts[0:0])
+    assert empty.batch["rollout_top_k_ids"].shape == (0, RESPONSE_LENGTH, k)
+
+
 def test_dummy_engine_takes_pushed_weights(checkpoint, reference_model):
     engine = HFRolloutEngine(checkpoint, make_cfg(load_format="dummy"))
     prompts = make_prompts(data_seed=8, validate=True)

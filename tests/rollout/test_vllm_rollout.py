@@ -14,7 +14,7 @@ import torch
 from transformers import AutoConfig
 
 from engines.rollout.base import row_seed
-from engines.rollout.config import RolloutConfig, SamplingConfig
+from engines.rollout.config import VLLM_MAX_LOGPROBS, RolloutConfig, SamplingConfig
 from engines.rollout.factory import check_rollout_available
 from engines.rollout.vllm_cpu_weights import check_plain_weights
 from engines.rollout.vllm_engine_args import ENGINE_ARGS_FIELDS, VLLM_VERSION
@@ -48,9 +48,9 @@ ENGINE_CHECKS = ["greedy-equals-hf", "actor-untouched", "log-probs-match", "seed
     ("nproc", "weights", "checks"),
     [
         (4, "packed", [*ENGINE_CHECKS, "wrong-name", "wrong-shape", "verify-catches"]),
-        (1, "packed", [*ENGINE_CHECKS, "requests-equal-batch", "beyond-one-step"]),
+        (1, "packed", [*ENGINE_CHECKS, "requests-equal-batch", "top-k", "beyond-one-step"]),
         (2, "packed", ENGINE_CHECKS),
-        (1, "plain", [*ENGINE_CHECKS, "plain-in-place", "requests-equal-batch"]),
+        (1, "plain", [*ENGINE_CHECKS, "plain-in-place", "requests-equal-batch", "top-k"]),
     ],
     ids=["actor-tp2-pp2", "actor-tp1", "actor-tp2-vllm-tp2", "actor-tp1-plain-weights"],
 )
@@ -106,8 +106,24 @@ def test_sampling_params_follow_the_recipe():
     sampled = sampling_params(cfg, SamplingConfig(temperature=0.7, top_p=0.9, top_k=5), 11, [1, 2])
     assert (sampled.temperature, sampled.top_p, sampled.top_k, sampled.seed) == (0.7, 0.9, 5, 11)
     assert (sampled.max_tokens, sampled.stop_token_ids, sampled.logprobs) == (20, [1, 2], 0)
+    top_k = dataclasses.replace(cfg, top_k_log_probs=3)
+    assert sampling_params(top_k, SamplingConfig(), 0, [1]).logprobs == 3  # the sampled token's, + 3
+    assert (
+        sampling_params(
+            dataclasses.replace(cfg, calculate_log_probs=False), SamplingConfig(), 0, [1]
+        ).logprobs
+        is None
+    )
     greedy = sampling_params(cfg, SamplingConfig(do_sample=False, max_new_tokens=4, stop=["##"]), 0, [1])
     assert (greedy.temperature, greedy.max_tokens, greedy.stop, greedy.detokenize) == (0.0, 4, ["##"], True)
+
+
+def test_top_k_limit_is_the_installed_vllms_default_max_logprobs():
+    from vllm.engine.arg_utils import EngineArgs
+
+    assert {field.name: field.default for field in dataclasses.fields(EngineArgs)}["max_logprobs"] == (
+        VLLM_MAX_LOGPROBS
+    )
 
 
 def test_row_seeds_are_distinct_and_fit_int64():
