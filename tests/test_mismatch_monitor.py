@@ -75,3 +75,28 @@ def test_recipe_check_names_the_keys():
         "trainer.mismatch_policy=stop compares the rollout engine's log-probs with the actor's: set "
         "rollout.calculate_log_probs=true",
     ]
+
+
+def with_top_k(actor_top1: torch.Tensor) -> DataProto:
+    """The batch above with an engine's top-2 (rollout.top_k_log_probs=2) and the actor's view of
+    it: on the three response tokens the same log-probs (mu = pi there); on the padding token wild
+    values that would count if the mask were ignored."""
+    data = batch()
+    ids = torch.tensor([[[3, 1], [0, 2], [5, 4]], [[1, 0], [0, 1], [0, 1]]])  # (B, R, K)
+    engine = torch.tensor([[[LOG(0.6), LOG(0.2)]] * 3, [[LOG(0.5), LOG(0.4)]] * 3])  # (B, R, K)
+    actor = engine.clone()
+    actor[0, 2] = torch.tensor([LOG(0.01), 0.0])  # padding
+    data.batch["rollout_top_k_ids"], data.batch["rollout_top_k_log_probs"] = ids, engine
+    data.batch["actor_top_k_log_probs"], data.batch["actor_top1_ids"] = actor, actor_top1
+    return data
+
+
+def test_the_top_k_check_runs_over_the_response_tokens_when_the_engine_returned_its_top_k():
+    agreeing = torch.tensor([[3, 0, 9], [1, 9, 9]])  # the engine's top-1 where it counts
+    stats = check_mismatch(with_top_k(agreeing), TrainerConfig(mismatch_threshold=1.0), step=1)
+    assert stats["mismatch/top_k_kl_max"] == pytest.approx(0.0, abs=1e-7)
+    assert stats["mismatch/top1_agreement"] == 1.0
+    one_differs = torch.tensor([[3, 2, 5], [1, 0, 0]])  # position (0, 1): the actor prefers token 2
+    stats = check_mismatch(with_top_k(one_differs), TrainerConfig(mismatch_threshold=1.0), step=1)
+    assert stats["mismatch/top1_agreement"] == pytest.approx(2 / 3)
+    assert "mismatch/top_k_kl_mean" not in check_mismatch(batch(), TrainerConfig(mismatch_threshold=1.0), 1)

@@ -135,21 +135,25 @@ def check_run(out: Path, extra_keys: tuple[str, ...]) -> list[dict]:
 def test_grpo_lora_recipe_runs_two_steps_with_tensor_parallel_2_and_vllm_adapter_sync(local, tmp_path):
     """The real vLLM engine (CPU build) in each of the two Ray workers, fed by the TP-2 actor's
     LoRA adapters alone (actor.lora.sync=adapters), each sync checked against the actor's
-    log-probs (rollout.verify_weight_sync)."""
+    log-probs (rollout.verify_weight_sync); the engine's top-4 against the TP-2 actor's
+    vocabulary-parallel view of them (rollout.top_k_log_probs)."""
     overrides = [
         *cpu_overrides(local, tmp_path / "grpo", tp=2),
         "rollout.name=vllm",
         "actor.lora.sync=adapters",
         "rollout.verify_weight_sync=true",
+        "rollout.top_k_log_probs=4",
         "rollout.sampling.n=2",
         "actor.update.ppo_mini_batch_size=4",
         "trainer.export_hf=true",
     ]
     result = run_recipe("recipes/gsm8k_grpo_lora.yaml", overrides, pythonpath=local["root"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    check_run(
+    steps = check_run(
         tmp_path / "grpo", extra_keys=("kl/mean", "actor/kl_loss", "timing/ref", "actor/trainable_params")
     )
+    # fp32 engine and actor on the same weights: the same distributions up to kernels
+    assert all(r["mismatch/top1_agreement"] > 0.9 and r["mismatch/top_k_kl_max"] < 1e-3 for r in steps), steps
     # the exported actor (adapters merged, gathered from its two tensor-parallel shards) moved
     # where the adapters are and nowhere else
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "grpo" / "hf")

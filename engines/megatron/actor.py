@@ -65,11 +65,14 @@ class MegatronActor:
         self.vocab_size = unwrap_model(chunks[0]).hf_config.vocab_size
 
     # ------------------------------------------------------------------ inference
-    def compute_log_prob(self, data: DataProto, calculate_entropy: bool = True) -> DataProto | None:
+    def compute_log_prob(
+        self, data: DataProto, calculate_entropy: bool = True, engine_top_k: bool = False
+    ) -> DataProto | None:
         """`old_log_probs` (and `entropys`) (B, R) under the current weights; meta_info may set
         `micro_batch_size`, `temperature` and `max_token_len` (packed micro-batches of at most
         that many tokens; None or absent: padded micro-batches). With routing replay, the output's
-        meta_info["metrics"] has `mismatch/router_agreement` (routing_replay.py)."""
+        meta_info["metrics"] has `mismatch/router_agreement` (routing_replay.py); with
+        `engine_top_k`, the actor's view of the engine's top-K ids (forward.compute_log_prob)."""
         require_keys(data, MODEL_KEYS[:4], "compute_log_prob")
         for chunk in self.chunks:
             chunk.eval()
@@ -81,6 +84,7 @@ class MegatronActor:
                 temperature=data.meta_info.get("temperature", 1.0),
                 calculate_entropy=calculate_entropy,
                 max_token_len=data.meta_info.get("max_token_len"),
+                engine_top_k=engine_top_k,
             )
         if ROUTES_KEY in data.batch and replays_routes(self.chunks[0]):  # every rank: a collective
             agreement = AGREEMENT.share()

@@ -186,7 +186,7 @@ class ResponseTokens:
     def to_rows(self, per_token: torch.Tensor) -> torch.Tensor:
         if not self.packed:
             return per_token
-        rows = per_token.new_zeros(self.mask.shape)  # (b, R)
+        rows = per_token.new_zeros((*self.mask.shape, *per_token.shape[1:]))  # (b, R, ...)
         return rows.index_put((self.mask,), per_token)
 
 
@@ -247,6 +247,49 @@ def vocab_parallel_log_probs(logits: torch.Tensor, labels: torch.Tensor, vocab_s
     else:
         fresh = logits.float().masked_fill(padded, float("-inf"))
     return -vocab_parallel_cross_entropy(fresh, labels)
+
+
+def vocab_parallel_gather_log_probs(logits: torch.Tensor, ids: torch.Tensor, vocab_size: int | None = None):
+    """log softmax(logits) at `ids` (..., K) with logits (..., Vp / tp) sharded over the TP group;
+    fp32 (..., K), no gradient. One normaliser for all K ids: the max and the sum of exponentials
+    are all-reduced once, each id's logit comes from the rank holding its column."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    z = masked_padding(logits.float(), vocab_size)  # (..., Vp / tp)
+    z_max = z.max(dim=-1, keepdim=True).values  # (..., 1)
+    dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=group)
+    sum_exp = (z - z_max).exp().sum(dim=-1, keepdim=True)  # (..., 1)
+    dist.all_reduce(sum_exp, group=group)
+    rank, _ = _tp_rank_and_size()
+    local = ids - rank * z.shape[-1]  # (..., K), this rank's column of each id
+    mine = (local >= 0) & (local < z.shape[-1])
+    picked = z.gather(-1, local.clamp(0, z.shape[-1] - 1)).masked_fill(~mine, 0.0)  # (..., K)
+    dist.all_reduce(picked, group=group)
+    return picked - z_max - sum_exp.log()
+
+
+def vocab_parallel_argmax(logits: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
+    """The most likely token id (...,) with logits (..., Vp / tp) sharded over the TP group; on a
+    tie the lowest id, as torch.argmax over the whole vocabulary gives."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    z = masked_padding(logits.float(), vocab_size)  # (..., Vp / tp)
+    local_max, local_id = z.max(dim=-1)  # (...,) each; the first maximum
+    best = local_max.clone()
+    dist.all_reduce(best, op=dist.ReduceOp.MAX, group=group)
+    rank, _ = _tp_rank_and_size()
+    beyond = torch.iinfo(torch.long).max  # a rank without the maximum offers no id
+    ids = torch.where(local_max == best, local_id + rank * z.shape[-1], beyond)
+    dist.all_reduce(ids, op=dist.ReduceOp.MIN, group=group)
+    return ids
+
+
+def masked_padding(z: torch.Tensor, vocab_size: int | None) -> torch.Tensor:
+    """`z` (..., Vp / tp) with this rank's padded vocabulary columns at -inf."""
+    padded = padded_vocab_columns(z.shape[-1], vocab_size, z.device)
+    return z if padded is None else z.masked_fill(padded, float("-inf"))
 
 
 class _VocabParallelEntropy(torch.autograd.Function):
@@ -310,14 +353,38 @@ def response_log_probs(logits, micro_batch, temperature: float, vocab_size: int 
     return log_probs, entropies
 
 
-def _log_prob_loss(temperature, vocab_size, calculate_entropy, logits, micro_batch):
+def engine_top_k_view(logits, micro_batch, temperature: float, vocab_size: int | None) -> dict:
+    """For the full-distribution mismatch check: the actor's log-probs (b, R, K) of the engine's
+    top-K ids `rollout_top_k_ids` (b, R, K) and its own most likely ids (b, R), at `temperature`."""
+    view = ResponseTokens(logits, micro_batch)
+    scaled = view.outputs / temperature  # (b, R, Vp / tp) or (n, Vp / tp)
+    ids = view.select(micro_batch[ENGINE_TOP_K_IDS])  # (b, R, K) or (n, K)
+    return {
+        "top_k_log_probs": view.to_rows(vocab_parallel_gather_log_probs(scaled, ids, vocab_size)),
+        "top1_ids": view.to_rows(vocab_parallel_argmax(scaled, vocab_size)),
+    }
+
+
+def _log_prob_loss(temperature, vocab_size, calculate_entropy, engine_top_k, logits, micro_batch):
     log_probs, entropies = response_log_probs(
         logits, micro_batch, temperature, vocab_size, "detached" if calculate_entropy else "none"
     )  # (b, R) each; logits predict the responses
     metrics = {"log_probs": log_probs}
     if calculate_entropy:
         metrics["entropys"] = entropies
+    if engine_top_k and ENGINE_TOP_K_IDS in micro_batch:  # rollout.top_k_log_probs
+        metrics |= engine_top_k_view(logits, micro_batch, temperature, vocab_size)
     return log_probs.new_zeros(()), metrics
+
+
+ENGINE_TOP_K_IDS = "rollout_top_k_ids"  # (B, R, K) the engine's most likely ids (rollout.top_k_log_probs)
+# the log-prob pass's per-micro-batch results -> the output's batch keys
+LOG_PROB_OUTPUTS = {
+    "log_probs": "old_log_probs",  # (B, R)
+    "entropys": "entropys",  # (B, R)
+    "top_k_log_probs": "actor_top_k_log_probs",  # (B, R, K) log pi of the engine's top-K ids
+    "top1_ids": "actor_top1_ids",  # (B, R) the actor's most likely id
+}
 
 
 def compute_log_prob(
@@ -327,9 +394,12 @@ def compute_log_prob(
     temperature: float = 1.0,
     calculate_entropy: bool = True,
     max_token_len: int | None = None,
+    engine_top_k: bool = False,
 ):
     """Log-probs (and entropies) of `responses` under the model: DataProto with `old_log_probs`
     (B, R) and `entropys` (B, R), fp32, on the last pipeline stage; None on the other stages.
+    With `engine_top_k` and the engine's top-K ids in the batch (`rollout_top_k_ids`, B, R, K),
+    also `actor_top_k_log_probs` (B, R, K) and `actor_top1_ids` (B, R) (LOG_PROB_OUTPUTS).
 
     Logits at positions P-1 .. P+R-2 predict the R response tokens. With `max_token_len`, rows
     run packed in micro-batches of at most that many tokens (padded response positions get 0);
@@ -346,7 +416,7 @@ def compute_log_prob(
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     vocab_size = unwrap_model(chunks[0]).hf_config.vocab_size
-    loss_fn = partial(_log_prob_loss, temperature, vocab_size, calculate_entropy)
+    loss_fn = partial(_log_prob_loss, temperature, vocab_size, calculate_entropy, engine_top_k)
     groups = None
     if max_token_len is not None:
         groups = token_budget_groups(data, max_token_len, "log-prob max_token_len")
@@ -355,13 +425,10 @@ def compute_log_prob(
     )
     if not parallel_state.is_pipeline_last_stage():
         return None
-    keys = ["log_probs", "entropys"] if calculate_entropy else ["log_probs"]
-    columns = {k: [r[k] for r in results] for k in keys}
+    names = {key: name for key, name in LOG_PROB_OUTPUTS.items() if key in results[0]}
+    columns = {k: [r[k] for r in results] for k in names}
     if groups is None:
         merged = {k: torch.cat(v) for k, v in columns.items()}
     else:
         merged = {k: packing.restore_order(v, groups) for k, v in columns.items()}
-    tensors = {"old_log_probs": merged["log_probs"].cpu()}
-    if calculate_entropy:
-        tensors["entropys"] = merged["entropys"].cpu()
-    return DataProto.from_dict(tensors=tensors)
+    return DataProto.from_dict(tensors={name: merged[key].cpu() for key, name in names.items()})

@@ -52,42 +52,37 @@ def log_prob_mismatch(
     }
 
 
-# The opt-in full-distribution check: at a sample of response positions the engine reports its K
-# most likely tokens and their log-probs (vLLM's `logprobs=K`), the actor its logits over the whole
-# vocabulary. Sampled-token log-probs see one point of each distribution; this sees their shapes.
+# The opt-in full-distribution check (`rollout.top_k_log_probs: K`): at every response position the
+# engine reports its K most likely tokens and their log-probs (vLLM's `logprobs=K`), the actor its
+# log-probs of those tokens over its whole vocabulary and its own most likely token. Sampled-token
+# log-probs see one point of each distribution; this sees their shapes.
 TOP_K_METRICS = ("mismatch/top_k_kl_mean", "mismatch/top_k_kl_max", "mismatch/top1_agreement")
 
 
-def sample_positions(response_mask: torch.Tensor, count: int, generator: torch.Generator) -> torch.Tensor:
-    """Up to `count` distinct positions where `response_mask` is 1, drawn uniformly (all of them
-    when there are fewer), as (row, column) pairs in row-major order: the full distribution is V
-    numbers per position, so the check keeps a sample of them. (B, R) -> (N, 2)"""
-    valid = response_mask.bool().nonzero()  # (M, 2), row-major
-    keep = torch.randperm(len(valid), generator=generator)[:count].sort().values  # (N,)
-    return valid[keep]
-
-
 def top_k_mismatch(
-    engine_ids: torch.Tensor, engine_log_probs: torch.Tensor, actor_logits: torch.Tensor
+    engine_ids: torch.Tensor,
+    engine_log_probs: torch.Tensor,
+    actor_log_probs: torch.Tensor,
+    actor_top1: torch.Tensor,
 ) -> dict[str, float]:
-    """The engine's top-k against the actor's full distribution at N positions: the KL over the
-    engine's top-k support S, KL(mu_S || pi_S) with both distributions renormalised on S (so it is
-    >= 0 and 0 exactly when they agree there up to scale; mass outside S is what the k3 estimate on
-    sampled tokens sees), its mean and max over the positions, and the share of positions whose
-    engine top-1 token is the actor's most likely one.
+    """The engine's top-k against the actor's distribution at N positions: the KL over the engine's
+    top-k support S, KL(mu_S || pi_S) with both distributions renormalised on S (so it is >= 0 and
+    0 exactly when they agree there up to scale; mass outside S is what the k3 estimate on sampled
+    tokens sees), its mean and max over the positions, and the share of positions whose engine
+    top-1 token is the actor's most likely one.
 
     engine_ids (N, K) token ids, most likely first; engine_log_probs (N, K) their log mu over the
-    whole vocabulary, at the sampling temperature; actor_logits (N, V) at the same temperature,
-    vocabulary padding removed. ValueError when N is 0."""
+    whole vocabulary, at the sampling temperature; actor_log_probs (N, K) log pi of the same ids
+    over the actor's whole vocabulary, at the same temperature; actor_top1 (N,) the actor's most
+    likely token. ValueError when N is 0."""
     if engine_ids.shape[0] == 0:
         raise ValueError("top_k_mismatch needs at least one position (the batch has no response tokens)")
-    actor_log_probs = actor_logits.float().log_softmax(-1).gather(-1, engine_ids)  # (N, K), log pi on S
     log_mu_s = engine_log_probs.float().log_softmax(-1)  # (N, K), mu renormalised on S
-    log_pi_s = actor_log_probs.log_softmax(-1)  # (N, K), pi renormalised on S
+    log_pi_s = actor_log_probs.float().log_softmax(-1)  # (N, K), pi renormalised on S
     mu_s = log_mu_s.exp()
     # 0 log 0 = 0: a top-k entry the engine gives no mass (its sampling filters, e.g. top_k < K)
     kl = torch.where(mu_s > 0, mu_s * (log_mu_s - log_pi_s), 0.0).sum(-1)  # (N,)
-    agree = engine_ids[:, 0] == actor_logits.argmax(-1)  # (N,)
+    agree = engine_ids[:, 0] == actor_top1  # (N,)
     return {
         "mismatch/top_k_kl_mean": kl.mean().item(),
         "mismatch/top_k_kl_max": kl.max().item(),

@@ -12,9 +12,13 @@ state.
 
 When responses are generated ahead (trainer.async_training) the engine sampled with an older
 policy, so the statistics include that staleness as well as the engine's own difference.
+
+With `rollout.top_k_log_probs: K` the engine also returned its K most likely tokens at each response
+position and the actor its log-probs of them and its own most likely token (the old-log-prob
+pass): `top_k_mismatch` compares the two distributions' shapes there (reported, never a stop).
 """
 
-from hybridflow.algorithms.mismatch import MISMATCH_KL_METRIC, log_prob_mismatch
+from hybridflow.algorithms.mismatch import MISMATCH_KL_METRIC, log_prob_mismatch, top_k_mismatch
 from hybridflow.config.schema import TrainerConfig
 from hybridflow.protocol import DataProto
 
@@ -37,6 +41,7 @@ def check_mismatch(batch: DataProto, cfg: TrainerConfig, step: int) -> dict[str,
         tensors["response_mask"],  # (B, R)
         cfg.mismatch_token_threshold,
     )
+    stats |= top_k_metrics(batch)
     if stats[MISMATCH_KL_METRIC] > cfg.mismatch_threshold:
         report = mismatch_report(stats, cfg, step)
         if cfg.mismatch_policy == "stop":
@@ -46,6 +51,21 @@ def check_mismatch(batch: DataProto, cfg: TrainerConfig, step: int) -> dict[str,
             )
         print(f"warning: {report}", flush=True)
     return stats
+
+
+def top_k_metrics(batch: DataProto) -> dict[str, float]:
+    """The full-distribution check over the response tokens; none without the engine's top-K (or
+    without a response token)."""
+    tensors = batch.batch
+    mask = tensors["response_mask"].bool()  # (B, R)
+    if "actor_top_k_log_probs" not in tensors or not mask.any():
+        return {}
+    return top_k_mismatch(
+        tensors["rollout_top_k_ids"][mask],  # (N, K)
+        tensors["rollout_top_k_log_probs"][mask],  # (N, K)
+        tensors["actor_top_k_log_probs"][mask],  # (N, K)
+        tensors["actor_top1_ids"][mask],  # (N,)
+    )
 
 
 def mismatch_report(stats: dict[str, float], cfg: TrainerConfig, step: int) -> str:

@@ -71,9 +71,10 @@ class PolicyWorker(Worker):
 
     @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
-        """`old_log_probs` and `entropys` (B, R) of the responses under the current actor."""
+        """`old_log_probs` and `entropys` (B, R) of the responses under the current actor, and its
+        view of the engine's top-K tokens when the rollout returned them (rollout.top_k_log_probs)."""
         self.before_compute()
-        return self.actor.compute_log_prob(self._log_prob_meta(data, self.config.actor))
+        return self.actor.compute_log_prob(self._log_prob_meta(data, self.config.actor), engine_top_k=True)
 
     @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto | None:

@@ -8,7 +8,8 @@ For every layout and tiny model (Qwen2: QKV bias, GQA, untied; Llama: tied embed
 head so TP=2 exercises Megatron's KV-head sharing; Qwen3: QK norm; Qwen3-MoE: QK norm, 4 experts
 top-2 without renormalisation; Mixtral: top-2 renormalised, tied) it checks, on every rank:
   1. logits equal transformers' on real tokens of a left/right-padded batch (1e-5);
-  2. compute_log_prob's log-probs and entropies equal a full-softmax reference (temperature 0.7);
+  2. compute_log_prob's log-probs and entropies equal a full-softmax reference (temperature 0.7),
+     and so do its log-probs of an engine's top-K ids and its argmax (padded and packed);
   3. gradients of a token-mean NLL through Megatron's schedule and DDP equal transformers' (MoE
      models at TP 1 only: Megatron-Core trains MoE at TP > 1 only with sequence parallelism, which
      needs Transformer Engine's norms on CUDA);
@@ -142,6 +143,31 @@ def check_log_probs(chunks, data, batch, ref_logits):
     check("entropys", out.batch["entropys"][mask], ref_entropy[mask])
 
 
+def check_engine_top_k(chunks, batch, ref_logits, vocab_size):
+    """The actor's view of an engine's top-K ids (rollout.top_k_log_probs), padded and packed: the
+    log-probs of ids spread over the whole vocabulary (both TP ranks' columns) and the argmax
+    equal the full softmax's, away from near-ties of the top two."""
+    ids = torch.randint(
+        0, vocab_size, (*batch["responses"].shape, 3), generator=torch.Generator().manual_seed(4)
+    )
+    data = DataProto.from_dict(tensors={**batch, "rollout_top_k_ids": ids})
+    ref_logp, _ = full_softmax_reference(ref_logits)  # (B, R, V)
+    top2 = ref_logp.topk(2, dim=-1).values  # (B, R, 2)
+    mask = batch["response_mask"].bool()
+    clear = mask & (top2[..., 0] - top2[..., 1] > 1e-4)
+    last = parallel_state.is_pipeline_last_stage()  # every stage runs every pass; the last checks
+    for packed in (None, 64):
+        out = compute_log_prob(chunks, data, 2, TEMPERATURE, max_token_len=packed, engine_top_k=True)
+        assert (out is not None) == last
+        if last:
+            top_k = out.batch["actor_top_k_log_probs"]  # (B, R, K)
+            check("actor_top_k_log_probs", top_k[mask], ref_logp.gather(-1, ids)[mask])
+            assert torch.equal(out.batch["actor_top1_ids"][clear], ref_logp.argmax(-1)[clear]), packed
+    assert clear.sum() > mask.sum() // 2
+    plain = compute_log_prob(chunks, data, 2, TEMPERATURE)  # the reference's and teacher's passes
+    assert not last or not {"actor_top_k_log_probs", "actor_top1_ids"} & set(plain.batch.keys())
+
+
 def nll_loss(vocab_size, total_tokens, num_micro_batches, logits, micro_batch):
     from engines.megatron.forward import vocab_parallel_log_probs
 
@@ -237,6 +263,7 @@ def run_layout(work_dir: Path, tp: int, pp: int, ep: int, dispatcher: str, model
         chunks = inference_model(hf_dir, cfg)
         check_logits(chunks, data, batch, ref_logits, hf_config.vocab_size)
         check_log_probs(chunks, data, batch, ref_logits)
+        check_engine_top_k(chunks, batch, ref_logits, hf_config.vocab_size)
         tag = f"tp{tp}_pp{pp}_ep{ep}"
         check_weights_roundtrip(chunks, hf_dir, hf_config, work_dir / f"export_{arch}_{tag}")
         if hf_config.num_experts and tp > 1:
