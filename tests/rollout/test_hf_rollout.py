@@ -216,19 +216,25 @@ def test_seeded_sampling_and_rng_state(checkpoint):
         engine.set_rng_state({"calls": -1})
 
 
-def test_rollout_log_probs_match_a_forward_pass(checkpoint, reference_model):
-    temperature = 0.7
-    sampling = SamplingConfig(max_new_tokens=MAX_NEW, temperature=temperature)
-    engine = HFRolloutEngine(checkpoint, make_cfg(sampling=sampling, calculate_log_probs=True))
-    out = engine.generate_sequences(make_prompts(data_seed=7))
+def reference_response_log_probs(reference_model, out, temperature: float) -> torch.Tensor:
+    """log_softmax(logits / T) of an independent forward at the positions predicting the responses
+    of the rollout output `out`. (B, R, V)"""
     with torch.no_grad():
         logits = reference_model(
             input_ids=out.batch["input_ids"],
             attention_mask=out.batch["attention_mask"],
             position_ids=out.batch["position_ids"],
         ).logits  # (B, P+R, V)
-    logits = logits[:, PROMPT_WIDTH - 1 : -1] / temperature  # predictions of the response tokens
-    expected = logits.log_softmax(-1).gather(-1, out.batch["responses"][..., None]).squeeze(-1)
+    return (logits[:, PROMPT_WIDTH - 1 : -1] / temperature).log_softmax(-1)
+
+
+def test_rollout_log_probs_match_a_forward_pass(checkpoint, reference_model):
+    temperature = 0.7
+    sampling = SamplingConfig(max_new_tokens=MAX_NEW, temperature=temperature)
+    engine = HFRolloutEngine(checkpoint, make_cfg(sampling=sampling, calculate_log_probs=True))
+    out = engine.generate_sequences(make_prompts(data_seed=7))
+    log_probs = reference_response_log_probs(reference_model, out, temperature)  # (B, R, V)
+    expected = log_probs.gather(-1, out.batch["responses"][..., None]).squeeze(-1)
     expected = expected * out.batch["response_mask"]
     torch.testing.assert_close(out.batch["rollout_log_probs"], expected, atol=1e-4, rtol=1e-4)
 
@@ -247,13 +253,7 @@ def test_top_k_log_probs_match_a_forward_pass(checkpoint, reference_model):
     ids, log_probs = out.batch["rollout_top_k_ids"], out.batch["rollout_top_k_log_probs"]  # (B, R, K)
     assert ids.shape == log_probs.shape == (len(PROMPT_LENGTHS), RESPONSE_LENGTH, k)
     assert (ids.dtype, log_probs.dtype) == (torch.int64, torch.float32)
-    with torch.no_grad():
-        logits = reference_model(
-            input_ids=out.batch["input_ids"],
-            attention_mask=out.batch["attention_mask"],
-            position_ids=out.batch["position_ids"],
-        ).logits  # (B, P+R, V)
-    expected = (logits[:, PROMPT_WIDTH - 1 : -1] / temperature).log_softmax(-1).topk(k)  # (B, R, K)
+    expected = reference_response_log_probs(reference_model, out, temperature).topk(k)  # (B, R, K)
     mask = out.batch["response_mask"].bool()  # (B, R)
     torch.testing.assert_close(log_probs[mask], expected.values[mask], atol=1e-5, rtol=0)
     assert torch.equal(ids[mask], expected.indices[mask])
