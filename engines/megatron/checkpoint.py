@@ -13,19 +13,21 @@ Limits: the padded vocabulary must be the same in both layouts (it is rounded up
 at, as Megatron-LM does, because a rank's random stream has no meaning in another layout.
 `path` is written as given; the caller makes it atomic (temporary directory, then rename).
 
-Helper processes: megatron-core 0.16.1's `FileSystemWriterAsync` (the torch_dist save strategy,
-used for synchronous saves too; megatron/core/dist_checkpointing/strategies/filesystem_async.py,
-`_get_write_results_queue`) starts a multiprocessing Manager server with the "spawn" context
-(plus its resource_tracker) on the first save and keeps it for the process's life. Spawned, it
-would outlive a SIGKILL of this process forever. `save_checkpoint` therefore provides that queue
-first, from a Manager whose server exits as soon as this process is gone (the tracker then sees
-its pipe close and exits too).
+Helper processes: none outlive a save. megatron-core 0.16.1's `FileSystemWriterAsync` (the
+torch_dist save strategy, used for synchronous saves too;
+megatron/core/dist_checkpointing/strategies/filesystem_async.py) hands each save's write results
+back through a module-level queue that it would create on the first save as a multiprocessing
+Manager queue: a server process started with the "spawn" context (re-importing the worker's main
+module, about 4 CPU-seconds) that lives as long as the process and outlives a SIGKILL of it. That
+queue only crosses processes for async saves (`AsyncCallsQueue`), which hybridflow does not use: a
+synchronous save puts and gets it in the saving process (`AsyncRequest.execute_sync`,
+strategies/async_utils.py; `write_preloaded_data_multiproc` puts, `retrieve_write_results` gets).
+`save_checkpoint` therefore provides a plain in-process queue first. The per-file writers are
+forked, joined within the save.
 """
 
-import multiprocessing
-import os
+import queue
 import random
-from multiprocessing.managers import SyncManager
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +39,6 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 from engines.megatron import cpu_compat
 from engines.megatron.model import unwrap_model
-from engines.megatron.orphan_exit import exit_when_orphaned
 from engines.megatron.parallel import parallel_ranks
 
 
@@ -93,12 +94,10 @@ def _sharded_state_dict(chunks, optimizer, scheduler, *, is_loading: bool, with_
 
 
 def _provide_write_results_queue() -> None:
-    """Gives megatron-core's writer its results queue from a Manager that dies with this process
-    (see the module docstring); upstream would create an immortal one on the first save."""
+    """Gives megatron-core's writer an in-process results queue (see the module docstring);
+    upstream would start a Manager server process for it on the first save."""
     if filesystem_async._results_queue is None:
-        manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-        manager.start(initializer=exit_when_orphaned, initargs=(os.getpid(),))
-        filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
+        filesystem_async._results_queue = queue.Queue()
 
 
 def save_checkpoint(chunks, optimizer, scheduler, path) -> None:

@@ -1,6 +1,6 @@
 """Helper process for test_checkpoint_helpers.py (one process, gloo): builds a tiny Megatron
-actor with its optimizer, saves a dist checkpoint with `save_checkpoint`, prints SAVED and then
-waits to be killed.
+actor with its optimizer, saves two dist checkpoints with `save_checkpoint` (OUT_DIR/ckpt, ckpt2),
+prints SAVED and then waits to be killed.
 
     python _save_then_wait.py OUT_DIR
 """
@@ -25,6 +25,7 @@ def main(out: Path) -> None:
     chunks = build_model(hf_dir, cfg)
     optimizer, scheduler = build_optimizer(chunks, OptimConfig(), cfg)
     save_checkpoint(chunks, optimizer, scheduler, out / "ckpt")
+    save_checkpoint(chunks, optimizer, scheduler, out / "ckpt2")  # the results queue used again
     print("SAVED", flush=True)
     while True:
         time.sleep(60)
