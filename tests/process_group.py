@@ -15,7 +15,8 @@ included) `stop_process_tree` ends it and everything it started, by process grou
 
 Descendants are tracked as psutil processes, which refuse to signal a PID the kernel reused.
 
-`run_recipe_script(recipe, overrides, timeout=...)` runs scripts/run_recipe.sh that way.
+`run_recipe_script(recipe, overrides, timeout=...)` runs scripts/run_recipe.sh that way;
+`run_and_kill_at_step` SIGKILLs a run (all of it) once its metrics record a step.
 """
 
 import contextlib
@@ -62,11 +63,16 @@ def run_recipe_script(
     """`bash scripts/run_recipe.sh <recipe> <overrides...>` (recipe relative to the repository
     root) in a fresh local Ray cluster (RAY_ADDRESS=local: never a cluster another test or job
     runs), Python warnings off; `env` adds to or replaces variables of this process's environment."""
-    return run_in_own_session(
-        ["bash", REPO_ROOT / "scripts/run_recipe.sh", REPO_ROOT / recipe, *overrides],
-        env={**os.environ, "RAY_ADDRESS": "local", "PYTHONWARNINGS": "ignore", **(env or {})},
-        timeout=timeout,
-    )
+    return run_in_own_session(recipe_command(recipe, overrides), env=recipe_environment(env), timeout=timeout)
+
+
+def recipe_command(recipe: str, overrides: list[str]) -> list:
+    return ["bash", REPO_ROOT / "scripts/run_recipe.sh", REPO_ROOT / recipe, *overrides]
+
+
+def recipe_environment(env: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment for a run in a fresh local Ray cluster, warnings off, with `env`."""
+    return {**os.environ, "RAY_ADDRESS": "local", "PYTHONWARNINGS": "ignore", **(env or {})}
 
 
 def stop_process_tree(proc: subprocess.Popen, grace_s: float) -> None:
@@ -133,3 +139,26 @@ def read_rest(proc: subprocess.Popen, timeout_s: float = 10) -> tuple[str, str]:
         for pipe in (proc.stdout, proc.stderr):
             pipe.close()
         return "", ""
+
+
+def run_and_kill_at_step(cmd, env: dict, metrics: Path, step: int, log: Path) -> None:
+    """Starts `cmd` (a run writing `metrics`, metrics.jsonl) in its own process group, output into
+    `log`, and SIGKILLs the group (driver, Ray, workers) and every descendant as soon as the
+    metrics record `step`."""
+    from hybridflow.utils.tracking import read_metrics
+
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 1200  # generous: a loaded 2-core machine
+        try:
+            while not any(r["step"] >= step for r in read_metrics(metrics)):
+                assert proc.poll() is None, f"run ended before step {step}: {log}"
+                assert time.monotonic() < deadline, f"no step {step} within 1200 s: {log}"
+                time.sleep(0.2)
+        finally:
+            family = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
+            os.killpg(proc.pid, signal.SIGKILL)
+            for child in family:  # Ray processes that left the group
+                if child.is_running():
+                    child.kill()
+            proc.wait()

@@ -22,16 +22,12 @@ the first step, and a lost optimizer state or a replayed batch would change the 
 
 import json
 import os
-import signal
-import subprocess
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 from hf_weights import load_hf_tensors
-from process_group import run_in_own_session
+from process_group import run_and_kill_at_step, run_in_own_session
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hybridflow.data.arith import ArithConfig, write_arith_parquet
@@ -158,28 +154,9 @@ def run_to_end(local: dict, output_dir: Path, algorithm: str) -> str:
 
 
 def run_and_kill_after(local: dict, output_dir: Path, step: int, algorithm: str) -> None:
-    """Starts the run in its own process group and SIGKILLs the group (driver, Ray, workers) as
-    soon as metrics.jsonl records `step`."""
-    log = open(output_dir.parent / f"{output_dir.name}.log", "w")  # noqa: SIM115 (closed below)
-    proc = subprocess.Popen(
-        command(local, output_dir, algorithm), env=environment(local), stdout=log, stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )  # fmt: skip
-    metrics = output_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 1200  # generous: a loaded 2-core machine
-    try:
-        while not any(r["step"] >= step for r in read_metrics(metrics)):
-            assert proc.poll() is None, f"run ended before step {step}: {log.name}"
-            assert time.monotonic() < deadline, f"no step {step} within 1200 s: {log.name}"
-            time.sleep(0.2)
-    finally:
-        family = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
-        os.killpg(proc.pid, signal.SIGKILL)
-        for child in family:  # Ray processes that left the group
-            if child.is_running():
-                child.kill()
-        proc.wait()
-        log.close()
+    log = output_dir.parent / f"{output_dir.name}.log"
+    cmd = command(local, output_dir, algorithm)
+    run_and_kill_at_step(cmd, environment(local), output_dir / "metrics.jsonl", step, log)
 
 
 def comparable(records: list[dict]) -> list[dict]:

@@ -1,31 +1,36 @@
-"""mode=stream through `scripts/run_recipe.sh`: streaming GRPO for 6 steps (actor 1 process, vLLM
-rollout 1 process, max_staleness 1), a checkpoint at step 3 with groups outstanding, and a second
-run resumed from it for steps 4-6. Every trained sample's staleness, read back from each run's
-policy_versions.jsonl, is within the bound; stale groups are counted in every step's metrics; the
-checkpoint's rollout part holds what was outstanding (finished groups, prompts to regenerate)."""
+"""mode=stream through `scripts/run_recipe.sh`: streaming GRPO (actor 1 process, vLLM rollout 1
+process, max_staleness 1) killed with SIGKILL once step 4 is recorded, after its step-3 checkpoint
+with groups outstanding, and restarted with the same command: it resumes and trains to step 8.
+Every trained sample's staleness, read back from policy_versions.jsonl (one line per trained step,
+the killed run's lines after the checkpoint dropped), is within the bound; stale groups are counted
+in every step's metrics, their total carried over the resume; the checkpoint's rollout part holds
+what was outstanding (finished groups, prompts to regenerate)."""
 
 import json
 from itertools import pairwise
 
 import pytest
 import torch
+from process_group import recipe_command, recipe_environment, run_and_kill_at_step
 from test_recipes import cpu_overrides, local, run_recipe  # noqa: F401 (local is a fixture)
 
 from hybridflow.trainer.rollout.stream import STREAM_FILE
 
 BOUND, GROUPS = 1, 4  # max_staleness; data.train_batch_size (cpu_overrides)
+STEPS = 8
+RECIPE = "recipes/gsm8k_grpo.yaml"
 
 
-def stream_run(files: dict, out, *extra: str) -> tuple[list[dict], list[dict]]:
-    """A streaming GRPO run of 6 steps; its step metrics and recorded policy versions."""
-    overrides = [
+def stream_overrides(files: dict, out) -> list[str]:
+    """A streaming GRPO run of STEPS steps, a checkpoint every 3."""
+    return [
         *cpu_overrides(files, out, tp=1),
         "trainer.n_gpus_per_node=1",
         "trainer.placement=disaggregated",
         "trainer.rollout_pool.n_gpus_per_node=1",
         "trainer.async_training.mode=stream",
         f"trainer.async_training.max_staleness={BOUND}",
-        "trainer.total_training_steps=6",
+        f"trainer.total_training_steps={STEPS}",
         "trainer.test_freq=0",
         "trainer.save_freq=3",
         "rollout.name=vllm",
@@ -33,10 +38,11 @@ def stream_run(files: dict, out, *extra: str) -> tuple[list[dict], list[dict]]:
         "rollout.calculate_log_probs=true",
         "actor.update.ppo_mini_batch_size=4",
         "actor.update.off_policy.mode=decoupled_ppo",
-        *extra,
     ]
-    result = run_recipe("recipes/gsm8k_grpo.yaml", overrides, pythonpath=files["root"])
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+
+
+def read_run(out) -> tuple[list[dict], list[dict]]:
+    """The run's step metrics and recorded policy versions."""
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     versions = [json.loads(line) for line in (out / "policy_versions.jsonl").read_text().splitlines()]
     return [r for r in records if "reward/mean" in r], versions
@@ -57,18 +63,24 @@ def check_within_bound(steps: list[dict], versions: list[dict]) -> None:
 
 
 @pytest.mark.slow
-def test_streaming_grpo_trains_within_the_staleness_bound_and_resumes_within_it(local, tmp_path):  # noqa: F811
-    whole = tmp_path / "whole"
-    steps, versions = stream_run(local, whole)
-    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
-    assert [v["trained_on"] for v in versions] == [0, 1, 2, 3, 4, 5]
-    check_within_bound(steps, versions)
-    checkpoint = whole / "checkpoints" / "global_step_3"
-    saved = torch.load(checkpoint / "rollout" / STREAM_FILE, weights_only=False)
-    # after step 3's take, GROUPS groups were kept outstanding for step 4 (finished or generating)
+def test_streaming_grpo_killed_after_a_checkpoint_resumes_within_the_staleness_bound(local, tmp_path):  # noqa: F811
+    out = tmp_path / "run"
+    overrides = stream_overrides(local, out)
+    env = recipe_environment({"PYTHONPATH": str(local["root"])})
+    command = recipe_command(RECIPE, overrides)
+    run_and_kill_at_step(command, env, out / "metrics.jsonl", 4, tmp_path / "killed.log")
+    # the kill lands after step 4 is recorded; on a starved machine it may land after step 6's save
+    latest = (out / "checkpoints" / "latest").read_text().strip()
+    assert latest in ("global_step_3", "global_step_6")
+    saved = torch.load(out / "checkpoints" / latest / "rollout" / STREAM_FILE, weights_only=False)
+    # after the step's take, GROUPS groups were kept outstanding for the next (finished or generating)
     assert len(saved["finished"]) + len(saved["unsent"]) >= GROUPS
-    resumed = tmp_path / "resumed"
-    steps, versions = stream_run(local, resumed, f"trainer.resume_from_path={checkpoint}")
-    assert [r["step"] for r in steps] == [4, 5, 6]
-    assert [v["trained_on"] for v in versions] == [3, 4, 5]
+
+    result = run_recipe(RECIPE, overrides, pythonpath=local["root"])  # the same command again
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    resume_step = int(latest.removeprefix("global_step_"))
+    assert f"resumed from {out / 'checkpoints' / latest} at step {resume_step}" in result.stdout
+    steps, versions = read_run(out)
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    assert [v["trained_on"] for v in versions] == list(range(STEPS))
     check_within_bound(steps, versions)

@@ -271,6 +271,29 @@ def test_a_resumed_stream_trains_nothing_staler_than_the_bound_and_loses_no_prom
     assert sorted(problems) == list(range(PROMPTS * resumed.prompts.loader.batches))  # each once
 
 
+def test_a_run_resumed_in_its_directory_keeps_the_version_lines_up_to_its_checkpoint(tmp_path):
+    """policy_versions.jsonl, like metrics.jsonl: the lines the interrupted run wrote after the
+    checkpoint go, so each trained step has one line."""
+    run = stream_trainer(tmp_path, stale_groups="regenerate")
+    for _ in range(3):
+        train_step(run)
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    run.rollout.save(str(checkpoint))
+    versions = tmp_path / "policy_versions.jsonl"
+    saved = versions.read_text().splitlines()
+    for _ in range(2):  # the interrupted run went on past its checkpoint
+        train_step(run)
+    assert len(versions.read_text().splitlines()) == 5
+    resumed = stream_trainer(tmp_path, stale_groups="regenerate", loader=run.prompts.loader)
+    resumed.rollout.load(str(checkpoint))
+    assert versions.read_text().splitlines() == saved
+    resumed.policy.version = resumed.global_step = 3
+    train_step(resumed)
+    lines = [json.loads(line) for line in versions.read_text().splitlines()]
+    assert [line["trained_on"] for line in lines] == [0, 1, 2, 3]
+
+
 def dead_rank_trainer(tmp_path, pool_cls):
     trainer = stream_trainer(tmp_path, pool_cls=pool_cls)
     train_step(trainer)

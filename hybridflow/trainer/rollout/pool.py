@@ -8,6 +8,9 @@ it (`policy_version`), and each trained batch's versions are appended to
 
     {"trained_on": 3, "sample_versions": [2, 2, 3, ...]}   # staleness = trained_on - version
 
+one line per trained step; a run resumed in the same directory first drops the lines the
+interrupted run wrote after its checkpoint, as metrics.jsonl does.
+
 `metrics` gives `async/staleness_mean`, `async/staleness_max`, the histogram `async/staleness/<s>`
 (share of samples s updates old) and, with partial rollouts (a sample's version is that of its
 oldest token), `async/mixed_version_share`: the share of samples whose tokens come from more than
@@ -36,6 +39,7 @@ One death more than the limit (any, with `max_engine_restarts: 0`) ends the run 
 
 import itertools
 import json
+import os
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -52,6 +56,8 @@ from hybridflow.single_controller.errors import WorkerError
 from hybridflow.trainer.policy import Policy
 from hybridflow.trainer.prompts import PromptBatches, StepPrompts
 from hybridflow.utils.imports import first_line
+
+VERSIONS_LINES_FILE = "policy_versions_lines.json"  # in the rollout's checkpoint part
 
 
 class RolloutProcessDied(RuntimeError):
@@ -298,10 +304,26 @@ class PoolRollout:
         return {**metrics, **self.restarts.metrics()}
 
     def save(self, path: str) -> None:
-        """Each engine's sampling position: the pool's count of calls (a restarted engine's too)."""
+        """Each engine's sampling position: the pool's count of calls (a restarted engine's too);
+        how many lines policy_versions.jsonl has."""
         self.group.advance_rng_state(self.calls)
         self.group.save_rng_state(path)
+        (Path(path) / VERSIONS_LINES_FILE).write_text(json.dumps({"lines": count_lines(self.versions_file)}))
 
     def load(self, path: str) -> None:
         self.calls = max(state["calls"] for state in self.group.load_rng_state(path))
         self.served = None
+        saved = Path(path) / VERSIONS_LINES_FILE
+        if saved.is_file():  # checkpoints of older runs lack it
+            keep_first_lines(self.versions_file, json.loads(saved.read_text())["lines"])
+
+
+def count_lines(path: Path) -> int:
+    return len(path.read_bytes().splitlines()) if path.is_file() else 0
+
+
+def keep_first_lines(path: Path, lines: int) -> None:
+    """`path` cut after its first `lines` lines (those an interrupted run wrote after them go)."""
+    if count_lines(path) > lines:
+        kept = path.read_bytes().splitlines(keepends=True)[:lines]
+        os.truncate(path, sum(len(line) for line in kept))
