@@ -43,9 +43,7 @@ def test_checkpoint_saves_leave_no_helper_process(tmp_path):
     try:
         saved = wait_for(lambda: "SAVED" in log.read_text() or proc.poll() is not None, timeout=600)
         assert saved and proc.poll() is None, log.read_text()[-3000:]
-        assert (tmp_path / "ckpt" / "metadata.json").is_file() and (
-            tmp_path / "ckpt2" / "metadata.json"
-        ).is_file()
+        assert all((tmp_path / name / "metadata.json").is_file() for name in ("ckpt", "ckpt2"))
         left = [" ".join(child.cmdline()) for child in psutil.Process(proc.pid).children(recursive=True)]
         assert not left, f"processes the saves started are still running: {left}"
     finally:

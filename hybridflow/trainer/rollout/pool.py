@@ -324,6 +324,5 @@ def count_lines(path: Path) -> int:
 
 def keep_first_lines(path: Path, lines: int) -> None:
     """`path` cut after its first `lines` lines (those an interrupted run wrote after them go)."""
-    if count_lines(path) > lines:
-        kept = path.read_bytes().splitlines(keepends=True)[:lines]
-        os.truncate(path, sum(len(line) for line in kept))
+    if path.is_file():
+        os.truncate(path, sum(len(line) for line in path.read_bytes().splitlines(keepends=True)[:lines]))
