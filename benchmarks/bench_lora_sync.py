@@ -18,13 +18,12 @@ import json
 import os
 import sys
 import tempfile
-import time
 from dataclasses import replace
 from pathlib import Path
 
 from benchmarks._conditions import LoadSamples, alternating, ratio_text, summary
 from benchmarks._timing import median_seconds, run_torchrun
-from benchmarks.bench_vllm import SHAPE_76M, _limits, _make_model, _prompts
+from benchmarks.bench_vllm import SHAPE_76M, _limits, _make_model, _prompts, vllm_generate_seconds
 
 TITLE = "LoRA into vLLM: weight sync merged vs adapter-only, generation with the adapter (76M, rank 16)"
 REPEATS = 3
@@ -105,10 +104,10 @@ def _generation_rows(engine) -> list[dict]:
     limits, prompts = _limits(), _prompts()
     cases = {"without adapter": None, "with the rank-16 adapter": engine.adapter.request}
     for adapter in cases.values():
-        _generate(engine, prompts[:4], limits[:4].clamp(max=8), adapter)  # warm-up
+        vllm_generate_seconds(engine.llm, prompts[:4], limits[:4].clamp(max=8), adapter)  # warm-up
 
     def timed(adapter):
-        return lambda: _generate(engine, prompts, limits, adapter)
+        return lambda: vllm_generate_seconds(engine.llm, prompts, limits, adapter)
 
     loads = LoadSamples()
     seconds = alternating({label: timed(adapter) for label, adapter in cases.items()}, REPEATS, loads)
@@ -127,18 +126,6 @@ def _generation_rows(engine) -> list[dict]:
     ratio = ratio_text(rows[0]["seconds"], rows[1]["seconds"], loads, base="the speed without")
     rows[1]["comparison"] += f" ({ratio}; {loads.text()})"
     return rows
-
-
-def _generate(engine, prompts, limits, adapter) -> float:
-    """Seconds to generate `prompts` (P, T) with per-request new-token `limits` (P,), EOS ignored."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    requests = [TokensPrompt(prompt_token_ids=row.tolist()) for row in prompts]
-    params = [SamplingParams(max_tokens=int(n), ignore_eos=True, seed=i) for i, n in enumerate(limits)]
-    start = time.perf_counter()
-    engine.llm.generate(requests, params, use_tqdm=False, lora_request=adapter)
-    return time.perf_counter() - start
 
 
 if __name__ == "__main__":

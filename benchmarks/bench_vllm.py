@@ -196,18 +196,12 @@ def _generate_worker(engine_name: str, model_dir: Path, dtype: str, out: Path) -
     )
     limits, prompts = _limits(), _prompts()
     if name == "vllm":
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
         from engines.rollout.vllm_rollout import VLLMRolloutEngine
 
         engine = VLLMRolloutEngine(model_dir, cfg)
 
         def generate(rows: int = PROMPTS, cap: int = MAX_NEW):
-            requests = [TokensPrompt(prompt_token_ids=row.tolist()) for row in prompts[:rows]]
-            caps = [min(int(n), cap) for n in limits[:rows]]
-            params = [SamplingParams(max_tokens=n, ignore_eos=True, seed=i) for i, n in enumerate(caps)]
-            engine.llm.generate(requests, params, use_tqdm=False)
+            vllm_generate_seconds(engine.llm, prompts[:rows], limits[:rows].clamp(max=cap))
 
     else:
         from engines.rollout.hf_rollout import HFRolloutEngine
@@ -228,6 +222,19 @@ def _generate_worker(engine_name: str, model_dir: Path, dtype: str, out: Path) -
     shapes, _ = expected_hf_tensor_shapes(model_dir)
     size = sum(math.prod(shape) for shape in shapes.values())
     out.write_text(json.dumps([seconds, int(limits.sum()), size]))
+
+
+def vllm_generate_seconds(llm, prompts, limits, lora_request=None) -> float:
+    """Seconds for vLLM's `llm` to generate `prompts` (P, T) with per-request new-token `limits`
+    (P,), EOS ignored, request i seeded i."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    requests = [TokensPrompt(prompt_token_ids=row.tolist()) for row in prompts]
+    params = [SamplingParams(max_tokens=int(n), ignore_eos=True, seed=i) for i, n in enumerate(limits)]
+    start = time.perf_counter()
+    llm.generate(requests, params, use_tqdm=False, lora_request=lora_request)
+    return time.perf_counter() - start
 
 
 # ---------------------------------------------------------------- weight sync (torchrun)
