@@ -22,6 +22,7 @@ Prints "PARITY OK <arch> tp=.. pp=.." per passed combination.
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -106,7 +107,8 @@ def full_softmax_reference(logits: torch.Tensor):
 
 
 def check(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: float = 1e-5) -> None:
-    torch.testing.assert_close(actual, expected, atol=tol, rtol=tol, msg=lambda m: f"{name}: {m}")
+    """On CUDA the Megatron side is on the GPU and transformers' reference on the CPU."""
+    torch.testing.assert_close(actual.cpu(), expected.cpu(), atol=tol, rtol=tol, msg=lambda m: f"{name}: {m}")
 
 
 def inference_model(hf_dir, cfg, value_head: bool = False) -> list:
@@ -162,7 +164,7 @@ def check_engine_top_k(chunks, batch, ref_logits, vocab_size):
         if last:
             top_k = out.batch["actor_top_k_log_probs"]  # (B, R, K)
             check("actor_top_k_log_probs", top_k[mask], ref_logp.gather(-1, ids)[mask])
-            assert torch.equal(out.batch["actor_top1_ids"][clear], ref_logp.argmax(-1)[clear]), packed
+            assert torch.equal(out.batch["actor_top1_ids"].cpu()[clear], ref_logp.argmax(-1)[clear]), packed
     assert clear.sum() > mask.sum() // 2
     plain = compute_log_prob(chunks, data, 2, TEMPERATURE)  # the reference's and teacher's passes
     assert not last or not {"actor_top_k_log_probs", "actor_top1_ids"} & set(plain.batch.keys())
@@ -196,7 +198,7 @@ def check_weights_roundtrip(chunks, hf_dir: Path, hf_config, out_dir: Path):
     original = {}
     for shard in sorted(hf_dir.glob("*.safetensors")):
         original.update(load_file(shard))
-    exported = dict(iter_hf_tensors(chunks, hf_config))
+    exported = {name: tensor.cpu() for name, tensor in iter_hf_tensors(chunks, hf_config)}
     assert sorted(exported) == sorted(original), (sorted(exported), sorted(original))
     for name, tensor in original.items():
         assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
@@ -218,7 +220,7 @@ def check_weights_roundtrip(chunks, hf_dir: Path, hf_config, out_dir: Path):
 
 def check_value_head(hf_dir, cfg, data, batch, hf_config, ref_hidden, export_dir: Path):
     chunks = inference_model(hf_dir, cfg, value_head=True)
-    head = dict(iter_hf_tensors(chunks, hf_config))["score.weight"]  # (1, h), replicated
+    head = dict(iter_hf_tensors(chunks, hf_config))["score.weight"].cpu()  # (1, h), replicated
 
     def values_of(model_chunks):
         results = run_micro_batches(
@@ -292,8 +294,11 @@ def main() -> None:
     )
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {sorted(MODELS)}")
     args = parser.parse_args()
+    if torch.cuda.is_available():  # one GPU a rank; cuBLAS is deterministic only with this workspace
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     torch.use_deterministic_algorithms(True)
-    dist.init_process_group("gloo")
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     if dist.get_rank() == 0:
         make_checkpoints(args.work_dir)
     dist.barrier()

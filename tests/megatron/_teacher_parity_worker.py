@@ -64,7 +64,7 @@ def main() -> None:
     for packed in (False, True):
         cfg.actor.update.use_dynamic_bsz = packed
         out = worker.compute_teacher_log_prob(DataProto.from_dict(dict(batch)))
-        actual = out.batch["teacher_log_prob"]
+        actual = out.batch["teacher_log_prob"].cpu()
         torch.testing.assert_close(actual[mask], expected[mask], atol=1e-5, rtol=1e-5)
         mode = "packed" if packed else "padded"
         print(f"TEACHER PARITY OK {mode} tp={args.tp} rank={dist.get_rank()}", flush=True)

@@ -57,13 +57,18 @@ def hf_logits(hf_dir: Path, inputs: dict) -> torch.Tensor:
 
 
 def megatron_logits(model, inputs: dict, vlm) -> torch.Tensor:
+    """On the CPU, where transformers' reference is (the model may be on the GPU)."""
+    device = next(model.parameters()).device
     ids = collapse_image_tokens(inputs["input_ids"], vlm.image_token_id, vlm.image_feature_count)  # (B, T')
     positions = torch.arange(ids.shape[1]).expand_as(ids)  # (B, T')
     with torch.no_grad():
         logits, _ = model(
-            images=inputs["pixel_values"], input_ids=ids, position_ids=positions, attention_mask=None
+            images=inputs["pixel_values"].to(device),
+            input_ids=ids.to(device),
+            position_ids=positions.to(device),
+            attention_mask=None,
         )  # (B, T, Vp / TP)
-    return gather_from_tensor_model_parallel_region(logits)[..., : vlm.text.vocab_size]  # (B, T, V)
+    return gather_from_tensor_model_parallel_region(logits)[..., : vlm.text.vocab_size].cpu()  # (B, T, V)
 
 
 def next_token_log_probs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
