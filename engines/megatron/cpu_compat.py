@@ -15,11 +15,13 @@ docs/megatron-on-cpu.md beside the repo):
 - `seed_all(seed)`: `model_parallel_cuda_manual_seed` asserts on a CPU build; on CPU the torch
   generator is seeded directly (dropout is 0 in RL fine-tuning, so no per-rank RNG streams are
   needed).
-- MoE router without Transformer Engine: `moe_utils.RouterGatingLinearFunction` tests
-  `te_general_gemm is not None`, but Megatron-Core 0.16.1 only defines that name when TE imports
-  (megatron/core/transformer/moe/moe_utils.py), so the router raises NameError. `install()`
-  defines it as None, the value the function's torch.mm fallback expects. MoE on CPU then runs
-  Megatron's own SequentialMLP experts and its all-gather token dispatcher over gloo.
+- MoE router without Transformer Engine, on CPU and CUDA alike: `moe_utils.RouterGatingLinearFunction`
+  tests `te_general_gemm is not None`, but Megatron-Core 0.16.1 only defines that name when TE
+  imports (megatron/core/transformer/moe/moe_utils.py), so the router raises NameError (seen on an
+  H200 without TE, 2026-11-26). `define_missing_te_gemm()`, which `init_megatron` calls on every
+  device, defines it as None, the value the function's torch.mm fallback expects. MoE without TE
+  then runs Megatron's own SequentialMLP experts (and, on CPU, its all-gather token dispatcher
+  over gloo). This is the one accommodation here that also acts with CUDA.
 - MoE all-to-all token dispatcher: it creates a `torch.cuda.Stream` in its constructor and
   copies the token counts to the host on that stream (`_maybe_dtoh_and_synchronize` in
   megatron/core/transformer/moe/token_dispatcher.py). On CPU everything is already on the host
@@ -120,14 +122,14 @@ def install() -> None:
     torch.cuda.Stream = HostStream
     torch.cuda.current_stream = _current_stream
     torch.cuda.stream = _stream
-    _define_missing_te_gemm()
     from megatron.core.transformer.moe import token_dispatcher
 
     token_dispatcher.maybe_move_tensor_to_cpu = host_tensor
     _installed = True
 
 
-def _define_missing_te_gemm() -> None:
+def define_missing_te_gemm() -> None:
+    """Megatron-Core 0.16.1's MoE router reads `te_general_gemm`, defined only when TE imports."""
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):

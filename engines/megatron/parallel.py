@@ -131,6 +131,7 @@ def init_megatron(cfg: MegatronConfig, hf_config=None) -> ParallelRanks:
             f"pipeline ({pp}) parallel sizes"
         )
     cpu_compat.install()
+    cpu_compat.define_missing_te_gemm()
     if parallel_state.model_parallel_is_initialized():
         current = parallel_ranks()
         current_ep = parallel_state.get_expert_model_parallel_world_size()

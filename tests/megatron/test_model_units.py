@@ -1,10 +1,12 @@
-"""SDPA core attention and the CPU device rewrite, in process (no process groups)."""
+"""SDPA core attention, the CPU device rewrite and the MoE router without Transformer Engine, in
+process (no process groups)."""
 
 import math
 
 import torch
 from megatron.core.transformer import TransformerConfig
 
+from engines.megatron import cpu_compat
 from engines.megatron.attention import SDPACoreAttention
 from engines.megatron.cpu_compat import CudaArgumentsToCpu
 from engines.megatron.forward import build_attention_mask
@@ -54,3 +56,15 @@ def test_cuda_device_arguments_run_on_cpu_inside_the_mode():
         converted = torch.ones(2).to("cuda", dtype=torch.float64)
     assert made.device.type == moved.device.type == converted.device.type == "cpu"
     assert converted.dtype == torch.float64
+
+
+def test_moe_router_gating_runs_without_transformer_engine(monkeypatch):
+    """Megatron-Core 0.16.1 reads `te_general_gemm` only defined when TE imports (a NameError on an
+    H200 without TE): once defined as None, the router's linear is its torch fallback, x @ w.T."""
+    from megatron.core.transformer.moe import moe_utils
+
+    monkeypatch.delattr(moe_utils, "te_general_gemm", raising=False)
+    cpu_compat.define_missing_te_gemm()
+    inp, weight = torch.randn(5, 8), torch.randn(3, 8)
+    logits = moe_utils.router_gating_linear(inp, weight, None, torch.float32)  # (5, 3)
+    torch.testing.assert_close(logits.double(), inp.double() @ weight.double().T, atol=1e-5, rtol=1e-5)
