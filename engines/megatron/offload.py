@@ -4,12 +4,13 @@ Colocated roles share one GPU: while the rollout engine generates, the actor's t
 can wait in host memory (recipe switches `param_offload`, `grad_offload`, `optimizer_offload`).
 Every function is a no-op without CUDA, where everything already lives in host memory.
 
-Megatron-Core's own mechanisms are used where they exist: the DDP buffers'
-`offload_to_cpu` / `reload_from_cpu` (contiguous grad buffer, and the contiguous param buffer
-under the distributed optimizer; megatron/core/distributed/param_and_grad_buffer.py 964-990) and
-the mixed-precision optimizers' `offload_to_cpu` / `restore_from_cpu` (fp32 master weights and
-moments). Parameters outside a contiguous buffer (no distributed optimizer, or a frozen reference
-model) move one by one.
+The DDP buffers move through Megatron-Core's own `offload_to_cpu` / `reload_from_cpu`
+(contiguous grad buffer, and the contiguous param buffer under the distributed optimizer;
+megatron/core/distributed/param_and_grad_buffer.py 964-990). The optimizers' moments and the fp32
+master copies of bf16/fp16 weights move tensor by tensor, not through the optimizers'
+`offload_to_cpu`, which also moves views of fp32 weights (see `_own_master_weights`). Parameters
+outside a contiguous buffer (no distributed optimizer, or a frozen reference model) move one by
+one.
 
 `actor_offload_hooks(cfg, chunks, optimizer)` wires the three switches into the rollout sharding
 manager's hooks: gradients (zeroed before the next update anyway) and optimizer state leave before
@@ -86,15 +87,33 @@ def _move_state(megatron_optimizer, device) -> None:
                 state[key] = value.to(device, non_blocking=True)
 
 
+def _own_master_weights(inner) -> list[torch.Tensor]:
+    """The fp32 master copies of bf16/fp16 parameters, which have storage of their own.
+
+    The master weights of fp32 parameters are the model's own (the distributed optimizer's
+    `shard_fp32_groups` are views of its param buffer): they move with the model. Megatron-Core's
+    `offload_to_cpu` moves every tensor of the param groups, which turns those views into copies
+    (the fp32 weights twice on the GPU after the reload) and fails with "CUDA error: invalid
+    argument" when the model's buffer was offloaded first (seen on an H200, 2026-11-26)."""
+    groups = getattr(inner, "shard_fp32_from_float16_groups", None)  # distributed optimizer
+    if groups is None:
+        groups = getattr(inner, "fp32_from_float16_groups", [])  # Float16OptimizerWithFloat16Params
+    return [param for group in groups for param in group]
+
+
+def _move_optimizer(inner, device) -> None:
+    _move_state(inner, device)
+    if isinstance(inner, MixedPrecisionOptimizer):
+        for param in _own_master_weights(inner):
+            param.data = param.data.to(device, non_blocking=True)
+
+
 def offload_optimizer(optimizer) -> None:
-    """Move optimizer state (and fp32 master weights of mixed-precision optimizers) to the host."""
+    """Move optimizer state (and fp32 master copies of bf16/fp16 weights) to the host."""
     if optimizer is None or not cpu_compat.cuda_available():
         return
     for inner in _inner_optimizers(optimizer):
-        if isinstance(inner, MixedPrecisionOptimizer):
-            inner.offload_to_cpu()
-        else:
-            _move_state(inner, "cpu")
+        _move_optimizer(inner, "cpu")
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
 
@@ -104,10 +123,7 @@ def reload_optimizer(optimizer) -> None:
     if optimizer is None or not cpu_compat.cuda_available():
         return
     for inner in _inner_optimizers(optimizer):
-        if isinstance(inner, MixedPrecisionOptimizer):
-            inner.restore_from_cpu()
-        else:
-            _move_state(inner, torch.cuda.current_device())
+        _move_optimizer(inner, torch.cuda.current_device())
     torch.cuda.synchronize()
 
 
