@@ -6,9 +6,11 @@ with each module's `sharded_state_dict`, so a checkpoint saved at one tensor / p
 data-parallel layout loads at another: tensors are stored in their global (unsharded) shape and
 each rank reads its own slices. Optimizer moments are sharded the same way as the parameters
 they belong to (Megatron-Core's `FP32Optimizer.sharded_state_dict`, which the CPU optimizer
-inherits, or the distributed optimizer's default "fully_sharded_model_space" format).
+inherits, or the distributed optimizer's format from `distributed_optimizer_format`).
 
-Limits: the padded vocabulary must be the same in both layouts (it is rounded up to
+Limits: the distributed optimizer over torch's Adam (CUDA without Transformer Engine or apex)
+loads only at the TP/PP it was saved at (`optimizer_reshard_problem` refuses the rest by name).
+The padded vocabulary must be the same in both layouts (it is rounded up to
 `make_vocab_size_divisible_by` x TP); RNG states are restored only at the layout they were saved
 at, as Megatron-LM does, because a rank's random stream has no meaning in another layout.
 `path` is written as given; the caller makes it atomic (temporary directory, then rename).
@@ -80,11 +82,63 @@ def _rng_sharded_object() -> ShardedObject:
     )
 
 
+def distributed_optimizer_format(torch_adam: bool) -> str:
+    """The distributed optimizer's (CUDA) checkpoint format; the optimizers used without it (CPU)
+    ignore the setting, so their format is unchanged.
+
+    Its default, fully_sharded_model_space, is refused by Megatron-Core 0.16.1's own ShardedTensor
+    check ("flattened_range is not supported"). fully_reshardable loads at another TP/PP/DP layout,
+    but its load trips over the per-parameter "step" that torch's Adam keeps (KeyError: 'step' in
+    distrib_optimizer.py `_set_main_param_and_optimizer_states`; Transformer Engine's and apex's
+    FusedAdam keep it per group). With torch's Adam (no TE or apex), dp_reshardable, which loads at
+    the same TP/PP layout. Both failures seen on an H200 without TE, 2026-11-26."""
+    return "dp_reshardable" if torch_adam else "fully_reshardable"
+
+
+def _inner_optimizers(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _uses_torch_adam(optimizer) -> bool:
+    return any(
+        isinstance(getattr(inner, "optimizer", None), torch.optim.Adam | torch.optim.AdamW)
+        for inner in _inner_optimizers(optimizer)
+    )
+
+
+def optimizer_reshard_problem(format_: str | None, saved: dict, current: dict) -> str | None:
+    """Why an optimizer saved in `format_` (None: not the distributed optimizer) cannot load at
+    the `current` layout, or None. dp_reshardable holds flat per-bucket shards: only DP may change."""
+    if format_ != "dp_reshardable" or (saved["tp"], saved["pp"]) == (current["tp"], current["pp"]):
+        return None
+    return (
+        f"the distributed optimizer's state was saved at TP {saved['tp']} x PP {saved['pp']} in "
+        f"Megatron-Core's dp_reshardable format (chosen because the optimizer is torch's Adam: no "
+        f"Transformer Engine or apex), which loads only at the same TP/PP, not TP {current['tp']} x "
+        f"PP {current['pp']}: resume at tensor_model_parallel_size={saved['tp']} and "
+        f"pipeline_model_parallel_size={saved['pp']}, or load the weights alone (a new optimizer)"
+    )
+
+
+def _distributed_optimizer_format(optimizer) -> str | None:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    if not any(isinstance(inner, DistributedOptimizer) for inner in _inner_optimizers(optimizer)):
+        return None
+    return distributed_optimizer_format(_uses_torch_adam(optimizer))
+
+
 def _sharded_state_dict(chunks, optimizer, scheduler, *, is_loading: bool, with_rng: bool) -> dict:
     state = {f"model{i}": unwrap_model(chunk).sharded_state_dict() for i, chunk in enumerate(chunks)}
     if optimizer is not None:
         model_state = dict(state)
-        state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=is_loading)
+        state["optimizer"] = optimizer.sharded_state_dict(
+            model_state,
+            is_loading=is_loading,
+            metadata={
+                "distrib_optim_sharding_type": distributed_optimizer_format(_uses_torch_adam(optimizer))
+            },
+        )
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
     state["layout"] = _layout()
@@ -121,12 +175,17 @@ def load_checkpoint(chunks, optimizer, scheduler, path) -> None:
         raise ValueError(f"{path} is not a Megatron distributed checkpoint (no metadata.json)")
     saved_layout = dist_checkpointing.load_common_state_dict(str(path))["layout"]
     same_layout = saved_layout == _layout()
+    if optimizer is not None:
+        problem = optimizer_reshard_problem(_distributed_optimizer_format(optimizer), saved_layout, _layout())
+        if problem:
+            raise ValueError(f"{path}: {problem}")
     state = _sharded_state_dict(chunks, optimizer, scheduler, is_loading=True, with_rng=same_layout)
     loaded = dist_checkpointing.load(state, str(path))
     for i, chunk in enumerate(chunks):
         unwrap_model(chunk).load_state_dict(loaded[f"model{i}"])
     if optimizer is not None:
-        optimizer.load_state_dict(loaded["optimizer"])
+        with torch.no_grad():  # the distributed optimizer copies into views of fp32 weights (leaves)
+            optimizer.load_state_dict(loaded["optimizer"])
     if scheduler is not None:
         scheduler.num_steps = 0  # Megatron's load_state_dict advances by the saved count
         scheduler.load_state_dict(loaded["scheduler"])

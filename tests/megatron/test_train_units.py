@@ -4,7 +4,11 @@ rejected with the key named before any model is built."""
 import pytest
 import torch
 
-from engines.megatron.checkpoint import load_checkpoint
+from engines.megatron.checkpoint import (
+    distributed_optimizer_format,
+    load_checkpoint,
+    optimizer_reshard_problem,
+)
 from engines.megatron.checks import (
     validate_actor_update_config,
     validate_critic_update_config,
@@ -78,6 +82,19 @@ def test_bad_critic_update_settings_are_named():
 def test_loading_a_directory_that_is_no_checkpoint_fails_clearly(tmp_path):
     with pytest.raises(ValueError, match="not a Megatron distributed checkpoint"):
         load_checkpoint([], None, None, tmp_path)
+
+
+def test_distributed_optimizer_checkpoints_reshard_except_over_torch_adam():
+    """Megatron-Core 0.16.1 loads fully_reshardable only without torch Adam's per-parameter step
+    (seen on an H200): with torch Adam, dp_reshardable, and a TP/PP change is refused by name."""
+    assert distributed_optimizer_format(torch_adam=False) == "fully_reshardable"
+    assert distributed_optimizer_format(torch_adam=True) == "dp_reshardable"
+    tp2, tp1, tp2_dp2 = dict(tp=2, pp=1, dp=1), dict(tp=1, pp=1, dp=2), dict(tp=2, pp=1, dp=2)
+    problem = optimizer_reshard_problem("dp_reshardable", tp2, tp1)
+    assert "saved at TP 2 x PP 1" in problem and "tensor_model_parallel_size=2" in problem
+    assert optimizer_reshard_problem("dp_reshardable", tp2, tp2_dp2) is None  # DP may change
+    assert optimizer_reshard_problem("fully_reshardable", tp2, tp1) is None
+    assert optimizer_reshard_problem(None, tp2, tp1) is None  # not the distributed optimizer (CPU)
 
 
 def test_mini_batches_cover_every_row_once_per_epoch():
