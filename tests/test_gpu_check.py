@@ -58,6 +58,12 @@ def test_cpu_mode_trains_three_steps_in_process_with_carried_wheels(tmp_path):
     assert table[5].startswith("peak memory (RSS, CPU run): ")
 
 
+def test_the_parity_mode_runs_gpu_parity_and_refuses_a_machine_without_cuda():
+    """The suite runs the same parity workers on CPU ranks; scripts/gpu_parity.py is for a GPU."""
+    done = run_check("--parity", env={"CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 2 and "no CUDA device is visible; the suite runs these workers" in done.stderr
+
+
 def test_an_empty_wheel_folder_is_refused(tmp_path):
     (tmp_path / "wheels").mkdir()
     done = run_check("--cpu", "--wheels", str(tmp_path / "wheels"), env={})
