@@ -120,6 +120,19 @@ def optimizer_reshard_problem(format_: str | None, saved: dict, current: dict) -
     )
 
 
+def give_each_parameter_its_step(optimizer) -> None:
+    """Megatron-Core 0.16.1's `DistributedOptimizer.load_state_dict`, without TE or apex, puts one
+    `step` tensor into every parameter's torch-Adam state (`s["step"] = step`, distrib_optimizer.py)
+    and torch's `load_state_dict` keeps it shared (optimizer.py `_process_value_according_to_param_policy`
+    returns `step` uncopied): Adam then adds 1 to it once per parameter each step, and its bias
+    correction runs ahead. Likely why the update after a reload differed on an H200 (2026-11-26;
+    found by reading after the device time ran out, so not yet run there). Harmless elsewhere."""
+    for inner in _inner_optimizers(optimizer):
+        for state in getattr(getattr(inner, "optimizer", None), "state", {}).values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+
+
 def _distributed_optimizer_format(optimizer) -> str | None:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
@@ -186,6 +199,7 @@ def load_checkpoint(chunks, optimizer, scheduler, path) -> None:
     if optimizer is not None:
         with torch.no_grad():  # the distributed optimizer copies into views of fp32 weights (leaves)
             optimizer.load_state_dict(loaded["optimizer"])
+        give_each_parameter_its_step(optimizer)
     if scheduler is not None:
         scheduler.num_steps = 0  # Megatron's load_state_dict advances by the saved count
         scheduler.load_state_dict(loaded["scheduler"])

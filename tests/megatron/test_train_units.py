@@ -1,11 +1,14 @@
 """Single-process checks of the training half's settings: LR schedule values, and bad settings
 rejected with the key named before any model is built."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from engines.megatron.checkpoint import (
     distributed_optimizer_format,
+    give_each_parameter_its_step,
     load_checkpoint,
     optimizer_reshard_problem,
 )
@@ -95,6 +98,30 @@ def test_distributed_optimizer_checkpoints_reshard_except_over_torch_adam():
     assert optimizer_reshard_problem("dp_reshardable", tp2, tp2_dp2) is None  # DP may change
     assert optimizer_reshard_problem("fully_reshardable", tp2, tp1) is None
     assert optimizer_reshard_problem(None, tp2, tp1) is None  # not the distributed optimizer (CPU)
+
+
+def test_a_step_shared_by_every_parameter_after_a_load_is_split():
+    """The state Megatron-Core's DistributedOptimizer loads without TE/apex: one `step` tensor for
+    every parameter. torch's AdamW then counts a step once per parameter; split, once in all."""
+
+    def adam_after_shared_load():
+        params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
+        adam = torch.optim.AdamW(params, lr=0.1)
+        step = torch.tensor(1.0)
+        state = {i: {"step": step, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+                 for i, p in enumerate(params)}  # fmt: skip
+        adam.load_state_dict({"state": state, "param_groups": adam.state_dict()["param_groups"]})
+        for param in params:
+            param.grad = torch.ones_like(param)
+        return adam
+
+    shared = adam_after_shared_load()
+    shared.step()
+    assert [s["step"].item() for s in shared.state.values()] == [3.0, 3.0]  # torch counted twice
+    split = adam_after_shared_load()
+    give_each_parameter_its_step(SimpleNamespace(optimizer=split))
+    split.step()
+    assert [s["step"].item() for s in split.state.values()] == [2.0, 2.0]
 
 
 def test_mini_batches_cover_every_row_once_per_epoch():
