@@ -8,6 +8,10 @@ test releases it, so the kill lands with the call unanswered.
   engine's log-probs of fixed tokens against the actor's (within 1e-4), generates the lost call
   again with its seed, and the run finishes its 3 steps having trained exactly what an unkilled
   run trains (the same samples, step by step: the same metrics and sample versions).
+- The same in trainer.async_training.mode=stream (one generation call per group, several in flight
+  on the process): killed while its first call holds its tokens, the lost groups are generated
+  again on the restarted process, and the run trains its 3 steps of whole groups within the
+  staleness bound.
 - Killed once more than rollout.max_engine_restarts: exit status 1, one `error:` line naming the
   process, the call and the limit, no traceback, no process of the run left, no checkpoint.
 """
@@ -108,6 +112,28 @@ def test_a_rollout_process_killed_mid_generation_is_restarted_and_the_run_trains
     versions = (killed / "policy_versions.jsonl").read_text()
     assert versions == (plain / "policy_versions.jsonl").read_text()
     assert [len(json.loads(line)["sample_versions"]) for line in versions.splitlines()] == [8, 8, 8]
+
+
+def test_in_stream_mode_a_killed_rollout_process_is_restarted_and_the_lost_groups_generated_again(
+    local, tmp_path
+):
+    out, hold, marker = tmp_path / "stream", tmp_path / "hold", uuid.uuid4().hex
+    stream = ("trainer.async_training.mode=stream", "trainer.async_training.max_staleness=1",
+              "rollout.calculate_log_probs=true", "actor.update.off_policy.mode=decoupled_ppo")  # fmt: skip
+    proc = start(local, out, hold, marker, *stream)
+    try:
+        kill(held_call(hold, proc, 1))  # a group's tokens generated, its call unanswered
+        (hold / "release").touch()  # the restarted process's calls go through
+        assert proc.wait(timeout=900) == 0, output_of(out)[-4000:]
+    finally:
+        cleanup(proc, marker)
+    records = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "step" in r]
+    assert [r["rollout/engine_restarts"] for r in records] == [1, 1, 1]
+    assert records[0]["rollout/restart_log_prob_diff"] <= 1e-4  # the fresh engine serves version 0
+    versions = [json.loads(line) for line in (out / "policy_versions.jsonl").read_text().splitlines()]
+    # as many samples as an unkilled run trains: train_batch_size whole groups of 2 every step
+    assert [len(v["sample_versions"]) for v in versions] == [8, 8, 8]
+    assert all(0 <= v["trained_on"] - s <= 1 for v in versions for s in v["sample_versions"]), versions
 
 
 def without_restarts(records: list[dict]) -> list[dict]:
