@@ -86,6 +86,8 @@ def make_inputs(workdir: Path, cuda: bool) -> tuple[Path, dict]:
 
 def train(overrides: list[str]) -> tuple[dict, list[dict]]:
     """Run the GRPO steps in this process; (the model's HF config, metrics.jsonl rows)."""
+    import torch
+
     from engines.megatron.model import load_hf_config
     from hybridflow.single_controller import LocalWorkerGroup, RayClassWithInitArgs
     from hybridflow.trainer.main import prepare
@@ -103,6 +105,8 @@ def train(overrides: list[str]) -> tuple[dict, list[dict]]:
         PPOTrainer(cfg, roles, actor_dp=layout.actor_dp).fit(None)
     finally:
         group.shutdown()
+        if torch.distributed.is_initialized():  # the in-process rank's group (NCCL warns at exit)
+            torch.distributed.destroy_process_group()
     rows = [
         json.loads(line) for line in (Path(cfg.trainer.output_dir) / "metrics.jsonl").read_text().splitlines()
     ]
