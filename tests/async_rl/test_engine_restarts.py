@@ -74,6 +74,10 @@ def kill(pid: int) -> None:
     psutil.Process(pid).send_signal(signal.SIGKILL)
 
 
+def step_records(out: Path) -> list[dict]:
+    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "step" in r]
+
+
 def output_of(out: Path) -> str:
     return (out.parent / f"{out.name}.log").read_text()
 
@@ -90,7 +94,7 @@ def test_a_rollout_process_killed_mid_generation_is_restarted_and_the_run_trains
         assert proc.wait(timeout=900) == 0, output_of(killed)[-4000:]
     finally:
         cleanup(proc, marker)
-    records = [r for r in map(json.loads, (killed / "metrics.jsonl").read_text().splitlines()) if "step" in r]
+    records = step_records(killed)
     assert [r["rollout/engine_restarts"] for r in records] == [0, 1, 1]
     assert records[1]["rollout/restart_log_prob_diff"] <= 1e-4  # the fresh engine serves version 1
     plain, marker = tmp_path / "plain", uuid.uuid4().hex
@@ -127,7 +131,7 @@ def test_in_stream_mode_a_killed_rollout_process_is_restarted_and_the_lost_group
         assert proc.wait(timeout=900) == 0, output_of(out)[-4000:]
     finally:
         cleanup(proc, marker)
-    records = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "step" in r]
+    records = step_records(out)
     assert [r["rollout/engine_restarts"] for r in records] == [1, 1, 1]
     assert records[0]["rollout/restart_log_prob_diff"] <= 1e-4  # the fresh engine serves version 0
     versions = [json.loads(line) for line in (out / "policy_versions.jsonl").read_text().splitlines()]
