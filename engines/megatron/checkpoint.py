@@ -41,6 +41,7 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 from engines.megatron import cpu_compat
 from engines.megatron.model import unwrap_model
+from engines.megatron.optimizer import inner_optimizers
 from engines.megatron.parallel import parallel_ranks
 
 
@@ -84,7 +85,7 @@ def _rng_sharded_object() -> ShardedObject:
 
 def distributed_optimizer_format(torch_adam: bool) -> str:
     """The distributed optimizer's (CUDA) checkpoint format; the optimizers used without it (CPU)
-    ignore the setting, so their format is unchanged.
+    are given none, so their format is unchanged.
 
     Its default, fully_sharded_model_space, is refused by Megatron-Core 0.16.1's own ShardedTensor
     check ("flattened_range is not supported"). fully_reshardable loads at another TP/PP/DP layout,
@@ -95,14 +96,10 @@ def distributed_optimizer_format(torch_adam: bool) -> str:
     return "dp_reshardable" if torch_adam else "fully_reshardable"
 
 
-def _inner_optimizers(optimizer) -> list:
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
-
-
 def _uses_torch_adam(optimizer) -> bool:
     return any(
         isinstance(getattr(inner, "optimizer", None), torch.optim.Adam | torch.optim.AdamW)
-        for inner in _inner_optimizers(optimizer)
+        for inner in inner_optimizers(optimizer)
     )
 
 
@@ -127,7 +124,7 @@ def give_each_parameter_its_step(optimizer) -> None:
     returns `step` uncopied): Adam then adds 1 to it once per parameter each step, and its bias
     correction runs ahead. Likely why the update after a reload differed on an H200 (2026-11-26;
     found by reading after the device time ran out, so not yet run there). Harmless elsewhere."""
-    for inner in _inner_optimizers(optimizer):
+    for inner in inner_optimizers(optimizer):
         for state in getattr(getattr(inner, "optimizer", None), "state", {}).values():
             if torch.is_tensor(state.get("step")):
                 state["step"] = state["step"].clone()
@@ -136,7 +133,7 @@ def give_each_parameter_its_step(optimizer) -> None:
 def _distributed_optimizer_format(optimizer) -> str | None:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    if not any(isinstance(inner, DistributedOptimizer) for inner in _inner_optimizers(optimizer)):
+    if not any(isinstance(inner, DistributedOptimizer) for inner in inner_optimizers(optimizer)):
         return None
     return distributed_optimizer_format(_uses_torch_adam(optimizer))
 
@@ -145,12 +142,10 @@ def _sharded_state_dict(chunks, optimizer, scheduler, *, is_loading: bool, with_
     state = {f"model{i}": unwrap_model(chunk).sharded_state_dict() for i, chunk in enumerate(chunks)}
     if optimizer is not None:
         model_state = dict(state)
+        sharding = _distributed_optimizer_format(optimizer)
+        metadata = None if sharding is None else {"distrib_optim_sharding_type": sharding}
         state["optimizer"] = optimizer.sharded_state_dict(
-            model_state,
-            is_loading=is_loading,
-            metadata={
-                "distrib_optim_sharding_type": distributed_optimizer_format(_uses_torch_adam(optimizer))
-            },
+            model_state, is_loading=is_loading, metadata=metadata
         )
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()

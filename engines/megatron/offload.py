@@ -20,10 +20,11 @@ memory whatever the switches say, so that SGLang finds the memory the actor no l
 """
 
 import torch
-from megatron.core.optimizer.optimizer import ChainedOptimizer, MixedPrecisionOptimizer
+from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
 
 from engines.megatron import cpu_compat
 from engines.megatron.config import MegatronConfig
+from engines.megatron.optimizer import inner_optimizers
 from engines.rollout.sharding_manager import OffloadHooks
 
 
@@ -70,12 +71,6 @@ def reload_model(chunks: list, params: bool = True, grads: bool = True) -> None:
     torch.cuda.synchronize()
 
 
-def _inner_optimizers(optimizer) -> list:
-    if isinstance(optimizer, ChainedOptimizer):
-        return list(optimizer.chained_optimizers)
-    return [optimizer]
-
-
 def _move_state(megatron_optimizer, device) -> None:
     """Adam moments only: in an fp32 optimizer the param groups hold the model's own parameters."""
     inner = megatron_optimizer.optimizer
@@ -112,7 +107,7 @@ def offload_optimizer(optimizer) -> None:
     """Move optimizer state (and fp32 master copies of bf16/fp16 weights) to the host."""
     if optimizer is None or not cpu_compat.cuda_available():
         return
-    for inner in _inner_optimizers(optimizer):
+    for inner in inner_optimizers(optimizer):
         _move_optimizer(inner, "cpu")
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
@@ -122,7 +117,7 @@ def reload_optimizer(optimizer) -> None:
     """Bring back what `offload_optimizer` moved."""
     if optimizer is None or not cpu_compat.cuda_available():
         return
-    for inner in _inner_optimizers(optimizer):
+    for inner in inner_optimizers(optimizer):
         _move_optimizer(inner, torch.cuda.current_device())
     torch.cuda.synchronize()
 

@@ -209,11 +209,15 @@ def update_to_weight_ratio(optimizer, grad_norm: float) -> float:
     every rank decides the same. Nothing is changed."""
     clip = optimizer.config.clip_grad
     scale = min(1.0, clip / (grad_norm + 1.0e-6)) if clip > 0 else 1.0
-    parts = getattr(optimizer, "chained_optimizers", [optimizer])
-    delta_sq, weight_sq = sum(_reduced_squares(part, scale) for part in parts).tolist()
+    delta_sq, weight_sq = sum(_reduced_squares(part, scale) for part in inner_optimizers(optimizer)).tolist()
     if weight_sq == 0:
         return math.inf if delta_sq > 0 else 0.0
     return math.sqrt(delta_sq / weight_sq)
+
+
+def inner_optimizers(optimizer) -> list:
+    """A ChainedOptimizer's parts (dense and expert parameters), or the optimizer itself."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
 def current_lr(optimizer) -> float:
