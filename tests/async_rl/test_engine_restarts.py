@@ -20,6 +20,7 @@ import json
 import signal
 import subprocess
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -56,6 +57,22 @@ def start(local: dict, out: Path, hold: Path, marker: str, *overrides: str) -> s
     )  # fmt: skip
 
 
+@contextmanager
+def running(local: dict, out: Path, hold: Path, marker: str, *overrides: str):
+    """The run, started; stopped with every process of it when the block ends, however it ends."""
+    proc = start(local, out, hold, marker, *overrides)
+    try:
+        yield proc
+    finally:
+        cleanup(proc, marker)
+
+
+def finishes(proc: subprocess.Popen, hold: Path, out: Path) -> None:
+    """Every call held from now on goes through (a restarted process's too); the run succeeds."""
+    (hold / "release").touch()
+    assert proc.wait(timeout=900) == 0, output_of(out)[-4000:]
+
+
 def held_call(hold: Path, proc: subprocess.Popen, call: int, not_pid: int | None = None) -> int:
     """The pid of the rollout process holding its call number `call` (tokens generated)."""
     found: list[Path] = []
@@ -84,26 +101,18 @@ def output_of(out: Path) -> str:
 
 def test_a_rollout_process_killed_mid_generation_is_restarted_and_the_run_trains_the_same(local, tmp_path):
     killed, hold, marker = tmp_path / "killed", tmp_path / "hold", uuid.uuid4().hex
-    proc = start(local, killed, hold, marker)
-    try:
+    with running(local, killed, hold, marker) as proc:
         pid = held_call(hold, proc, 1)  # step 1's generation: let it go
         (hold / f"release.{pid}.1").touch()
         assert held_call(hold, proc, 2) == pid  # step 2's, with policy version 1: killed
         kill(pid)
-        (hold / "release").touch()  # the restarted process's calls go through
-        assert proc.wait(timeout=900) == 0, output_of(killed)[-4000:]
-    finally:
-        cleanup(proc, marker)
+        finishes(proc, hold, killed)
     records = step_records(killed)
     assert [r["rollout/engine_restarts"] for r in records] == [0, 1, 1]
     assert records[1]["rollout/restart_log_prob_diff"] <= 1e-4  # the fresh engine serves version 1
     plain, marker = tmp_path / "plain", uuid.uuid4().hex
-    proc = start(local, plain, tmp_path / "plain_hold", marker)
-    try:
-        (tmp_path / "plain_hold" / "release").touch()
-        assert proc.wait(timeout=900) == 0, output_of(plain)[-4000:]
-    finally:
-        cleanup(proc, marker)
+    with running(local, plain, tmp_path / "plain_hold", marker) as proc:
+        finishes(proc, tmp_path / "plain_hold", plain)
     seconds = [json.loads(line)["timing/step"] for line in (plain / "metrics.jsonl").read_text().splitlines()]
     restart = records[1]
     print(
@@ -124,13 +133,9 @@ def test_in_stream_mode_a_killed_rollout_process_is_restarted_and_the_lost_group
     out, hold, marker = tmp_path / "stream", tmp_path / "hold", uuid.uuid4().hex
     stream = ("trainer.async_training.mode=stream", "trainer.async_training.max_staleness=1",
               "rollout.calculate_log_probs=true", "actor.update.off_policy.mode=decoupled_ppo")  # fmt: skip
-    proc = start(local, out, hold, marker, *stream)
-    try:
+    with running(local, out, hold, marker, *stream) as proc:
         kill(held_call(hold, proc, 1))  # a group's tokens generated, its call unanswered
-        (hold / "release").touch()  # the restarted process's calls go through
-        assert proc.wait(timeout=900) == 0, output_of(out)[-4000:]
-    finally:
-        cleanup(proc, marker)
+        finishes(proc, hold, out)
     records = step_records(out)
     assert [r["rollout/engine_restarts"] for r in records] == [1, 1, 1]
     assert records[0]["rollout/restart_log_prob_diff"] <= 1e-4  # the fresh engine serves version 0
@@ -146,8 +151,7 @@ def without_restarts(records: list[dict]) -> list[dict]:
 
 def test_killed_once_more_than_max_engine_restarts_ends_the_run_with_one_named_error(local, tmp_path):
     out, hold, marker = tmp_path / "run", tmp_path / "hold", uuid.uuid4().hex
-    proc = start(local, out, hold, marker, "rollout.max_engine_restarts=1", "trainer.save_freq=1")
-    try:
+    with running(local, out, hold, marker, "rollout.max_engine_restarts=1", "trainer.save_freq=1") as proc:
         first = held_call(hold, proc, 1)
         kill(first)  # restarted: the lost call is generated again on the new process, and held
         kill(held_call(hold, proc, 1, not_pid=first))
@@ -160,5 +164,3 @@ def test_killed_once_more_than_max_engine_restarts_ends_the_run_with_one_named_e
         assert processes_with_env(f"HYBRIDFLOW_TEST_RUN={marker}") == []
         checkpoints = out / "checkpoints"
         assert not checkpoints.exists() or not any(checkpoints.iterdir())  # nothing, half-written or not
-    finally:
-        cleanup(proc, marker)
