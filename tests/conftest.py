@@ -3,6 +3,7 @@ quickstart's SFT warm start."""
 
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -76,17 +77,22 @@ def quickstart_warm_start(tmp_path_factory, worker_id):
     cores), without its validation passes. Returns the paths of the data (train / test parquet)
     and of the SFT export (`hf`) an RL stage starts from."""
     root = run_shared_dir(tmp_path_factory, worker_id) / "quickstart_warm_start"
-    paths = {
+    made_once(root, make_warm_start)
+    return {
         "train": root / "data" / "train.parquet",
         "test": root / "data" / "test.parquet",
         "hf": root / "sft" / "hf",
     }
+
+
+def made_once(root: Path, make: Callable[[Path], None]) -> None:
+    """`make(root)` once for the whole run, whichever pytest-xdist worker asks first: the others
+    wait on a file lock and find it done; a worker's failed attempt is removed and made again."""
     with FileLock(f"{root}.lock"):
         if not (root / "done").exists():
-            shutil.rmtree(root, ignore_errors=True)  # a worker's failed attempt
-            make_warm_start(root)
+            shutil.rmtree(root, ignore_errors=True)
+            make(root)
             (root / "done").touch()
-    return paths
 
 
 def make_warm_start(root: Path) -> None:

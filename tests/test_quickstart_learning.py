@@ -5,7 +5,7 @@ stream mode (issue 36: groups generated on their own, steps taking the next fini
 
 Stage 1 is the warm start stored once per session (`quickstart_warm_start`, tests/conftest.py:
 the quickstart's model, data and SFT stage). Stage 2 is recipes/quickstart.yaml through
-scripts/run_recipe.sh, unchanged but for the paths, GRPO_STEPS steps instead of 80, validation
+scripts/run_recipe.sh, unchanged but for the paths, 20 steps instead of 80, validation
 at the last step only and no checkpoints or export. Held-out
 accuracy is `val/accuracy` in metrics.jsonl: greedy answers to the 200 test problems, scored by
 the rule reward, at RL step 0 (the warm start) and at the last step.
@@ -16,17 +16,14 @@ Measured with exactly this configuration (runs are deterministic on CPU), step 0
   data.seed=2 rollout.seed=2: 36.5% -> 56.0% (+19.5 points)
   data.seed=3 rollout.seed=3: 36.5% -> 53.0% (+16.5 points)
 Runs validating every 5 steps (another sampling trajectory) gained +27.5, +15.5 and +14.0 points
-by step 20 (seeds 1/42, 2/2, 3/3). MARGIN, 8 points, is under every gain measured, with at least
-6 points to spare; 10 steps gained only +10 in some runs. docs/quickstart-results.md has the runs.
+by step 20 (seeds 1/42, 2/2, 3/3). The margin, 8 points (tests/learning_runs.py), is under every
+gain measured, with at least 6 points to spare; 10 steps gained only +10 in some runs.
+docs/quickstart-results.md has the runs.
 """
 
 import pytest
-from process_group import run_recipe_script
+from learning_runs import STEPS, check_accuracy_rises, run_from_warm_start
 
-from hybridflow.utils.tracking import read_metrics
-
-GRPO_STEPS = 20
-MARGIN = 0.08  # held-out accuracy that GRPO_STEPS steps must add (8 points)
 # LoRA on every linear (rank 16, alpha 32) at 10x the full-weight lr, as adapters usually need;
 # measured from the same warm start: 42.0% -> 61.5% (+19.5 points) in 20 steps (2026-11-24)
 LORA = ["actor.lora.rank=16", "actor.lora.alpha=32", "actor.optim.lr=2e-3"]
@@ -69,32 +66,7 @@ STREAM = [
 
 
 def run_grpo(warm_start, out, extra: list[str]) -> list[dict]:
-    """recipes/quickstart.yaml from the warm start for GRPO_STEPS steps; its metrics records."""
-    overrides = [
-        f"model.path={warm_start['hf']}",
-        f"data.train_files=[{warm_start['train']}]",
-        f"data.val_files=[{warm_start['test']}]",
-        f"trainer.output_dir={out}",
-        f"trainer.total_training_steps={GRPO_STEPS}",
-        f"trainer.test_freq={GRPO_STEPS}",
-        "trainer.save_freq=0",
-        "trainer.export_hf=false",
-        "trainer.logger=[console]",
-        *extra,
-    ]
-    done = run_recipe_script("recipes/quickstart.yaml", overrides, timeout=1200)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return read_metrics(out / "metrics.jsonl")
-
-
-def check_accuracy_rises(records: list[dict]) -> None:
-    accuracy = {r["step"]: r["val/accuracy"] for r in records if "val/accuracy" in r}
-    assert sorted(accuracy) == [0, GRPO_STEPS]
-    before, after = accuracy[0], accuracy[GRPO_STEPS]
-    assert before > 0.1, f"the warm start answers {before:.1%}: too few for RL to have a signal"
-    assert after - before >= MARGIN, (
-        f"held-out accuracy {before:.1%} -> {after:.1%} after {GRPO_STEPS} GRPO steps"
-    )
+    return run_from_warm_start("recipes/quickstart.yaml", warm_start, out, extra)
 
 
 @pytest.mark.slow
@@ -117,7 +89,7 @@ def test_one_step_grpo_raises_held_out_accuracy_too(quickstart_warm_start, tmp_p
     records = run_grpo(quickstart_warm_start, tmp_path / "grpo_one_step", ONE_STEP)
     check_accuracy_rises(records)
     staleness = [r["async/staleness_mean"] for r in records if "reward/mean" in r]
-    assert staleness == [0.0] + [1.0] * (GRPO_STEPS - 1)  # trained on samples one update old
+    assert staleness == [0.0] + [1.0] * (STEPS - 1)  # trained on samples one update old
 
 
 @pytest.mark.slow

@@ -1,0 +1,40 @@
+"""The learning tests' stage 2 (tests/test_quickstart_learning.py, tests/test_distillation_learning.py):
+a quickstart recipe from the shared SFT warm start (`quickstart_warm_start`, tests/conftest.py) for
+STEPS steps, through scripts/run_recipe.sh, unchanged but for the paths, validation at step 0 and
+the last step only and no checkpoints or export; and the check that held-out accuracy rose."""
+
+from pathlib import Path
+
+from process_group import run_recipe_script
+
+from hybridflow.utils.tracking import read_metrics
+
+STEPS = 20
+MARGIN = 0.08  # held-out accuracy that STEPS steps must add (8 points)
+
+
+def run_from_warm_start(recipe: str, warm_start: dict, out: Path, extra: list[str]) -> list[dict]:
+    """`recipe` from the warm start for STEPS steps, with `extra` overrides; its metrics records."""
+    overrides = [
+        f"model.path={warm_start['hf']}",
+        f"data.train_files=[{warm_start['train']}]",
+        f"data.val_files=[{warm_start['test']}]",
+        f"trainer.output_dir={out}",
+        f"trainer.total_training_steps={STEPS}",
+        f"trainer.test_freq={STEPS}",
+        "trainer.save_freq=0",
+        "trainer.export_hf=false",
+        "trainer.logger=[console]",
+        *extra,
+    ]
+    done = run_recipe_script(recipe, overrides, timeout=1200)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return read_metrics(out / "metrics.jsonl")
+
+
+def check_accuracy_rises(records: list[dict]) -> None:
+    accuracy = {r["step"]: r["val/accuracy"] for r in records if "val/accuracy" in r}
+    assert sorted(accuracy) == [0, STEPS]
+    before, after = accuracy[0], accuracy[STEPS]
+    assert before > 0.1, f"the warm start answers {before:.1%}: too few for RL to have a signal"
+    assert after - before >= MARGIN, f"held-out accuracy {before:.1%} -> {after:.1%} after {STEPS} steps"
