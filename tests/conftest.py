@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from filelock import FileLock
+from learning_runs import warm_start_overrides
 from process_group import run_recipe_script
 from working_tree import build_quickstart_working_tree
 
@@ -86,6 +87,9 @@ def quickstart_warm_start(tmp_path_factory, worker_id):
     }
 
 
+TEACHER_SFT_STEPS = 300
+
+
 @pytest.fixture(scope="session")
 def quickstart_teacher(quickstart_warm_start, tmp_path_factory, worker_id):
     """A distillation teacher made by the quickstart's own pipeline, once per `make test` like the
@@ -97,9 +101,6 @@ def quickstart_teacher(quickstart_warm_start, tmp_path_factory, worker_id):
     made_once(root, lambda out: make_teacher(quickstart_warm_start, out))
     accuracy = [r["val/accuracy"] for r in read_metrics(root / "metrics.jsonl") if "val/accuracy" in r]
     return {"hf": root / "hf", "accuracy": accuracy[-1]}
-
-
-TEACHER_SFT_STEPS = 300
 
 
 def made_once(root: Path, make: Callable[[Path], None]) -> None:
@@ -114,10 +115,7 @@ def made_once(root: Path, make: Callable[[Path], None]) -> None:
 
 def make_teacher(warm_start: dict, root: Path) -> None:
     overrides = [
-        f"model.path={warm_start['hf']}",
-        f"data.train_files=[{warm_start['train']}]",
-        f"data.val_files=[{warm_start['test']}]",
-        f"trainer.output_dir={root}",
+        *warm_start_overrides(warm_start, root),
         f"trainer.total_training_steps={TEACHER_SFT_STEPS}",
         f"trainer.test_freq={TEACHER_SFT_STEPS}",  # the teacher's accuracy, at its last step only
         "trainer.logger=[console]",

@@ -16,10 +16,7 @@ MARGIN = 0.08  # held-out accuracy that STEPS steps must add (8 points)
 def run_from_warm_start(recipe: str, warm_start: dict, out: Path, extra: list[str]) -> list[dict]:
     """`recipe` from the warm start for STEPS steps, with `extra` overrides; its metrics records."""
     overrides = [
-        f"model.path={warm_start['hf']}",
-        f"data.train_files=[{warm_start['train']}]",
-        f"data.val_files=[{warm_start['test']}]",
-        f"trainer.output_dir={out}",
+        *warm_start_overrides(warm_start, out),
         f"trainer.total_training_steps={STEPS}",
         f"trainer.test_freq={STEPS}",
         "trainer.save_freq=0",
@@ -30,6 +27,16 @@ def run_from_warm_start(recipe: str, warm_start: dict, out: Path, extra: list[st
     done = run_recipe_script(recipe, overrides, timeout=1200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return read_metrics(out / "metrics.jsonl")
+
+
+def warm_start_overrides(warm_start: dict, out: Path) -> list[str]:
+    """A quickstart recipe's overrides for a run from the warm start's export and data into `out`."""
+    return [
+        f"model.path={warm_start['hf']}",
+        f"data.train_files=[{warm_start['train']}]",
+        f"data.val_files=[{warm_start['test']}]",
+        f"trainer.output_dir={out}",
+    ]
 
 
 def check_accuracy_rises(records: list[dict]) -> None:
