@@ -7,10 +7,12 @@ tokens, so the two modes are compared on the same work.
 - padded: (B, 1152) rows, micro-batches of 8 rows (log-probs and update);
 - packed: sequence packing (THD) with token-budget micro-batches, `use_dynamic_bsz` with
   `max_token_len_per_gpu` = 4096 (update) and 8192 (log-probs).
-One PPO mini-batch of 32 (one epoch, clip + entropy + low_var_kl loss). Median of 3 calls after
-a warm-up. `act MiB` is the memory of the activations that the largest training micro-batch
-saves for its backward (tensors held by autograd, each storage counted once), beside `mb tokens`,
-the token slots of that micro-batch (padding included): packed micro-batches stay under the budget
+One PPO mini-batch of 32 (one epoch, clip + entropy + low_var_kl loss). Then the same on the
+quickstart's batch shape (256 rows, prompts of 24..32 tokens, responses of median 18 capped at 24;
+64-row micro-batches against budgets of 2048 and 4096 tokens). Median of 3 calls after a
+warm-up. `act MiB` is the memory of the activations that the largest training micro-batch saves
+for its backward (tensors held by autograd, each storage counted once), beside `mb tokens`, the
+token slots of that micro-batch (padding included): packed micro-batches stay under the budget
 whatever the lengths, padded ones grow with the longest row.
 
 CPU: the tiny quickstart model (`hybridflow.utils.tiny_model`, ~1 M parameters, fp32, 2048
@@ -31,8 +33,20 @@ from benchmarks._timing import median_seconds, run_torchrun
 
 TITLE = "Megatron engine: padded vs packed tokens/s, log-normal response lengths (tiny model on CPU)"
 REPEATS = 3
-SHAPE = dict(batch=32, prompt=128, min_prompt=48, response=1024, median=150.0, sigma=1.0, micro=8)
-BUDGETS = dict(update=4096, log_prob=8192)
+# Each shape: rows, prompt window and shortest prompt, response window, the log-normal response
+# lengths, padded rows per micro-batch, packed token budgets (update, log-probs).
+SHAPES = {
+    "gsm8k-like": dict(
+        batch=32, prompt=128, min_prompt=48, response=1024, median=150.0, sigma=1.0, micro=8,
+        update_budget=4096, log_prob_budget=8192,
+    ),
+    # recipes/quickstart.yaml's batch: 256 rows of ~30-token prompts and <= 24-token responses,
+    # 64-row micro-batches.
+    "quickstart-like": dict(
+        batch=256, prompt=32, min_prompt=24, response=24, median=18.0, sigma=0.25, micro=64,
+        update_budget=2048, log_prob_budget=4096,
+    ),
+}  # fmt: skip
 QWEN25_05B = dict(
     architectures=["Qwen2ForCausalLM"],
     model_type="qwen2",
@@ -57,21 +71,23 @@ def run() -> list[dict]:
         tmp = Path(tmp)
         from hybridflow.utils.tiny_model import make_tiny_model
 
-        print(length_summary(response_lengths(SHAPE)), flush=True)
         tiny = make_tiny_model(tmp / "tiny", max_position_embeddings=2048)
-        rows = _launch(tiny, 1, "cpu", tmp)
+        rows = []
+        for name, shape in SHAPES.items():
+            print(f"{name}: {length_summary(response_lengths(shape))}", flush=True)
+            rows += _launch(tiny, 1, "cpu", name, tmp)
         if torch.cuda.is_available():
             qwen = tmp / "qwen2.5-0.5b-shaped"
             qwen.mkdir()
             (qwen / "config.json").write_text(json.dumps(QWEN25_05B))
-            rows += _launch(qwen, 1, "cuda", tmp)
+            rows += _launch(qwen, 1, "cuda", "gsm8k-like", tmp)
     return rows
 
 
-def _launch(model_dir: Path, tp: int, device: str, tmp: Path) -> list[dict]:
-    result_file = tmp / f"{device}_tp{tp}.json"
-    what = f"megatron benchmark TP{tp} on {device}"
-    run_torchrun(__file__, tp, model_dir, tp, device, result_file, what=what)
+def _launch(model_dir: Path, tp: int, device: str, shape: str, tmp: Path) -> list[dict]:
+    result_file = tmp / f"{device}_tp{tp}_{shape}.json"
+    what = f"megatron benchmark TP{tp} on {device}, {shape}"
+    run_torchrun(__file__, tp, model_dir, tp, device, shape, result_file, what=what)
     return json.loads(result_file.read_text())
 
 
@@ -147,27 +163,27 @@ def _activation_mib(actor, data, micro_batches) -> float:
     return sum(storages.values()) / 2**20
 
 
-def _largest_micro_batch(data, mode: str):
+def _largest_micro_batch(data, mode: str, shape: dict):
     """(micro_batches argument running only the largest micro-batch, its token slots)."""
     from engines.megatron import forward
 
     lengths = data.batch["attention_mask"].sum(-1)
     if mode == "padded":
-        rows, width = SHAPE["micro"], data.batch["attention_mask"].shape[1]
+        rows, width = shape["micro"], data.batch["attention_mask"].shape[1]
         return rows, rows * width
-    groups = forward.token_budget_groups(data, BUDGETS["update"], "bench budget")
+    groups = forward.token_budget_groups(data, shape["update_budget"], "bench budget")
     largest = max(groups, key=lambda g: int(lengths[g].sum()))
     return [largest], int(lengths[largest].sum())
 
 
-def _measure(actor, data, mode: str, sync) -> dict:
+def _measure(actor, data, mode: str, shape: dict, sync) -> dict:
     """Timings of one mode and the activation memory of its largest training micro-batch."""
     packed = mode == "packed"
     actor.cfg.use_dynamic_bsz = packed
-    actor.cfg.max_token_len_per_gpu = BUDGETS["update"]
-    data.meta_info["max_token_len"] = BUDGETS["log_prob"] if packed else None
-    micro, slots = _largest_micro_batch(data, mode)
-    piece = data if packed else data[list(range(SHAPE["micro"]))]  # padded: one 8-row micro-batch
+    actor.cfg.max_token_len_per_gpu = shape["update_budget"]
+    data.meta_info["max_token_len"] = shape["log_prob_budget"] if packed else None
+    micro, slots = _largest_micro_batch(data, mode, shape)
+    piece = data if packed else data[list(range(shape["micro"]))]  # padded: one micro-batch
     return {
         "compute_log_prob": median_seconds(lambda: actor.compute_log_prob(data), REPEATS, sync),
         "update_policy": median_seconds(lambda: actor.update_policy(data), REPEATS, sync),
@@ -176,7 +192,7 @@ def _measure(actor, data, mode: str, sync) -> dict:
     }
 
 
-def _rows(hf, device: str, data, results: dict) -> list[dict]:
+def _rows(hf, device: str, shape: str, data, results: dict) -> list[dict]:
     import torch
 
     from hybridflow.utils.flops import peak_bf16_flops, train_flops_per_token
@@ -190,8 +206,8 @@ def _rows(hf, device: str, data, results: dict) -> list[dict]:
             seconds = results[mode][op]
             op_flops = flops if op == "update_policy" else flops / 3
             rows.append({
-                "op": op, "mode": mode, "device": device, "tokens": tokens, "seconds": seconds,
-                "tokens/s": tokens / seconds,
+                "shape": shape, "op": op, "mode": mode, "device": device, "tokens": tokens,
+                "seconds": seconds, "tokens/s": tokens / seconds,
                 "speedup": f"{results['padded'][op] / seconds:.2f}x",
                 "mb tokens": results[mode]["mb tokens"] if op == "update_policy" else "-",
                 "act MiB": results[mode]["act MiB"] if op == "update_policy" else "-",
@@ -200,7 +216,7 @@ def _rows(hf, device: str, data, results: dict) -> list[dict]:
     return rows
 
 
-def _worker(model_dir: Path, tp: int, device: str, result_file: Path) -> None:
+def _worker(model_dir: Path, tp: int, device: str, shape_name: str, result_file: Path) -> None:
     """Runs on each torchrun rank; rank 0 writes the rows."""
     import torch
     import torch.distributed as dist
@@ -217,23 +233,24 @@ def _worker(model_dir: Path, tp: int, device: str, result_file: Path) -> None:
     init_megatron(cfg)
     chunks = build_model(model_dir, cfg, load_weights=not on_gpu)
     optimizer, scheduler = build_optimizer(chunks, OptimConfig(lr=1e-6), cfg)
+    shape = SHAPES[shape_name]
     update_cfg = ActorUpdateConfig(
-        ppo_mini_batch_size=SHAPE["batch"], ppo_micro_batch_size=SHAPE["micro"], entropy_coeff=0.001,
+        ppo_mini_batch_size=shape["batch"], ppo_micro_batch_size=shape["micro"], entropy_coeff=0.001,
         use_kl_loss=True,
     )  # fmt: skip
     actor = MegatronActor(chunks, optimizer, scheduler, update_cfg)
     hf = unwrap_model(chunks[0]).hf_config
-    data = _batch(SHAPE, hf.vocab_size)
+    data = _batch(shape, hf.vocab_size)
     old = actor.compute_log_prob(data).batch["old_log_probs"]  # every rank is the last stage at PP1
     data.batch["old_log_probs"] = old
     data.batch["ref_log_prob"] = old.clone()
     sync = torch.cuda.synchronize if torch.cuda.is_available() else None
-    results = {mode: _measure(actor, data, mode, sync) for mode in ("padded", "packed")}
+    results = {mode: _measure(actor, data, mode, shape, sync) for mode in ("padded", "packed")}
     if dist.get_rank() == 0:
-        result_file.write_text(json.dumps(_rows(hf, device, data, results)))
+        result_file.write_text(json.dumps(_rows(hf, device, shape_name, data, results)))
     dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    _worker(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4]))
+    _worker(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], Path(sys.argv[5]))
