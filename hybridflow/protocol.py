@@ -56,6 +56,9 @@ __all__ = [
 ]
 
 METRICS_KEY = "metrics"
+# non_tensor_batch key of image prompts' pixels: one (n_images, 3, H, W) float32 array per row, the
+# rows' images in the order of their image tokens (hybridflow/data/image_prompts.py).
+PIXEL_VALUES_KEY = "pixel_values"
 # Integer dtypes used to carry tensor bytes whose dtype numpy lacks (bfloat16, float8, ...).
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _COPY_LOCK = threading.Lock()  # guards the copy of borrowed tensors (see DataProto.batch)

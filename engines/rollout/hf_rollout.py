@@ -28,7 +28,7 @@ from engines.rollout.base import (
 from engines.rollout.config import RolloutConfig, SamplingConfig
 from engines.rollout.hf_routes import ROUTES_KEY, RouteRecorder
 from engines.weight_sync.common import check_named_shapes, tensor_checksum, torch_dtype
-from hybridflow.protocol import DataProto
+from hybridflow.protocol import PIXEL_VALUES_KEY, DataProto
 
 # model_type -> (router name, one expert's tensor name, its (gate, up, down) names) in checkpoints.
 CHECKPOINT_MOE_NAMES = {
@@ -64,10 +64,30 @@ def _checkpoint_names(name: str, param: torch.Tensor, model_type: str) -> dict[s
 
 def checkpoint_tensors(model, remove_duplicate: bool = True) -> dict[str, torch.Tensor]:
     """The model's parameters (or views of them) under the names its checkpoint uses."""
+    if is_vision_language(model.config):
+        return _vision_language_checkpoint_names(model, remove_duplicate)
     tensors = {}
     for name, param in model.named_parameters(remove_duplicate=remove_duplicate):
         tensors.update(_checkpoint_names(name, param, model.config.model_type))
     return tensors
+
+
+def is_vision_language(hf_config) -> bool:
+    return getattr(hf_config, "vision_config", None) is not None
+
+
+def _vision_language_checkpoint_names(model, remove_duplicate: bool) -> dict[str, torch.Tensor]:
+    """transformers 5 keeps a VLM's parts under other names in memory than in its checkpoints
+    (LLaVA: `model.language_model.*` in memory, `language_model.model.*` saved);
+    `revert_weight_conversion` is the renaming `save_pretrained` applies, and hands back the
+    parameters themselves, so loading into its values loads the model."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    params = dict(model.named_parameters(remove_duplicate=remove_duplicate))
+    renamed = revert_weight_conversion(model, params)
+    if not all(any(tensor is param for param in params.values()) for tensor in renamed.values()):
+        raise TypeError(f"{model.config.model_type}: its checkpoint names need converted tensors, not views")
+    return renamed
 
 
 class SampledLogProbs:
@@ -167,10 +187,27 @@ class HFRolloutEngine(SeededGenerationMixin):
                 generation_config=generation_config,
                 tokenizer=self.tokenizer,
                 logits_processor=LogitsProcessorList([recorder] if recorder else []),
+                **self._image_inputs(prompts),
             )
         responses = out.sequences[:, input_ids.shape[1] :]  # (B, L)
         log_probs = recorder.log_probs(out.sequences).cpu() if recorder else None  # (B, L)
         return responses.cpu(), log_probs, (recorder.top_k_tokens() if recorder else None)
+
+    def _image_inputs(self, prompts: DataProto) -> dict[str, torch.Tensor]:
+        """`pixel_values` (N, 3, H, W) of every row's images in row order, which is the order of
+        the image tokens in the batch (LLaVA fills them in that order); {} without images."""
+        rows = prompts.non_tensor_batch.get(PIXEL_VALUES_KEY)
+        if rows is None:
+            return {}
+        if not is_vision_language(self.model.config):
+            raise ValueError(
+                f"the prompts carry `{PIXEL_VALUES_KEY}` but the rollout model "
+                f"({self.model.config.model_type}) takes no images"
+            )
+        images = [torch.as_tensor(row) for row in rows if len(row)]
+        if not images:
+            return {}
+        return {PIXEL_VALUES_KEY: torch.cat(images).to(self.device, self.model.dtype)}
 
     def _empty_output(self):
         """`_generate`'s output for no prompt rows: the same keys, with no positions."""
@@ -248,12 +285,13 @@ class HFRolloutEngine(SeededGenerationMixin):
 
 
 def _load_model(model_path: Path, hf_config, cfg: RolloutConfig):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     dtype = torch_dtype(cfg.dtype)
+    auto = AutoModelForImageTextToText if is_vision_language(hf_config) else AutoModelForCausalLM
     if cfg.load_format == "auto":
-        return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
-    return AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        return auto.from_pretrained(model_path, dtype=dtype)
+    return auto.from_config(hf_config, dtype=dtype)
 
 
 def _plain_generation_config(eos_token_ids: list[int], pad_token_id: int):

@@ -1,0 +1,209 @@
+"""The `hf` rollout engine on image prompts (issue 39), with the tiny random LLaVA model
+(`hybridflow.utils.tiny_vlm`): verl's row format (a chat prompt with `<image>` placeholders and an
+`images` column of PNG bytes) through the model's own processor into a left-padded `DataProto`.
+
+The reference is transformers itself, row by row without padding: `generate` on the processor's
+output for that row alone, from the checkpoint loaded with `from_pretrained`.
+"""
+
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from engines.rollout.config import RolloutConfig, SamplingConfig
+from engines.rollout.hf_rollout import HFRolloutEngine
+from hybridflow.data.image_prompts import decode_images, image_prompt_inputs
+from hybridflow.protocol import PIXEL_VALUES_KEY, DataProto
+from hybridflow.utils.tiny_vlm import make_tiny_vlm
+
+MAX_NEW = 6
+
+
+def png(shapes: list[tuple[str, tuple[int, int, int]]], size: int = 32) -> bytes:
+    """A size x size PNG with one circle or square per entry, side by side."""
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (size, size), (255, 255, 255))
+    draw = ImageDraw.Draw(image)
+    for slot, (kind, colour) in enumerate(shapes):
+        box = (2 + 10 * slot, 10, 10 + 10 * slot, 18)
+        (draw.ellipse if kind == "circle" else draw.rectangle)(box, fill=colour)
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+RED_CIRCLE = png([("circle", (220, 30, 30))])
+BLUE_SQUARES = png([("square", (30, 30, 220)), ("square", (30, 30, 220))])
+MIXED = png([("circle", (30, 160, 30)), ("square", (220, 30, 30)), ("circle", (30, 30, 220))])
+ROWS = [
+    ("<image>How many circles are there?", [RED_CIRCLE]),
+    ("What is 2+3?", []),
+    ("<image>Count them.", [MIXED]),
+    ("<image><image>Are they the same?", [BLUE_SQUARES, RED_CIRCLE]),
+]
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    return make_tiny_vlm(tmp_path_factory.mktemp("tiny_vlm"))
+
+
+@pytest.fixture(scope="module")
+def processor(vlm):
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(vlm)
+
+
+@pytest.fixture(scope="module")
+def reference_model(vlm):
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(vlm, dtype=torch.float32).eval()
+
+
+def row_inputs(processor, rows=ROWS) -> list[tuple[list[int], np.ndarray]]:
+    return [
+        image_prompt_inputs(
+            processor, [{"role": "user", "content": text}], decode_images(images, f"row {i}"), f"row {i}"
+        )
+        for i, (text, images) in enumerate(rows)
+    ]
+
+
+def left_padded(inputs, pad_token_id: int, **meta_info) -> DataProto:
+    width = max(len(ids) for ids, _ in inputs)
+    ids = torch.full((len(inputs), width), pad_token_id, dtype=torch.long)  # (B, P)
+    mask = torch.zeros_like(ids)
+    for row, (row_ids, _) in enumerate(inputs):
+        ids[row, width - len(row_ids) :] = torch.tensor(row_ids)
+        mask[row, width - len(row_ids) :] = 1
+    pixels = np.empty(len(inputs), dtype=object)
+    pixels[:] = [row_pixels for _, row_pixels in inputs]
+    return DataProto.from_dict(
+        tensors={
+            "input_ids": ids,
+            "attention_mask": mask,
+            "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+        },
+        non_tensors={PIXEL_VALUES_KEY: pixels},
+        meta_info=meta_info,
+    )
+
+
+def make_engine(vlm, load_format: str = "auto") -> HFRolloutEngine:
+    greedy = SamplingConfig(do_sample=False, temperature=0.0, max_new_tokens=MAX_NEW)
+    cfg = RolloutConfig(
+        response_length=MAX_NEW, load_format=load_format, sampling=greedy, val_sampling=greedy,
+        calculate_log_probs=True,
+    )  # fmt: skip
+    return HFRolloutEngine(vlm, cfg, device="cpu")
+
+
+def reference_greedy(model, inputs, eos_ids: list[int], pad_id: int) -> list[list[int]]:
+    """transformers' greedy continuation of each row alone (no padding), cut after the first EOS."""
+    responses = []
+    for ids, pixels in inputs:
+        extra = {PIXEL_VALUES_KEY: torch.as_tensor(pixels)} if len(pixels) else {}
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                do_sample=False, max_new_tokens=MAX_NEW, eos_token_id=eos_ids, pad_token_id=pad_id, **extra,
+            )  # fmt: skip
+        tokens = out[0, len(ids) :].tolist()
+        ends = [i for i, token in enumerate(tokens) if token in eos_ids]
+        responses.append(tokens[: ends[0] + 1] if ends else tokens)
+    return responses
+
+
+def engine_responses(out: DataProto) -> list[list[int]]:
+    rows = zip(out.batch["responses"], out.batch["response_mask"], strict=True)
+    return [row[mask.bool()].tolist() for row, mask in rows]
+
+
+def test_processor_expands_each_placeholder_into_the_images_features(processor):
+    inputs = row_inputs(processor)
+    image_token = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    for (_, images), (ids, pixels) in zip(ROWS, inputs, strict=True):
+        assert ids.count(image_token) == 16 * len(images)  # 32x32 images in 8x8 patches, CLS dropped
+        assert pixels.shape[0] == len(images) and pixels.dtype == np.float32
+
+
+def test_greedy_from_image_prompts_matches_transformers_row_by_row(vlm, processor, reference_model):
+    engine = make_engine(vlm)
+    inputs = row_inputs(processor)
+    out = engine.generate_sequences(left_padded(inputs, engine.pad_token_id))
+    assert engine_responses(out) == reference_greedy(
+        reference_model, inputs, engine.eos_token_ids, engine.pad_token_id
+    )
+    assert out.batch["rollout_log_probs"].shape == (len(ROWS), MAX_NEW)
+
+
+def test_the_images_reach_the_model(vlm, processor):
+    """The same text with the first two rows' images swapped gives other log-probs for those rows."""
+    engine = make_engine(vlm)
+    rows = [("<image>What is this?", [RED_CIRCLE]), ("<image>What is this?", [MIXED])]
+    swapped = [(text, images) for (text, _), (_, images) in zip(rows, rows[::-1], strict=True)]
+    first, second = (
+        engine.generate_sequences(left_padded(row_inputs(processor, r), engine.pad_token_id))
+        for r in (rows, swapped)
+    )
+    first_token = first.batch["rollout_log_probs"][:, 0]  # (2,): the same prompt tokens, other pixels
+    assert (first_token - second.batch["rollout_log_probs"][:, 0].flip(0)).abs().max() < 1e-5
+    assert (first_token[0] - first_token[1]).abs() > 1e-4
+
+
+def test_weights_synced_by_checkpoint_name_reproduce_the_checkpoint(vlm, processor):
+    """An engine started from random weights and loaded with the checkpoint's own tensors, under
+    the names the checkpoint has (vision tower and projector included), generates as one loaded
+    from the directory."""
+    from safetensors.torch import load_file
+
+    loaded, dummy = make_engine(vlm), make_engine(vlm, load_format="dummy")
+    tensors = load_file(vlm / "model.safetensors")
+    assert set(dummy.weight_checksums()) == set(tensors)
+    assert any(name.startswith("vision_tower.") for name in tensors)
+    assert any(name.startswith("multi_modal_projector.") for name in tensors)
+    dummy.update_weights(tensors.items())
+    assert dummy.weight_checksums() == loaded.weight_checksums()
+    prompts = left_padded(row_inputs(processor), loaded.pad_token_id)
+    assert engine_responses(dummy.generate_sequences(prompts)) == engine_responses(
+        loaded.generate_sequences(prompts)
+    )
+
+
+def test_pixel_values_for_a_text_model_are_refused(tmp_path):
+    from hybridflow.utils.tiny_model import make_tiny_model
+
+    engine = make_engine(make_tiny_model(tmp_path / "text"))
+    prompts = left_padded([([5, 6, 7], np.zeros((1, 3, 32, 32), np.float32))], engine.pad_token_id)
+    with pytest.raises(
+        ValueError, match=r"carry `pixel_values` but the rollout model \(qwen2\) takes no images"
+    ):
+        engine.generate_sequences(prompts)
+
+
+@pytest.mark.parametrize(
+    ("images", "message"),
+    [
+        (b"\x89PNG", "`images` must be a list of encoded images, got bytes"),
+        (["not bytes"], r"`images\[0\]` must be image bytes"),
+        ([b"not an image"], r"`images\[0\]` is not an image PIL reads"),
+    ],
+)
+def test_bad_images_column_names_the_row(images, message):
+    with pytest.raises(ValueError, match=f"row 7: {message}"):
+        decode_images(images, "row 7")
+
+
+def test_placeholder_count_must_match_the_images(processor):
+    with pytest.raises(ValueError, match=r"marks 2 image\(s\) with '<image>' but `images` holds 1"):
+        image_prompt_inputs(
+            processor,
+            [{"role": "user", "content": "<image><image>?"}],
+            decode_images([RED_CIRCLE], "r"),
+            "row 3",
+        )
