@@ -14,6 +14,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from hybridflow.data.image_prompts import IMAGES_KEY, decode_images, image_prompt_inputs
+from hybridflow.protocol import PIXEL_VALUES_KEY
+
 logger = logging.getLogger(__name__)
 
 REQUIRED_COLUMNS = ("data_source", "reward_model")
@@ -58,7 +61,11 @@ def check_chat_prompt(messages, where: str, prompt_key: str = "prompt") -> None:
 
 
 class PromptDataset(torch.utils.data.Dataset):
-    """Tokenized chat prompts; `num_dropped` counts prompts over `max_prompt_length`."""
+    """Tokenized chat prompts; `num_dropped` counts prompts over `max_prompt_length`. With a
+    vision-language model's `processor`, rows also need an `images` column
+    (hybridflow/data/image_prompts.py): ids are the processor's, image tokens expanded, and each
+    item carries its `pixel_values`, made again when the item is read rather than held for every
+    row."""
 
     def __init__(
         self,
@@ -68,21 +75,29 @@ class PromptDataset(torch.utils.data.Dataset):
         prompt_key: str = "prompt",
         max_samples: int | None = None,
         tools: list[dict] | None = None,
+        processor=None,
     ):
         """`tools`: function schemas the chat template renders into every prompt (agent loops)."""
-        located = read_located_rows(files, (prompt_key, *REQUIRED_COLUMNS))
+        images_column = (IMAGES_KEY,) if processor is not None else ()
+        located = read_located_rows(files, (prompt_key, *REQUIRED_COLUMNS, *images_column))
         if max_samples is not None:
             located = located[:max_samples]
         if not located:
             raise ValueError(f"{files} hold no rows; add prompt rows")
-        self.prompt_key = prompt_key
-        self.rows, self.token_ids = [], []
+        self.prompt_key, self.processor = prompt_key, processor
+        self.rows, self.token_ids, self.where = [], [], []
         for where, row in located:
             check_chat_prompt(row[prompt_key], where, prompt_key)
-            ids = tokenize_chat(tokenizer, row[prompt_key], tools)
+            if processor is None:
+                ids = tokenize_chat(tokenizer, row[prompt_key], tools)
+            else:
+                ids, _ = image_prompt_inputs(
+                    processor, row[prompt_key], decode_images(row[IMAGES_KEY], where), where
+                )
             if len(ids) <= max_prompt_length:
                 self.rows.append(row)
                 self.token_ids.append(ids)
+                self.where.append(where)
         self.num_dropped = len(located) - len(self.rows)
         if self.num_dropped:
             logger.warning(
@@ -103,7 +118,7 @@ class PromptDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict:
         row = self.rows[i]
-        return {
+        item = {
             "input_ids": torch.tensor(self.token_ids[i], dtype=torch.long),
             "data_source": row["data_source"],
             "reward_model": row["reward_model"],
@@ -112,6 +127,12 @@ class PromptDataset(torch.utils.data.Dataset):
             "extra_info": row.get("extra_info") or {},
             "index": i,
         }
+        if self.processor is not None:
+            images = decode_images(row[IMAGES_KEY], self.where[i])
+            _, item[PIXEL_VALUES_KEY] = image_prompt_inputs(
+                self.processor, row[self.prompt_key], images, self.where[i]
+            )
+        return item
 
 
 def tokenize_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
@@ -141,5 +162,6 @@ def collate_prompts(items: list[dict], pad_token_id: int) -> dict:
         attention_mask[row, length - len(ids) :] = 1
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # (B, P)
     batch = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-    batch.update({key: object_array([item[key] for item in items]) for key in NON_TENSOR_KEYS})
+    keys = (*NON_TENSOR_KEYS, PIXEL_VALUES_KEY) if PIXEL_VALUES_KEY in items[0] else NON_TENSOR_KEYS
+    batch.update({key: object_array([item[key] for item in items]) for key in keys})
     return batch

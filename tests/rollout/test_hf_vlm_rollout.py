@@ -207,3 +207,60 @@ def test_placeholder_count_must_match_the_images(processor):
             decode_images([RED_CIRCLE], "r"),
             "row 3",
         )
+
+
+def write_image_rows(path, rows=ROWS):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.Table.from_pylist([
+        {"prompt": [{"role": "user", "content": text}], "images": images, "data_source": "shapes",
+         "reward_model": {"ground_truth": str(i)}}
+        for i, (text, images) in enumerate(rows)
+    ])  # fmt: skip
+    pq.write_table(table, path)
+    return str(path)
+
+
+def test_prompt_dataset_carries_the_images_to_the_engine(vlm, processor, tmp_path):
+    """parquet rows -> PromptDataset (with the processor) -> collate -> DataProto -> the engine:
+    the same responses as the rows processed by hand."""
+    from hybridflow.data.prompt_dataset import PromptDataset, collate_prompts
+
+    engine = make_engine(vlm)
+    dataset = PromptDataset(
+        [write_image_rows(tmp_path / "images.parquet")], processor.tokenizer, 128, processor=processor
+    )
+    batch = collate_prompts([dataset[i] for i in range(len(dataset))], engine.pad_token_id)
+    tensors = {key: batch.pop(key) for key in ("input_ids", "attention_mask", "position_ids")}
+    from_dataset = engine.generate_sequences(DataProto.from_dict(tensors=tensors, non_tensors=batch))
+    by_hand = engine.generate_sequences(left_padded(row_inputs(processor), engine.pad_token_id))
+    assert torch.equal(from_dataset.batch["input_ids"], by_hand.batch["input_ids"])
+    assert engine_responses(from_dataset) == engine_responses(by_hand)
+
+
+def test_prompt_dataset_with_a_processor_needs_the_images_column(processor, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from hybridflow.data.prompt_dataset import PromptDataset
+
+    path = tmp_path / "text.parquet"
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": "2+3?"}],
+            "data_source": "s",
+            "reward_model": {"ground_truth": "5"},
+        }
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    with pytest.raises(ValueError, match=r"text.parquet lacks columns \['images'\]"):
+        PromptDataset([str(path)], processor.tokenizer, 128, processor=processor)
+
+
+def test_prompt_dataset_names_the_row_with_a_bad_image(processor, tmp_path):
+    from hybridflow.data.prompt_dataset import PromptDataset
+
+    path = write_image_rows(tmp_path / "bad.parquet", [ROWS[0], ("<image>?", [b"not an image"])])
+    with pytest.raises(ValueError, match=r"bad.parquet row 1: `images\[0\]` is not an image PIL reads"):
+        PromptDataset([path], processor.tokenizer, 128, processor=processor)
