@@ -398,6 +398,17 @@ def unwrap_model(chunk):
     return chunk
 
 
+def torch_norms_in_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Megatron-Core's local spec builds torch's norms (`WrappedTorchNorm`) without a dtype, so
+    under bf16 their weights stayed fp32 and `torch.rms_norm` fell back to its unfused path (seen on
+    an H200: "Mismatch dtype between input and weight"); Megatron's own training casts every
+    parameter through `Float16Module`, which hybridflow does not wrap. Transformer Engine's norms
+    take `params_dtype` themselves."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.RMSNorm | torch.nn.LayerNorm):
+            module.to(dtype)
+
+
 def build_gpt_model(hf_config: HFModelConfig, cfg: MegatronConfig, *, value_head: bool = False):
     """This pipeline stage's GPTModel (unwrapped, weights uninitialised unless CPU init runs)."""
     from megatron.core import parallel_state
@@ -420,6 +431,7 @@ def build_gpt_model(hf_config: HFModelConfig, cfg: MegatronConfig, *, value_head
         model.output_layer = ValueHead(
             hf_config.hidden_size, hf_config.initializer_range, cfg.seed, tf_config.params_dtype
         )
+    torch_norms_in_dtype(model, tf_config.params_dtype)
     if not cpu_compat.cuda_available():
         return model
     return model.cuda(torch.cuda.current_device())

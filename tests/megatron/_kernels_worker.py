@@ -4,7 +4,8 @@ Megatron-Core's transformer block picks its final norm from a module-level defau
 `LayerNormImpl`, which is apex's FusedLayerNorm whenever apex imports (common NGC images); that
 class asserts `normalization == "LayerNorm"`, so an RMSNorm model failed to build there. The
 worker sets the default as apex would, builds a Qwen2 model (and the MoE one), and checks the
-final norm is torch's, the core attention is SDPA and the fused kernels are off. Prints
+final norm is torch's, the core attention is SDPA and the fused kernels are off, and that in bf16
+every parameter, torch's norms included, is bf16. Prints
 "KERNELS OK" when every check passed.
 """
 
@@ -36,7 +37,17 @@ def main(model_dirs: list[Path]) -> None:
         config = model.config
         fused = (config.apply_rope_fusion, config.gradient_accumulation_fusion, config.bias_activation_fusion)
         assert fused == (False, False, False), fused
+        check_every_parameter_in_bf16(model_dir)
     print("KERNELS OK", flush=True)
+
+
+def check_every_parameter_in_bf16(model_dir: Path) -> None:
+    """A bf16 model's torch norms (final, per layer, Qwen3's q/k norms) are bf16 like the rest."""
+    cfg = MegatronConfig(params_dtype="bfloat16")
+    model = unwrap_model(build_model(model_dir, cfg, load_weights=False, for_training=False)[0])
+    dtypes = {name: param.dtype for name, param in model.named_parameters()}
+    assert set(dtypes.values()) == {torch.bfloat16}, {n: d for n, d in dtypes.items() if d != torch.bfloat16}
+    assert any("layernorm" in name for name in dtypes), sorted(dtypes)
 
 
 if __name__ == "__main__":
