@@ -179,10 +179,14 @@ def test_ppo_recipe_runs_two_steps_with_a_critic(local, tmp_path):
     ]
     result = run_recipe("recipes/gsm8k_ppo.yaml", overrides, pythonpath=local["root"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    own_seconds = ("actor/update_seconds", "critic/update_seconds")
     steps = check_run(
-        tmp_path / "ppo", extra_keys=("critic/vf_loss", "kl/mean", "timing/values", "timing/update_critic")
+        tmp_path / "ppo",
+        extra_keys=("critic/vf_loss", "kl/mean", "timing/values", "timing/update_critic", *own_seconds),
     )
     assert all("critic/values_mean" in r for r in steps)
+    # each update's own time in its worker, below the driver's time for both
+    assert all(0 < r[key] < r["timing/update"] for r in steps for key in own_seconds), steps
 
 
 @pytest.mark.slow

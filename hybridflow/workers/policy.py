@@ -9,6 +9,8 @@ Engines are imported inside `init_model`, so importing these modules (the driver
 of Megatron.
 """
 
+import time
+
 from hybridflow.config.schema import RecipeConfig
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller import Dispatch, Worker, register
@@ -18,6 +20,16 @@ from hybridflow.workers.megatron_setup import init_parallel_state
 def prefixed(role: str, metrics: dict) -> dict:
     """Engine metric names under the role: pg_loss -> actor/pg_loss, sft_loss -> sft/loss."""
     return {f"{role}/{key.removeprefix(role + '_')}": value for key, value in metrics.items()}
+
+
+def with_update_seconds(update, data: DataProto) -> dict:
+    """`update(data)`'s metrics plus `update_seconds`, the update's own wall time in this worker:
+    the driver's `timing/update_actor` also counts a colocated critic's update queued before it in
+    the same processes, and `timing/update_critic` only the wait beyond the actor's."""
+    start = time.perf_counter()
+    metrics = update(data)
+    metrics["update_seconds"] = [time.perf_counter() - start]
+    return metrics
 
 
 class PolicyWorker(Worker):
@@ -94,7 +106,7 @@ class PolicyWorker(Worker):
         """PPO epochs over the batch; metrics come back in meta_info["metrics"]."""
         self.before_compute()
         data.meta_info["temperature"] = self.config.rollout.sampling.temperature
-        metrics = self.actor.update_policy(data)
+        metrics = with_update_seconds(self.actor.update_policy, data)
         if self.config.actor.lora.rank:  # what LoRA saves: trainable elements, optimizer bytes
             from engines.megatron.lora import parameter_counts
 
