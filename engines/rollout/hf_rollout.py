@@ -85,7 +85,8 @@ def _vision_language_checkpoint_names(model, remove_duplicate: bool) -> dict[str
 
     params = dict(model.named_parameters(remove_duplicate=remove_duplicate))
     renamed = revert_weight_conversion(model, params)
-    if not all(any(tensor is param for param in params.values()) for tensor in renamed.values()):
+    own = {id(param) for param in params.values()}
+    if not all(id(tensor) in own for tensor in renamed.values()):
         raise TypeError(f"{model.config.model_type}: its checkpoint names need converted tensors, not views")
     return renamed
 

@@ -41,11 +41,11 @@ def decode_images(values, where: str) -> list:
 
 
 def image_prompt_inputs(
-    processor, messages: list[dict], images: list, where: str
+    processor, messages: list[dict], images: list, where: str, tools: list[dict] | None = None
 ) -> tuple[list[int], np.ndarray]:
     """(token ids with each placeholder expanded, pixel values (n_images, 3, H, W) float32) of a chat
-    prompt rendered by the processor's chat template."""
-    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt rendered by the processor's chat template (with the `tools`' schemas, when given)."""
+    text = processor.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     placeholders = text.count(processor.image_token)
     if placeholders != len(images):
         raise ValueError(

@@ -84,16 +84,15 @@ class PromptDataset(torch.utils.data.Dataset):
             located = located[:max_samples]
         if not located:
             raise ValueError(f"{files} hold no rows; add prompt rows")
-        self.prompt_key, self.processor = prompt_key, processor
+        self.prompt_key, self.processor, self.tools = prompt_key, processor, tools
         self.rows, self.token_ids, self.where = [], [], []
         for where, row in located:
             check_chat_prompt(row[prompt_key], where, prompt_key)
             if processor is None:
                 ids = tokenize_chat(tokenizer, row[prompt_key], tools)
             else:
-                ids, _ = image_prompt_inputs(
-                    processor, row[prompt_key], decode_images(row[IMAGES_KEY], where), where
-                )
+                images = decode_images(row[IMAGES_KEY], where)
+                ids, _ = image_prompt_inputs(processor, row[prompt_key], images, where, tools)
             if len(ids) <= max_prompt_length:
                 self.rows.append(row)
                 self.token_ids.append(ids)
@@ -130,7 +129,7 @@ class PromptDataset(torch.utils.data.Dataset):
         if self.processor is not None:
             images = decode_images(row[IMAGES_KEY], self.where[i])
             _, item[PIXEL_VALUES_KEY] = image_prompt_inputs(
-                self.processor, row[self.prompt_key], images, self.where[i]
+                self.processor, row[self.prompt_key], images, self.where[i], self.tools
             )
         return item
 

@@ -264,3 +264,24 @@ def test_prompt_dataset_names_the_row_with_a_bad_image(processor, tmp_path):
     path = write_image_rows(tmp_path / "bad.parquet", [ROWS[0], ("<image>?", [b"not an image"])])
     with pytest.raises(ValueError, match=r"bad.parquet row 1: `images\[0\]` is not an image PIL reads"):
         PromptDataset([path], processor.tokenizer, 128, processor=processor)
+
+
+def test_tools_reach_the_processors_chat_template(vlm):
+    """An agent recipe's tool schemas are rendered into image prompts as into text ones."""
+    from transformers import AutoProcessor
+
+    from hybridflow.data.prompt_dataset import PromptDataset
+
+    processor = AutoProcessor.from_pretrained(vlm)
+    processor.chat_template = (
+        "{% for tool in tools or [] %}[tool {{ tool.function.name }}]{% endfor %}"
+        "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}<|assistant|>"
+    )
+    tools = [{"type": "function", "function": {"name": "count", "parameters": {"type": "object"}}}]
+    path = write_image_rows(vlm.parent / "tools.parquet", ROWS[:1])
+    with_tools = PromptDataset([path], processor.tokenizer, 256, tools=tools, processor=processor)
+    without = PromptDataset([path], processor.tokenizer, 256, processor=processor)
+    text = processor.tokenizer.decode(with_tools[0]["input_ids"])
+    assert text.startswith("[tool count]") and text.endswith(
+        processor.tokenizer.decode(without[0]["input_ids"])
+    )
