@@ -179,7 +179,7 @@ def test_ppo_recipe_runs_two_steps_with_a_critic(local, tmp_path):
     ]
     result = run_recipe("recipes/gsm8k_ppo.yaml", overrides, pythonpath=local["root"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    own_seconds = ("actor/update_seconds", "critic/update_seconds")
+    own_seconds = ("timing/update_actor_worker", "timing/update_critic_worker")
     steps = check_run(
         tmp_path / "ppo",
         extra_keys=("critic/vf_loss", "kl/mean", "timing/values", "timing/update_critic", *own_seconds),

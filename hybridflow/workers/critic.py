@@ -3,11 +3,13 @@
 Engines are imported inside `init_model`, so importing this module stays free of Megatron.
 """
 
+import time
+
 from hybridflow.config.schema import RecipeConfig
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller import Dispatch, Worker, register
 from hybridflow.workers.megatron_setup import init_parallel_state
-from hybridflow.workers.policy import prefixed, with_update_seconds
+from hybridflow.workers.policy import prefixed, update_timing
 
 
 class CriticWorker(Worker):
@@ -39,8 +41,9 @@ class CriticWorker(Worker):
     @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE_PROTO)
     def update_critic(self, data: DataProto) -> DataProto:
         """Clipped value-loss epochs over the batch; metrics come back in meta_info["metrics"]."""
-        metrics = with_update_seconds(self.critic.update_critic, data)
-        return DataProto(meta_info={"metrics": prefixed("critic", metrics)})
+        start = time.perf_counter()
+        metrics = prefixed("critic", self.critic.update_critic(data))
+        return DataProto(meta_info={"metrics": metrics | update_timing("critic", start)})
 
     @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE_PROTO, blocking=False)
     def update_critic_async(self, data: DataProto) -> DataProto:

@@ -22,14 +22,12 @@ def prefixed(role: str, metrics: dict) -> dict:
     return {f"{role}/{key.removeprefix(role + '_')}": value for key, value in metrics.items()}
 
 
-def with_update_seconds(update, data: DataProto) -> dict:
-    """`update(data)`'s metrics plus `update_seconds`, the update's own wall time in this worker:
-    the driver's `timing/update_actor` also counts a colocated critic's update queued before it in
-    the same processes, and `timing/update_critic` only the wait beyond the actor's."""
-    start = time.perf_counter()
-    metrics = update(data)
-    metrics["update_seconds"] = [time.perf_counter() - start]
-    return metrics
+def update_timing(role: str, start: float) -> dict:
+    """`timing/update_<role>_worker`: the update's own wall time in this worker since `start`. The
+    driver's `timing/update_actor` also counts a colocated critic's update queued before it in the
+    same processes, and `timing/update_critic` only the wait beyond the actor's. Under `timing/`
+    like the driver's timings: wall-clock, left out where runs are compared for equality."""
+    return {f"timing/update_{role}_worker": [time.perf_counter() - start]}
 
 
 class PolicyWorker(Worker):
@@ -106,13 +104,14 @@ class PolicyWorker(Worker):
         """PPO epochs over the batch; metrics come back in meta_info["metrics"]."""
         self.before_compute()
         data.meta_info["temperature"] = self.config.rollout.sampling.temperature
-        metrics = with_update_seconds(self.actor.update_policy, data)
+        start = time.perf_counter()
+        metrics = self.actor.update_policy(data)
         if self.config.actor.lora.rank:  # what LoRA saves: trainable elements, optimizer bytes
             from engines.megatron.lora import parameter_counts
 
             counts = parameter_counts(self.actor_chunks, self.optimizer)
             metrics.update({name: [float(value)] for name, value in counts.items()})
-        return DataProto(meta_info={"metrics": prefixed("actor", metrics)})
+        return DataProto(meta_info={"metrics": prefixed("actor", metrics) | update_timing("actor", start)})
 
     @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE_PROTO)
     def train_sft(self, data: DataProto) -> DataProto:
