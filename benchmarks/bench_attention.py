@@ -17,11 +17,12 @@ Run: `python -m benchmarks attention`.
 import time
 
 from benchmarks._conditions import LoadSamples, alternating, ratio_text, summary
+from benchmarks.bench_megatron import response_lengths
 
 TITLE = "Packed attention on CPU: per-sequence SDPA blocks vs a block-diagonal mask vs FlexAttention"
 REPEATS = 5
 CALLS_PER_ROUND = 5  # a single call (tens of ms) is too short to time alone on a shared machine
-SEQUENCES, MEDIAN_LENGTH, SIGMA, HEADS, HEAD_DIM = 12, 200.0, 1.0, 4, 32
+SEQUENCES, MEDIAN_LENGTH, SIGMA, MAX_LENGTH, HEADS, HEAD_DIM = 12, 200.0, 1.0, 8192, 4, 32
 
 
 def run() -> list[dict]:
@@ -62,11 +63,9 @@ def _check_same_output(cases: dict, q, k, v) -> None:
 
 
 def _lengths():
-    import torch
-
-    gen = torch.Generator().manual_seed(0)
-    normal = torch.randn(SEQUENCES, generator=gen)
-    return torch.exp(torch.log(torch.tensor(MEDIAN_LENGTH)) + SIGMA * normal).round().clamp(min=1).long()
+    """bench_megatron's log-normal lengths, uncapped in practice (at most MAX_LENGTH)."""
+    shape = dict(batch=SEQUENCES, median=MEDIAN_LENGTH, sigma=SIGMA, response=MAX_LENGTH)
+    return response_lengths(shape, seed=0)  # (S,)
 
 
 def _cu_seqlens(lengths):
