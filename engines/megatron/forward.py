@@ -7,6 +7,8 @@ the padded sequence length of the batch). Two kinds of micro-batches:
 - packed: `micro_batches` is a list of row-index groups (e.g. from `token_budget_groups`), each
   run as one THD row of its real tokens with `PackedSeqParams` (see packing.py); under PP every
   micro-batch is padded to the longest one (micro_batch_size 1, seq_length T_pack).
+Image prompts (a LLaVA model, vlm.py; `non_tensor_batch["pixel_values"]`) run padded only: each
+micro-batch takes its rows' images, and its logits are the (b, T) positions of its rows.
 
 Loss-function contract (used by the actor and critic):
     loss_fn(output, micro_batch) -> (loss, metrics)
@@ -39,8 +41,9 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from engines.megatron import cpu_compat, packing, routing_replay
+from engines.megatron import cpu_compat, packing, routing_replay, vlm
 from engines.megatron.model import unwrap_model
+from hybridflow.protocol import PIXEL_VALUES_KEY
 
 
 def build_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -66,6 +69,25 @@ def _forward_step(loss_fn, device, data_iterator, model):
     return output, partial(loss_fn, micro_batch=micro_batch)
 
 
+def _image_forward_step(loss_fn, device, data_iterator, model):
+    """A LLaVA micro-batch (vlm.py): the processor's ids collapsed to one token per image, the
+    model fills in each image's features; logits (b, T, Vp / tp) cut back to the batch's positions."""
+    micro_batch, images = next(data_iterator)
+    micro_batch = micro_batch.to(device)
+    llava = unwrap_model(model)
+    ids, mask = micro_batch["input_ids"], micro_batch["attention_mask"]  # (b, T) each
+    features = llava.img_seq_len
+    collapsed = vlm.collapse_image_tokens(ids, llava.image_token_index, features)  # (b, T')
+    combined_mask = vlm.llava_attention_mask(mask, ids, llava.image_token_index, features)  # (b, T + extra)
+    logits, _ = model(
+        images=images.to(device, next(llava.parameters()).dtype),
+        input_ids=collapsed,
+        position_ids=torch.arange(collapsed.shape[1], device=device).expand_as(collapsed),  # unused by RoPE
+        attention_mask=build_attention_mask(combined_mask),
+    )  # (b, T + extra, Vp / tp)
+    return logits[:, : ids.shape[1]], partial(loss_fn, micro_batch=micro_batch)
+
+
 def _batch_of(data):
     batch = getattr(data, "batch", None)
     if batch is None:
@@ -80,7 +102,13 @@ def run_micro_batches(chunks, data, micro_batches, loss_fn, forward_only: bool) 
     """Run `data` through the model with Megatron's schedule (contract above); `micro_batches` is
     a row count (padded micro-batches) or a list of row-index groups (packed micro-batches)."""
     batch = _batch_of(data)
+    pixel_rows = getattr(data, "non_tensor_batch", {}).get(PIXEL_VALUES_KEY)
     if not isinstance(micro_batches, int):
+        if pixel_rows is not None:
+            raise ValueError(
+                "image prompts run in padded micro-batches (packing with image tokens is not built): "
+                "leave max_token_len unset for vision-language batches"
+            )
         return _run_packed(chunks, batch, micro_batches, loss_fn, forward_only)
     rows, seq_len = batch["input_ids"].shape
     if micro_batches < 1 or rows % micro_batches:
@@ -88,7 +116,10 @@ def run_micro_batches(chunks, data, micro_batches, loss_fn, forward_only: bool) 
             f"micro_batch_size={micro_batches} must be positive and divide the batch size {rows}"
         )
     split = batch.split(micro_batches)
-    return _schedule(chunks, _forward_step, loss_fn, split, seq_len, micro_batches, forward_only)
+    if pixel_rows is None:
+        return _schedule(chunks, _forward_step, loss_fn, split, seq_len, micro_batches, forward_only)
+    with_images = list(zip(split, vlm.micro_batch_images(pixel_rows, micro_batches), strict=True))
+    return _schedule(chunks, _image_forward_step, loss_fn, with_images, seq_len, micro_batches, forward_only)
 
 
 def _schedule(chunks, forward_step, loss_fn, micro_batches, seq_len, micro_batch_size, forward_only):

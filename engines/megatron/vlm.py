@@ -329,6 +329,7 @@ def _language_config(vlm: VLMConfig, cfg: MegatronConfig):
 
 def build_llava_model(vlm: VLMConfig, cfg: MegatronConfig):
     """Megatron-Core's LLaVAModel for this config (no pipeline parallelism; weights not loaded)."""
+    from megatron.core.enums import ModelType
     from megatron.core.models.multimodal.llava_model import LLaVAModel
 
     if cfg.pipeline_model_parallel_size != 1 or cfg.context_parallel_size != 1 or cfg.sequence_parallel:
@@ -354,26 +355,57 @@ def build_llava_model(vlm: VLMConfig, cfg: MegatronConfig):
             patch_dim=vlm.vision.patch_size,
             image_token_index=vlm.image_token_id,
         )
+    # What Megatron's schedules read and Megatron-LM's get_model sets on each chunk (LLaVAModel
+    # does not); `hf_config`, the text config, is what the actor reads of build.py's GPT models.
+    model.model_type = ModelType.encoder_or_decoder
+    model.hf_config = vlm.text
     if not cpu_compat.cuda_available():
         return model
     return model.cuda(torch.cuda.current_device())  # CLIPViTModel's conv and embeddings start on the host
 
 
 def collapse_image_tokens(
-    input_ids: torch.Tensor, image_token_id: int, features_per_image: int
+    input_ids: torch.Tensor, image_token_id: int, features_per_image: int, pad_token_id: int = 0
 ) -> torch.Tensor:
     """A processor's ids (one image token per image feature) -> Megatron's (one per image).
 
-    input_ids (B, T), each image `features_per_image` consecutive image tokens, the same number of
-    images in every row. Returns (B, T - images * (features_per_image - 1)): the first token of
-    each image kept."""
+    input_ids (B, T), each image `features_per_image` consecutive image tokens. Returns (B, T'):
+    the first token of each image kept, rows with fewer images right-padded with `pad_token_id` to
+    the longest collapsed row (`LLaVAModel` pads them again after expanding, so every row's first T
+    combined positions are its original positions)."""
     is_image = input_ids == image_token_id  # (B, T)
     counts = is_image.sum(-1)  # (B,)
-    if (counts % features_per_image).any() or (counts != counts[0]).any():
+    if (counts % features_per_image).any():
         raise ValueError(
-            f"image tokens per row {counts.tolist()}: each row must hold the same number of images "
-            f"of {features_per_image} tokens each"
+            f"image tokens per row {counts.tolist()}: each image must be {features_per_image} tokens"
         )
     order = is_image.cumsum(-1) - 1  # (B, T): index of each image token among its row's
     keep = ~is_image | (order % features_per_image == 0)  # (B, T)
-    return input_ids[keep].view(input_ids.shape[0], -1)
+    lengths = keep.sum(-1)  # (B,)
+    collapsed = input_ids.new_full((input_ids.shape[0], int(lengths.max())), pad_token_id)  # (B, T')
+    collapsed[torch.arange(collapsed.shape[1], device=input_ids.device) < lengths[:, None]] = input_ids[keep]
+    return collapsed
+
+
+def llava_attention_mask(
+    attention_mask: torch.Tensor, input_ids: torch.Tensor, image_token_id: int, features_per_image: int
+) -> torch.Tensor:
+    """The (B, T) padding mask extended with zeros to the length `LLaVAModel` makes of the
+    collapsed rows, T + (F - 1) * (most - fewest images in a row): the rows with fewer images end
+    in that many padded positions, which no real token sees under the causal mask."""
+    images = (input_ids == image_token_id).sum(-1) // features_per_image  # (B,)
+    extra = int(images.max() - images.min()) * (features_per_image - 1)
+    return F.pad(attention_mask, (0, extra))  # (B, T + extra)
+
+
+def micro_batch_images(pixel_rows, size: int) -> list[torch.Tensor]:
+    """Per micro-batch of `size` consecutive rows, its rows' images in row order (the order of the
+    image tokens, which `LLaVAModel` fills in turn): (N, 3, H, W), N = 0 where no row has one.
+    `pixel_rows` holds one (n_images, 3, H, W) array per row (protocol.PIXEL_VALUES_KEY)."""
+    groups = [pixel_rows[i : i + size] for i in range(0, len(pixel_rows), size)]
+    return [_stacked_images(group) for group in groups]
+
+
+def _stacked_images(rows) -> torch.Tensor:
+    images = [torch.as_tensor(row) for row in rows if len(row)]
+    return torch.cat(images) if images else torch.zeros(0, 3, 1, 1)  # (N, 3, H, W)

@@ -1,7 +1,9 @@
 """The tiny LLaVA-shaped model (hybridflow/utils/tiny_vlm.py) on Megatron-Core's LLaVAModel against
 transformers, one torchrun launch per case: logits and next-token log-probs within 1e-5 (fp32),
-and the HF -> Megatron -> HF export bit for bit. The checks live in `_vlm_parity_worker.py`, which
-prints one "VLM PARITY OK tp=.. rank=.." line per rank when all of them passed."""
+and the HF -> Megatron -> HF export bit for bit; then the actor's log-prob pass on a left-padded
+batch with 0 to 2 images per row (each row against transformers alone) and the gradients through
+Megatron's schedule. The checks live in `_vlm_parity_worker.py`, which prints one
+"VLM PARITY OK tp=.. rank=.." line per rank when all of them passed."""
 
 import pytest
 from launch import run_distributed

@@ -5,13 +5,19 @@ import json
 import re
 from contextlib import ExitStack
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
 
 from engines.megatron.config import MegatronConfig
 from engines.megatron.qkv_layout import split_fused_qkv
-from engines.megatron.vlm import collapse_image_tokens, load_vlm_config
+from engines.megatron.vlm import (
+    collapse_image_tokens,
+    llava_attention_mask,
+    load_vlm_config,
+    micro_batch_images,
+)
 from engines.megatron.vlm_weights import read_vision_shard, vision_plans, vlm_plan
 from engines.megatron.weights import SafetensorsReader
 from hybridflow.utils.tiny_vlm import IMAGE_TOKEN, make_tiny_vlm
@@ -40,9 +46,43 @@ def test_collapse_keeps_one_image_token_per_image():
     assert collapse_image_tokens(ids, img, n).tolist() == [[1, img, 2, img], [img, img, 4, 5]]
 
 
-def test_collapse_refuses_rows_with_different_image_counts():
-    with pytest.raises(ValueError, match="same number of images"):
-        collapse_image_tokens(torch.tensor([[9, 9, 1, 2], [9, 9, 9, 9]]), 9, 2)
+# Three rows of 6 ids with 2, 1 and 0 images of 2 tokens each (image token 9).
+MIXED_IDS = torch.tensor([[5, 9, 9, 1, 9, 9], [6, 7, 9, 9, 2, 3], [4, 4, 4, 4, 4, 3]])
+
+
+def test_collapse_right_pads_rows_with_fewer_images():
+    assert collapse_image_tokens(MIXED_IDS, 9, 2, pad_token_id=0).tolist() == [
+        [5, 9, 1, 9, 0, 0],
+        [6, 7, 9, 2, 3, 0],
+        [4, 4, 4, 4, 4, 3],
+    ]
+
+
+def test_attention_mask_covers_the_longest_combined_row():
+    # LLaVAModel makes rows of 6 + 2, 6 + 1 and 6 + 0 positions from the collapsed rows of 6 ids,
+    # padded to 8: the mask gains 2 padded positions (2 - 0 images, 2 - 1 extra tokens each).
+    mask = torch.tensor([[1] * 6, [0, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]])
+    extended = llava_attention_mask(mask, MIXED_IDS, 9, 2)
+    assert extended.tolist() == [[*row, 0, 0] for row in mask.tolist()]
+
+
+def test_micro_batch_images_keep_row_order_and_skip_rows_without_images():
+    rows = [
+        np.full((1, 3, 2, 2), 1.0),
+        np.zeros((0, 3, 1, 1)),
+        np.full((2, 3, 2, 2), 2.0),
+        np.zeros((0, 3, 1, 1)),
+    ]
+    first, second = micro_batch_images(rows, 2)
+    assert first.shape == (1, 3, 2, 2) and first.eq(1).all()
+    assert second.shape == (2, 3, 2, 2) and second.eq(2).all()
+    none_at_all = micro_batch_images(rows[1::2], 2)
+    assert [images.shape[0] for images in none_at_all] == [0]
+
+
+def test_collapse_refuses_a_partial_image():
+    with pytest.raises(ValueError, match="each image must be 2 tokens"):
+        collapse_image_tokens(torch.tensor([[9, 9, 1, 2], [9, 9, 9, 1]]), 9, 2)
 
 
 def per_head_fused(q, k, v, heads):
