@@ -1,7 +1,8 @@
 """`build_model`: this pipeline stage's model chunks from a Hugging Face directory, ready to train or
 to score: the GPTModel (model.py), its HF weights (weights.py), LoRA adapters (lora.py) and
 Megatron-Core's DistributedDataParallel wrapper. Apart from model.py, which weights.py and lora.py
-build on, so that those imports run one way.
+build on, so that those imports run one way. `build_vlm_model`: the same for a Hugging Face LLaVA
+directory (vlm.py, vlm_weights.py).
 """
 
 from engines.megatron import cpu_compat
@@ -9,6 +10,8 @@ from engines.megatron.config import LoraConfig, MegatronConfig
 from engines.megatron.lora import attach_lora, validate_lora_layout
 from engines.megatron.model import build_gpt_model, expert_tp_size, load_hf_config, use_transformer_engine
 from engines.megatron.parallel import validate_parallel_layout
+from engines.megatron.vlm import build_llava_model, load_vlm_config
+from engines.megatron.vlm_weights import load_vlm_weights
 from engines.megatron.weights import load_hf_weights
 
 
@@ -70,6 +73,27 @@ def build_model(
         load_hf_weights([model], hf_dir, hf_config)
     if lora.rank:
         attach_lora(model, lora)
+    if not for_training:
+        return [model]
+    with cpu_compat.cuda_calls_on_cpu():
+        return [_wrap_for_training(model, model.config, cfg)]
+
+
+def build_vlm_model(hf_dir, cfg: MegatronConfig, *, load_weights: bool = True, for_training: bool = True,
+                    train_vision_tower: bool = False) -> list:  # fmt: skip
+    """One chunk: Megatron-Core's LLaVAModel (vlm.py) from a Hugging Face LLaVA directory,
+    carrying `vlm_config`, `hf_config` (its text config), `megatron_config` and `value_head` (False)
+    as `build_model`'s chunks do. The vision tower is frozen unless `train_vision_tower` (as most
+    RL recipes keep it): DDP then holds no gradient buffer for it and the optimizer never steps it;
+    the projector and the language model train. Requires `init_megatron(cfg)` first."""
+    vlm = load_vlm_config(hf_dir)
+    validate_parallel_layout(vlm.text, cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, 1, 1)
+    model = build_llava_model(vlm, cfg)
+    model.vlm_config, model.megatron_config, model.value_head = vlm, cfg, False
+    if load_weights:
+        load_vlm_weights(model, hf_dir, vlm, cfg)
+    model.freeze(freeze_language_model=False, freeze_vision_model=not train_vision_tower,
+                 freeze_vision_projection=False)  # fmt: skip
     if not for_training:
         return [model]
     with cpu_compat.cuda_calls_on_cpu():

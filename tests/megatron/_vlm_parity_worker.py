@@ -136,7 +136,7 @@ def padded_batch(rows, pad_id: int) -> DataProto:
     pixels = np.empty(len(rows), dtype=object)
     pixels[:] = [r[1] for r in rows]
     tensors = {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}
-    tensors["responses"] = ids[:, prompt_len:]
+    tensors["responses"], tensors["response_mask"] = ids[:, prompt_len:], mask[:, prompt_len:]
     return DataProto.from_dict(tensors=tensors, non_tensors={PIXEL_VALUES_KEY: pixels})
 
 

@@ -35,3 +35,16 @@ def test_llava_logits_and_export_match_transformers(tmp_path, model, tp):
     for rank in range(tp):
         line = f"VLM PARITY OK tp={tp} rank={rank}"
         assert line in output, f"missing {line!r} in:\n{output[-4000:]}"
+
+
+@pytest.mark.slow
+def test_llava_actor_trains_with_a_frozen_tower_and_exports_what_it_trained(tmp_path):
+    """`_vlm_train_worker.py` at TP2: SFT steps on the padded image batch lower the loss and leave
+    the frozen tower bit for bit; the export gives transformers the actor's log-probs."""
+    hf_dir = make_tiny_vlm(tmp_path / "qwen2", **MODELS["qwen2"])
+    output = run_distributed(
+        "_vlm_train_worker.py", 2, "--hf-dir", hf_dir, "--out-dir", tmp_path / "trained", timeout=600
+    )
+    for rank in range(2):
+        line = f"VLM TRAIN OK tp=2 rank={rank}"
+        assert line in output, f"missing {line!r} in:\n{output[-4000:]}"
