@@ -37,6 +37,7 @@ from engines.megatron.weights import (
     TensorPlan,
     copy_shard,
     gather_full,
+    hf_shapes,
     read_shard,
     to_hf_tensors,
     weight_plan,
@@ -238,6 +239,19 @@ def iter_vlm_hf_tensors(model, vlm: VLMConfig, cfg: MegatronConfig) -> Iterator[
         for p in plan.unused:
             for name, shape in zip(p.hf_names, _vision_hf_shapes(vlm, p), strict=True):
                 yield name, reader.full(name, shape)
+
+
+def vlm_stream_tensor_shapes(vlm: VLMConfig, cfg: MegatronConfig) -> dict[str, tuple[int, ...]]:
+    """The (HF name, shape) pairs `iter_vlm_hf_tensors` yields, in its order, without moving a
+    tensor (the checkpoint's header is read for the plan's check of its names)."""
+    with ExitStack() as stack:
+        plan = vlm_plan(vlm, cfg, SafetensorsReader(vlm.text.source_dir, stack).weight_map)
+    shapes = {}
+    for p in plan.language:
+        shapes.update(zip(p.hf_names, hf_shapes(vlm.text, p), strict=True))
+    for p in plan.vision + plan.unused:
+        shapes.update(zip(p.hf_names, _vision_hf_shapes(vlm, p), strict=True))
+    return {name: tuple(shape) for name, shape in shapes.items()}
 
 
 def _copy_side_files(source: Path, out: Path, dtype: torch.dtype) -> None:

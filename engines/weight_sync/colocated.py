@@ -65,27 +65,27 @@ class ColocatedWeightSync:
         self.cfg = rollout_cfg
         self._rollout_group = rollout_group  # the ranks of one engine (SGLang: the first one holds it)
         self._check_stream()
-        from engines.megatron.weights import tp_staging
+        from engines.megatron.hf_stream import actor_staging
 
         # On CPU gloo's per-tensor all-gather was nearly all of a TP2 sync: where the actor's TP ranks
         # share a host, the gather goes through one shared buffer, kept for every sync (tp_staging.py).
-        self._staging = tp_staging(actor_chunks, hf_config)
+        self._staging = actor_staging(actor_chunks, hf_config)
 
     def _check_stream(self) -> None:
         """Collective: a WeightSyncError on every rank, naming the tensor, when the actor's stream
         has a name or shape the rollout model does not take (see the package docstring)."""
-        from engines.megatron.weights import stream_tensor_shapes
+        from engines.megatron.hf_stream import actor_stream_shapes
 
         model_dir = self.hf_config.source_dir
         expected, required = expected_hf_tensor_shapes(model_dir)
         problem = weight_stream_problem(
-            stream_tensor_shapes(self.actor_chunks, self.hf_config), expected, required
+            actor_stream_shapes(self.actor_chunks, self.hf_config), expected, required
         )
         raise_on_every_rank(problem and f"{problem} (rollout model {model_dir})", "weight sync check")
 
     def sync(self) -> SyncStats:
         """Stream the actor's HF-named tensors into the engine (collective over all ranks)."""
-        from engines.megatron.weights import iter_hf_tensors
+        from engines.megatron.hf_stream import actor_hf_tensors
 
         start = time.perf_counter()
         sent: dict[str, str] = {}
@@ -94,7 +94,7 @@ class ColocatedWeightSync:
         # the stream may hand them the actor's parameters; SGLang's scheduler reads the tensors
         # from another process through CUDA-IPC handles, which must not expose the actor's memory.
         copies = self.cfg.name == "sglang"
-        stream = iter_hf_tensors(self.actor_chunks, self.hf_config, copies=copies, staging=self._staging)
+        stream = actor_hf_tensors(self.actor_chunks, self.hf_config, copies=copies, staging=self._staging)
         if self.cfg.verify_weight_sync and self.engine is not None:
             stream = _recording_checksums(stream, sent, torch_dtype(self.cfg.dtype))
         failure = self._session_call("begin_weight_update")

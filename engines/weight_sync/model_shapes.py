@@ -8,7 +8,7 @@ experts), and the hf engine itself imports `common`.
 
 import torch
 
-from engines.rollout.hf_rollout import checkpoint_tensors
+from engines.rollout.hf_rollout import checkpoint_tensors, is_vision_language
 
 
 def expected_hf_tensor_shapes(model_dir) -> tuple[dict[str, tuple[int, ...]], set[str]]:
@@ -16,9 +16,11 @@ def expected_hf_tensor_shapes(model_dir) -> tuple[dict[str, tuple[int, ...]], se
     and the hf engine load), with their shapes, and the names every sync must carry (a tied
     weight's second name, e.g. `lm_head.weight`, is optional). Built from config.json on the meta
     device: nothing is allocated or read but the config."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
+    config = AutoConfig.from_pretrained(model_dir)
+    auto = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+        model = auto.from_config(config)
     every = checkpoint_tensors(model, remove_duplicate=False)
     return {name: tuple(t.shape) for name, t in every.items()}, set(checkpoint_tensors(model))
