@@ -17,6 +17,7 @@ REWARD_FN_PARAMETERS = ("data_source", "solution_str", "ground_truth", "extra_in
 RULE_SCORES: dict[str, Callable[..., float]] = {
     "openai/gsm8k": gsm8k.compute_score,
     "arith": gsm8k.compute_score,  # hybridflow.data.arith writes GSM8K-style "#### <number>" answers
+    "shapes": gsm8k.compute_score,  # hybridflow.data.shapes (image prompts): "#### <count>" answers
     "math": math_reward.compute_score,  # scripts/prepare_math.py: \boxed{} answers, checked symbolically
 }
 
