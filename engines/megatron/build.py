@@ -10,7 +10,8 @@ from engines.megatron.config import LoraConfig, MegatronConfig
 from engines.megatron.lora import attach_lora, validate_lora_layout
 from engines.megatron.model import build_gpt_model, expert_tp_size, load_hf_config, use_transformer_engine
 from engines.megatron.parallel import validate_parallel_layout
-from engines.megatron.vlm import build_llava_model, load_vlm_config
+from engines.megatron.vlm import build_llava_model
+from engines.megatron.vlm_config import load_vlm_config
 from engines.megatron.vlm_weights import load_vlm_weights
 from engines.megatron.weights import load_hf_weights
 

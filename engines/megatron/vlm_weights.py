@@ -30,7 +30,7 @@ import torch
 from engines.megatron.config import MegatronConfig
 from engines.megatron.model import padded_vocab_size
 from engines.megatron.qkv_layout import qkv_row_sources, split_fused_qkv
-from engines.megatron.vlm import VLMConfig
+from engines.megatron.vlm_config import VLMConfig
 from engines.megatron.weights import (
     ModelLayout,
     SafetensorsReader,

@@ -35,7 +35,8 @@ from safetensors.torch import load_file
 from engines.megatron import forward
 from engines.megatron.config import MegatronConfig
 from engines.megatron.parallel import init_megatron
-from engines.megatron.vlm import build_llava_model, collapse_image_tokens, load_vlm_config
+from engines.megatron.vlm import build_llava_model, collapse_image_tokens
+from engines.megatron.vlm_config import load_vlm_config
 from engines.megatron.vlm_weights import load_vlm_weights, save_vlm_hf_checkpoint
 from hybridflow.data.image_prompts import image_prompt_inputs
 from hybridflow.protocol import PIXEL_VALUES_KEY, DataProto

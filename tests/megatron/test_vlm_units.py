@@ -12,12 +12,8 @@ from safetensors.torch import save_file
 
 from engines.megatron.config import MegatronConfig
 from engines.megatron.qkv_layout import split_fused_qkv
-from engines.megatron.vlm import (
-    collapse_image_tokens,
-    llava_attention_mask,
-    load_vlm_config,
-    micro_batch_images,
-)
+from engines.megatron.vlm import collapse_image_tokens, llava_attention_mask, micro_batch_images
+from engines.megatron.vlm_config import load_vlm_config
 from engines.megatron.vlm_weights import read_vision_shard, vision_plans, vlm_plan
 from engines.megatron.weights import SafetensorsReader
 from hybridflow.utils.tiny_vlm import IMAGE_TOKEN, make_tiny_vlm
