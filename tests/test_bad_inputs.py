@@ -27,6 +27,7 @@ from test_chat_template_check import BARE_JSON_CALLS, NO_TOOL_ROLE
 
 from hybridflow.config.loader import load_recipe, to_dict, write_resolved_recipe
 from hybridflow.data.arith import ArithConfig, write_arith_parquet
+from hybridflow.data.shapes import ShapesConfig, write_shapes_parquet
 from hybridflow.trainer import main as entry
 from hybridflow.trainer.checkpoint import CheckpointManager, save_trainer_state
 from hybridflow.trainer.preflight import check_reward_inputs
@@ -173,6 +174,7 @@ def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("bad_inputs")
     files = {"tiny": make_tiny_model(root / "tiny"), "out": root / "out", "missing": root / "missing"}
     files["vlm"] = make_tiny_vlm(root / "vlm")
+    files["shapes"] = write_shapes_parquet(root / "shapes", ShapesConfig(num_train=8, num_test=4))["train"]
     files.update(write_arith_parquet(root / "data", ArithConfig(num_train=8, num_test=4, seed=3)))
     files.update(broken_models(files["tiny"], root))
     files.update(broken_parquets(pq.read_table(files["train"]).to_pylist(), root / "bad_data"))
@@ -306,6 +308,12 @@ DISTILL = ["algorithm.distillation.enable=true", "teacher.path=<tiny>"]
         ["algorithm.adv_estimator=gae", "critic.enable=true"],
         [*DISTILL, "teacher.megatron.tensor_model_parallel_size=2"],  # in the actor's processes
         [*DISTILL, "trainer.n_gpus_per_node=3", "teacher.n_gpus_per_node=1"],  # a pool of its own
+        [
+            "model.path=<vlm>",
+            "data.train_files=[<shapes>]",
+            "data.val_files=[<shapes>]",
+            "data.max_prompt_length=64",
+        ],
     ],
 )
 def test_the_valid_recipe_gets_as_far_as_ray(overrides, files, monkeypatch, capsys):

@@ -123,6 +123,16 @@ def _check_llava_options(raw: dict, where: str) -> None:
         raise ValueError(f"{where}: only a GELU projector with biases is supported")
 
 
+def is_vision_language_dir(path) -> bool:
+    """Whether `<path>/config.json` describes a vision-language model (it has a `vision_config`);
+    False where there is no readable config (load_hf_config names that problem)."""
+    try:
+        raw = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(raw, dict) and "vision_config" in raw
+
+
 def load_vlm_config(path) -> VLMConfig:
     """Read `<path>/config.json` of a LLaVA checkpoint; ValueError naming what is not supported."""
     config_file = Path(path) / "config.json"

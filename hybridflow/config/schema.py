@@ -68,6 +68,8 @@ class ActorConfig:
     update: ActorUpdateConfig = field(default_factory=ActorUpdateConfig)
     # LoRA adapters instead of full fine-tuning (rank > 0; docs/lora.md)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    # A vision-language policy's vision tower keeps its weights (most RL recipes do); false trains it
+    freeze_vision_tower: bool = True
     log_prob_micro_batch_size: int = 8  # per data-parallel rank, when recomputing old log-probs
     # With actor.update.use_dynamic_bsz: packed log-prob micro-batches of at most this many tokens
     # (prompt + response) per rank instead of log_prob_micro_batch_size rows (docs/packing.md).

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from engines.megatron.config import LoraConfig
 from hybridflow.config.schema import RecipeConfig
+from hybridflow.config.vlm_checks import vision_language_problems
 from hybridflow.reward.registry import load_reward_fn
 from hybridflow.utils.disk import human_bytes
 from hybridflow.utils.hub import HOW_TO_FETCH
@@ -624,7 +625,7 @@ def _check_models(cfg: RecipeConfig, path_errors: list[str], cuda_available: boo
     """Each model's config.json is supported, its layers and heads split over the role's TP / PP
     sizes, and the longest sequence (prompt + response) fits its position embeddings."""
     from engines.megatron.lora import validate_lora_layout
-    from engines.megatron.model import expert_tp_size, load_hf_config
+    from engines.megatron.model import expert_tp_size
     from engines.megatron.parallel import validate_moe_training, validate_parallel_layout
 
     errors = []
@@ -633,10 +634,12 @@ def _check_models(cfg: RecipeConfig, path_errors: list[str], cuda_available: boo
         if any(error.startswith(f"{key}=") for error in path_errors):
             continue
         try:
-            hf_config = load_hf_config(path)
+            hf_config = _text_model_config(role, key, path)
         except ValueError as err:
             errors.append(f"{key}={path}: {err}")
             continue
+        if role == "actor":
+            errors += _vision_tower_problems(cfg, path)
         megatron = getattr(cfg, role).megatron
         try:
             validate_parallel_layout(
@@ -666,6 +669,34 @@ def _check_models(cfg: RecipeConfig, path_errors: list[str], cuda_available: boo
         if role == "actor" and cfg.rollout.name == "vllm" and not (cuda_available and cfg.trainer.use_gpu):
             errors += _check_vllm_on_cpu(cfg.rollout, hf_config, path)
     return errors
+
+
+def _text_model_config(role: str, key: str, path: str):
+    """The model's config.json read by model.py, or, for a vision-language policy, its language
+    model's (vlm.py; ValueError naming what it does not build)."""
+    from engines.megatron.model import load_hf_config
+    from engines.megatron.vlm_config import is_vision_language_dir, load_vlm_config
+
+    if not is_vision_language_dir(path):
+        return load_hf_config(path)
+    if role != "actor":
+        raise ValueError(
+            f"a vision-language model trains only as the policy (model.path); the {role} ({key}) "
+            "needs a text model"
+        )
+    return load_vlm_config(path).text
+
+
+def _vision_tower_problems(cfg: RecipeConfig, path: str) -> list[str]:
+    """A vision-language policy's unsupported settings; a vision-tower setting on a text model."""
+    from engines.megatron.vlm_config import is_vision_language_dir
+
+    if is_vision_language_dir(path):
+        return vision_language_problems(cfg, path)
+    if not cfg.actor.freeze_vision_tower:
+        return [f"actor.freeze_vision_tower=false, but model.path={path} is a text model with no "
+                "vision tower; remove the setting"]  # fmt: skip
+    return []
 
 
 # The engines' own name for the longest sequence they serve (prompt + generated tokens)

@@ -16,11 +16,10 @@ from pathlib import Path
 
 import torch
 
-from hybridflow.agents.tools.base import prompt_tools
 from hybridflow.config.loader import to_dict
 from hybridflow.config.schema import RecipeConfig
 from hybridflow.data.dataloader import ResumableDataLoader
-from hybridflow.data.prompt_dataset import PromptDataset, collate_prompts
+from hybridflow.data.prompt_dataset import collate_prompts
 from hybridflow.protocol import DataProto, DataProtoConfig
 from hybridflow.reward.manager import compute_rewards, sequence_scores
 from hybridflow.reward.registry import load_reward_fn, rule_reward_fn
@@ -33,6 +32,7 @@ from hybridflow.trainer.checkpoint import (
     restore_rng_state,
     save_trainer_state,
 )
+from hybridflow.trainer.datasets import policy_processor, recipe_prompt_dataset
 from hybridflow.trainer.dynamic_sampling import collect_varied_groups
 from hybridflow.trainer.mismatch import check_mismatch
 from hybridflow.trainer.preflight import checkpoint_size_estimate
@@ -63,6 +63,7 @@ class PPOTrainer:
         self.policy, self.critic, self.reward_model = roles.policy, roles.critic, roles.reward_model
         self.teacher = roles.teacher  # on-policy distillation: scores the student's responses
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
+        self.processor = policy_processor(cfg)  # a vision-language policy's, for its image prompts
         custom = load_reward_fn(cfg.reward.custom_fn) if cfg.reward.custom_fn else None
         self.reward_fn = custom or rule_reward_fn(cfg.reward.format_score)
         self.val_reward_fn = custom or rule_reward_fn(0.0)  # format credit is not accuracy
@@ -93,10 +94,7 @@ class PPOTrainer:
 
     def _loader(self, files: list[str], max_samples: int | None, train: bool = False) -> ResumableDataLoader:
         data = self.cfg.data
-        tools = prompt_tools(self.cfg.rollout.agent)
-        dataset = PromptDataset(
-            files, self.tokenizer, data.max_prompt_length, data.prompt_key, max_samples, tools
-        )
+        dataset = recipe_prompt_dataset(self.cfg, self.tokenizer, files, max_samples, self.processor)
         batch_size = data.train_batch_size if train else (data.val_batch_size or len(dataset))
         return ResumableDataLoader(
             dataset,
@@ -280,7 +278,9 @@ class PPOTrainer:
         validation sampling, which the recipe check requires to be greedy), scored like the samples."""
         # B prompts need not split evenly over the data-parallel ranks (B * n responses do)
         meta = {"validate": True, "n": 1, DataProtoConfig.auto_padding_key: True}
-        greedy_prompts = DataProto.from_dict(dict(prompts.batch.items()), meta_info=meta)
+        greedy_prompts = DataProto.from_dict(
+            dict(prompts.batch.items()), non_tensors=dict(prompts.non_tensor_batch), meta_info=meta
+        )  # the prompt tensors and, for image prompts, their pixels
         greedy = self.rollout.generate(greedy_prompts)
         greedy.non_tensor_batch.update(batch.non_tensor_batch)
         if self.reward_model is None:

@@ -14,6 +14,7 @@ import json
 import logging
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 from safetensors import SafetensorError, safe_open
 
@@ -23,6 +24,7 @@ from hybridflow.agents.tool_parser import ToolCall, parse_tool_calls
 from hybridflow.agents.tools.base import prompt_tools
 from hybridflow.config.schema import RecipeConfig
 from hybridflow.config.validate import model_dirs, uses_teacher
+from hybridflow.data.image_prompts import IMAGES_KEY
 from hybridflow.data.prompt_dataset import (
     REQUIRED_COLUMNS,
     PromptDataset,
@@ -31,6 +33,7 @@ from hybridflow.data.prompt_dataset import (
 )
 from hybridflow.reward.registry import RULE_SCORES
 from hybridflow.trainer.checkpoint import LATEST, MANIFEST, STEP_DIR
+from hybridflow.trainer.datasets import policy_processor, recipe_prompt_dataset
 from hybridflow.trainer.teacher_check import check_teacher_tokenizer
 from hybridflow.trainer.weight_shapes import Headers, check_weight_shapes, checkpoint_bytes, parameter_count
 from hybridflow.utils.disk import NO_SPACE, free_bytes, human_bytes
@@ -50,8 +53,8 @@ def check_run_inputs(cfg: RecipeConfig) -> None:
     check_chat_template(cfg, tokenizer)
     if uses_teacher(cfg):  # the teacher scores the student's token ids: one tokenizer for both
         check_teacher_tokenizer(cfg.teacher.path, tokenizer, cfg.model.path)
+    check_image_columns_match_model(cfg)
     train_rows = check_data(cfg, tokenizer)
-    check_no_image_columns(cfg)
     check_resume_point(cfg)
     warn_if_a_checkpoint_does_not_fit(cfg, parameters)
     warn_if_staleness_is_out_of_reach(cfg, train_rows)
@@ -294,9 +297,7 @@ def check_data(cfg: RecipeConfig, tokenizer) -> int:
 
 def _prompt_dataset(cfg: RecipeConfig, tokenizer, files: list[str], max_samples: int | None) -> PromptDataset:
     """The dataset the trainer builds (it checks every prompt), and the rows' reward inputs."""
-    data = cfg.data
-    tools = prompt_tools(cfg.rollout.agent)
-    dataset = PromptDataset(files, tokenizer, data.max_prompt_length, data.prompt_key, max_samples, tools)
+    dataset = recipe_prompt_dataset(cfg, tokenizer, files, max_samples, policy_processor(cfg))
     check_reward_inputs(read_located_rows(files, REQUIRED_COLUMNS)[:max_samples], cfg.reward.custom_fn)
     return dataset
 
@@ -304,23 +305,38 @@ def _prompt_dataset(cfg: RecipeConfig, tokenizer, files: list[str], max_samples:
 IMAGE_COLUMNS = ("images", "image")  # verl's data.image_key and the usual datasets column
 
 
-def check_no_image_columns(cfg: RecipeConfig) -> None:
-    """ValueError for a prompt file with an image column: the policy is a text model (a
-    vision-language one is refused with its config.json) and the trainer reads only the prompt's
-    text, so the images would be dropped without a word."""
-    from engines.megatron.model import load_hf_config
+def check_image_columns_match_model(cfg: RecipeConfig) -> None:
+    """ValueError when a prompt file and the policy disagree about images: an image column with a
+    text model (the trainer would read only the prompt's text and drop the images without a word),
+    or a vision-language model with a file that has no `images` column."""
+    from engines.megatron.vlm_config import is_vision_language_dir
 
+    vision = is_vision_language_dir(cfg.model.path)
     for key in ("train_files", "val_files"):
         for index, path in enumerate(getattr(cfg.data, key)):
-            images = [name for name in pq.read_schema(path).names if name in IMAGE_COLUMNS]
-            if images:
-                architecture = load_hf_config(cfg.model.path).architecture
+            try:
+                names = pq.read_schema(path).names
+            except (OSError, pa.ArrowException):
+                continue  # check_data names the unreadable file
+            images = [name for name in names if name in IMAGE_COLUMNS]
+            where, model = f"data.{key}[{index}]={path}", f"model.path={cfg.model.path}"
+            if images and not vision:
                 raise ValueError(
-                    f"data.{key}[{index}]={path} has an image column '{images[0]}', but model.path="
-                    f"{cfg.model.path} is a text-only model ({architecture}): its images would be dropped "
-                    "without a word; drop the column, or train a vision-language model once they are "
-                    "built (docs/vlm.md)"
+                    f"{where} has an image column '{images[0]}', but {model} is a text-only model "
+                    f"({_architecture(cfg.model.path)}): its images would be dropped without a word; drop "
+                    "the column, or train a vision-language model (docs/vlm.md)"
                 )
+            if vision and IMAGES_KEY not in names:
+                raise ValueError(
+                    f"{where} has no '{IMAGES_KEY}' column, but {model} is a vision-language model "
+                    f"({_architecture(cfg.model.path)}) that reads each prompt's images from it; add the "
+                    "column (a list of encoded images per row), or train a text model"
+                )
+
+
+def _architecture(model_dir: str) -> str:
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    return ", ".join(raw.get("architectures") or [raw.get("model_type", "unknown")])
 
 
 def check_reward_inputs(located: list[tuple[str, dict]], custom_fn: str | None) -> None:

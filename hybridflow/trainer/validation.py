@@ -5,7 +5,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from hybridflow.protocol import DataProto, DataProtoConfig
+from hybridflow.protocol import PIXEL_VALUES_KEY, DataProto, DataProtoConfig
 from hybridflow.reward.manager import sequence_scores
 from hybridflow.reward.registry import RewardFn
 from hybridflow.trainer.metrics import agent_metrics
@@ -24,9 +24,11 @@ def accuracy_metrics(scores: list[float], data_sources: list[str]) -> dict[str, 
 
 
 def pop_prompts(batch: DataProto, with_rows: bool = False) -> DataProto:
-    """The prompts to generate from, popped from `batch`; `with_rows` adds (shares) the rows'
-    other fields (messages, data source, ...), for rollouts that read them (agent loop: openai)."""
-    prompts = batch.pop(batch_keys=PROMPT_KEYS)
+    """The prompts to generate from, popped from `batch` (image prompts' pixels included: the
+    engines' outputs carry them on); `with_rows` adds (shares) the rows' other fields (messages,
+    data source, ...), for rollouts that read them (agent loop: openai)."""
+    images = [PIXEL_VALUES_KEY] if PIXEL_VALUES_KEY in batch.non_tensor_batch else []
+    prompts = batch.pop(batch_keys=PROMPT_KEYS, non_tensor_batch_keys=images)
     if with_rows:
         prompts.non_tensor_batch.update(batch.non_tensor_batch)
     return prompts

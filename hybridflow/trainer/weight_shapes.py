@@ -79,12 +79,17 @@ def check_weight_shapes(key: str, model_dir: Path, headers: Headers, value_head:
     `value_head`: the directory serves only a critic or reward model, whose output layer is a
     value head (the causal-LM head is not read, the score head may be absent: a fresh one)."""
     from engines.megatron.model import load_hf_config
+    from engines.megatron.vlm_config import is_vision_language_dir
     from engines.megatron.weights import hf_tensor_shapes
 
-    hf = load_hf_config(model_dir)
-    expected = hf_tensor_shapes(hf, value_head=value_head)
+    if is_vision_language_dir(model_dir):
+        hf, expected = vlm_tensor_shapes(key, model_dir)
+        problems = shape_problems(expected, headers, hf)
+    else:
+        hf = load_hf_config(model_dir)
+        expected = hf_tensor_shapes(hf, value_head=value_head)
+        problems = shape_problems(expected, headers, hf) + count_problems(headers, hf)
     missing = [name for name in expected if name not in headers and name != "score.weight"]
-    problems = shape_problems(expected, headers, hf) + count_problems(headers, hf)
     if missing:
         problems.append(f"{missing[0]} is missing ({len(missing)} tensors config.json implies are absent)")
     if problems:
@@ -93,6 +98,20 @@ def check_weight_shapes(key: str, model_dir: Path, headers: Headers, value_head:
             f"{key}={model_dir}: the weights do not match config.json: {problems[0]}{more}; fix config.json "
             "or use the weights it belongs to"
         )
+
+
+def vlm_tensor_shapes(key: str, model_dir: Path):
+    """(text config, every checkpoint tensor's shape) of a LLaVA directory, as vlm_weights.py maps
+    it; ValueError naming `key` for a config or tensor name the LLaVA model does not build."""
+    from engines.megatron.config import MegatronConfig
+    from engines.megatron.vlm_config import load_vlm_config
+    from engines.megatron.vlm_weights import vlm_stream_tensor_shapes
+
+    try:
+        vlm = load_vlm_config(model_dir)
+        return vlm.text, vlm_stream_tensor_shapes(vlm, MegatronConfig())
+    except ValueError as err:
+        raise ValueError(f"{key}={model_dir}: {err}") from None
 
 
 def parameter_count(headers: Headers) -> int:

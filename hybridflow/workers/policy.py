@@ -44,14 +44,28 @@ class PolicyWorker(Worker):
         if self.with_reference and not cfg.actor.lora.rank:
             self._build_reference()
 
+    def _policy_chunks(self, for_training: bool) -> list:
+        """The policy's model chunks: a GPT model (with the recipe's LoRA when trained), or for a
+        vision-language model.path the LLaVA model (docs/vlm.md)."""
+        from engines.megatron.build import build_model, build_vlm_model
+        from engines.megatron.vlm_config import is_vision_language_dir
+
+        cfg = self.config
+        path, megatron = cfg.model.path, cfg.actor.megatron
+        if is_vision_language_dir(path):
+            train_tower = not cfg.actor.freeze_vision_tower
+            return build_vlm_model(path, megatron, for_training=for_training, train_vision_tower=train_tower)
+        if for_training:
+            return build_model(path, megatron, lora=cfg.actor.lora)
+        return build_model(path, megatron, for_training=False)
+
     def _build_actor(self) -> None:
         from engines.megatron.actor import MegatronActor
-        from engines.megatron.build import build_model
         from engines.megatron.model import unwrap_model
         from engines.megatron.optimizer import build_optimizer
 
         cfg = self.config
-        self.actor_chunks = build_model(cfg.model.path, cfg.actor.megatron, lora=cfg.actor.lora)
+        self.actor_chunks = self._policy_chunks(for_training=True)
         self.optimizer, self.scheduler = build_optimizer(
             self.actor_chunks, cfg.actor.optim, cfg.actor.megatron
         )
@@ -60,11 +74,9 @@ class PolicyWorker(Worker):
 
     def _build_reference(self) -> None:
         from engines.megatron.actor import MegatronActor
-        from engines.megatron.build import build_model
 
-        cfg = self.config
-        ref_chunks = build_model(cfg.model.path, cfg.actor.megatron, for_training=False)
-        self.ref = MegatronActor(ref_chunks, update_cfg=cfg.actor.update)  # frozen: no optimizer
+        ref_chunks = self._policy_chunks(for_training=False)
+        self.ref = MegatronActor(ref_chunks, update_cfg=self.config.actor.update)  # frozen: no optimizer
 
     def before_compute(self) -> None:
         """What must happen before the policy computes (the hybrid engine hands the device back)."""
@@ -138,9 +150,15 @@ class PolicyWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def export_hf(self, out_dir: str) -> None:
         """The actor as a Hugging Face checkpoint (safetensors + config + tokenizer) in `out_dir`."""
+        from engines.megatron.model import unwrap_model
+        from engines.megatron.vlm_weights import save_vlm_hf_checkpoint
         from engines.megatron.weights import save_hf_checkpoint
 
         self.before_compute()
+        model = unwrap_model(self.actor_chunks[0])
+        if hasattr(model, "vlm_config"):  # a LLaVA model: config, tokenizer and processor come along
+            save_vlm_hf_checkpoint(model, model.vlm_config, self.config.actor.megatron, out_dir)
+            return
         tokenizer_dir = self.config.model.tokenizer_path or self.config.model.path
         save_hf_checkpoint(self.actor_chunks, self.hf_config, out_dir, tokenizer_dir=tokenizer_dir)
 

@@ -186,6 +186,16 @@ def test_pixel_values_for_a_text_model_are_refused(tmp_path):
         engine.generate_sequences(prompts)
 
 
+def test_image_tokens_without_their_pixels_are_refused(vlm, processor):
+    """What the driver once sent: the prompt tensors without the pixels, which the engine would
+    read as text placeholders and generate from prompts the actor never scores."""
+    engine = make_engine(vlm)
+    prompts = left_padded(row_inputs(processor), engine.pad_token_id)
+    prompts.non_tensor_batch.pop(PIXEL_VALUES_KEY)
+    with pytest.raises(ValueError, match=r"hold 64 image tokens \(id \d+\) but no `pixel_values`"):
+        engine.generate_sequences(prompts)
+
+
 @pytest.mark.parametrize(
     ("images", "message"),
     [
