@@ -13,6 +13,7 @@ import pytest
 from PIL import Image
 
 from hybridflow.data.prompt_dataset import PromptDataset
+from hybridflow.data.sft_dataset import SFTDataset, collate_sft
 from hybridflow.data.shapes import BACKGROUND, CIRCLE, SQUARE, ShapesConfig, make_splits
 from hybridflow.reward.registry import rule_reward_fn
 from hybridflow.utils.tiny_vlm import make_tiny_vlm
@@ -95,7 +96,7 @@ def test_settings_that_cannot_be_drawn_are_refused_by_name(change, named):
         make_splits(ShapesConfig(**change))
 
 
-def test_script_writes_files_the_vlm_processor_reads(tmp_path):
+def test_script_writes_files_the_vlm_processor_and_the_sft_dataset_read(tmp_path):
     from transformers import AutoProcessor
 
     out = tmp_path / "shapes"
@@ -118,3 +119,8 @@ def test_script_writes_files_the_vlm_processor_reads(tmp_path):
     image_token = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
     assert len(dataset) == 5 and (item["input_ids"] == image_token).sum() == 16  # 4x4 patches, CLS dropped
     assert item["pixel_values"].shape == (1, 3, 32, 32)
+    sft = SFTDataset([str(out / "test.parquet")], processor.tokenizer, 64, 24, processor=processor)
+    batch = collate_sft([sft[i] for i in range(2)], processor.tokenizer.pad_token_id)
+    assert len(batch["pixel_values"]) == 2 and batch["pixel_values"][0].shape == (1, 3, 32, 32)
+    answer = processor.tokenizer.decode(batch["responses"][0][batch["response_mask"][0].bool()])
+    assert answer.startswith(pq.read_table(out / "test.parquet").to_pylist()[0]["extra_info"]["answer"])

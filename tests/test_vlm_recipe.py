@@ -1,11 +1,13 @@
-"""recipes/vlm_quickstart.yaml end to end through scripts/run_recipe.sh, shrunk to 2 steps on the
-tiny LLaVA-shaped model and the shape-counting images (2 CPU processes, actor TP 2):
+"""The VLM quickstart's two recipes end to end through scripts/run_recipe.sh, shrunk to a few steps
+on the tiny LLaVA-shaped model and the shape-counting images (2 CPU processes, actor TP 2):
 
-- the engine generates from each prompt's pixels: its log-probs of its samples equal the actor's
-  (mismatch/kl_k3 ~ 0; without the images the engine generated from other prompts and kl_k3 was
-  about 1), and validation runs;
-- the checkpoint of step 2 resumes for a third step, and the final export loads in transformers as
-  a LLaVA model whose weights moved from the start's.
+- recipes/vlm_quickstart_sft.yaml: supervised steps on the image rows' reference answers lower the
+  loss, and the warm start is exported;
+- recipes/vlm_quickstart.yaml from that export: the engine generates from each prompt's pixels,
+  so its log-probs of its samples equal the actor's (mismatch/kl_k3 ~ 0; when the driver handed
+  the engine the prompt tensors only, kl_k3 was about 1), and validation runs; the checkpoint of
+  step 2 resumes for a third step; the final export loads in transformers as a LLaVA model whose
+  projector moved and whose frozen tower did not.
 """
 
 import pytest
@@ -19,52 +21,65 @@ from hybridflow.utils.tracking import read_metrics
 
 pytestmark = pytest.mark.slow
 
-
-# The random model never answers, so the rule reward would give every sample 0 and GRPO no gradient:
-# a reward that varies with the response's length gives the update something to follow.
+# A few warm-start steps do not make the tiny model count, so the rule reward would give every
+# sample 0 and GRPO no gradient: a reward that varies with the response's length gives the update
+# something to follow.
 VARYING_REWARD = """
 def score(data_source, solution_str, ground_truth, extra_info):
     return float(len(solution_str) % 2)
 """
 
 
-def run(tmp_path, out, steps: int):
+def run(recipe: str, tmp_path, model, out, *overrides: str) -> str:
     data = write_shapes_parquet(tmp_path / "data", ShapesConfig(num_train=16, num_test=4))
-    (tmp_path / "varying_reward.py").write_text(VARYING_REWARD)
-    overrides = [
-        f"model.path={tmp_path / 'vlm'}",
-        f"data.train_files=[{data['train']}]", f"data.val_files=[{data['test']}]",
-        "data.train_batch_size=4", "rollout.sampling.n=2", "rollout.response_length=8",
-        "actor.update.ppo_mini_batch_size=8", "actor.update.ppo_micro_batch_size=4",
-        "actor.log_prob_micro_batch_size=8", f"trainer.total_training_steps={steps}",
-        "trainer.test_freq=2", "trainer.save_freq=2", "trainer.logger=[console]", f"trainer.output_dir={out}",
-        "reward.custom_fn=varying_reward.score",
+    common = [
+        f"model.path={model}", f"data.train_files=[{data['train']}]", f"data.val_files=[{data['test']}]",
+        "data.train_batch_size=4", "actor.update.ppo_micro_batch_size=4", "trainer.logger=[console]",
+        f"trainer.output_dir={out}",
     ]  # fmt: skip
-    env = {"PYTHONPATH": str(tmp_path)}
-    done = run_recipe_script("recipes/vlm_quickstart.yaml", overrides, timeout=900, env=env)
+    done = run_recipe_script(recipe, [*common, *overrides], timeout=900, env={"PYTHONPATH": str(tmp_path)})
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout + done.stderr
 
 
-def test_vlm_recipe_trains_on_image_prompts_resumes_and_exports(tmp_path):
-    make_tiny_vlm(tmp_path / "vlm")
-    out = tmp_path / "out"
-    run(tmp_path, out, steps=2)
+def grpo(tmp_path, model, out, steps: int) -> str:
+    return run(
+        "recipes/vlm_quickstart.yaml", tmp_path, model, out,
+        "rollout.sampling.n=2", "actor.update.ppo_mini_batch_size=8", "actor.log_prob_micro_batch_size=8",
+        f"trainer.total_training_steps={steps}", "trainer.test_freq=2", "trainer.save_freq=2",
+        "reward.custom_fn=varying_reward.score",
+    )  # fmt: skip
+
+
+def test_vlm_warm_start_then_grpo_on_image_prompts_resumes_and_exports(tmp_path):
+    (tmp_path / "varying_reward.py").write_text(VARYING_REWARD)
+    sft = tmp_path / "sft"
+    run(
+        "recipes/vlm_quickstart_sft.yaml", tmp_path, make_tiny_vlm(tmp_path / "vlm"), sft,
+        "trainer.total_training_steps=4", "trainer.test_freq=0", "actor.optim.lr_warmup_iters=0",
+    )  # fmt: skip
+    losses = [r["sft/loss"] for r in read_metrics(sft / "metrics.jsonl") if "sft/loss" in r]
+    assert len(losses) == 4 and losses[-1] < losses[0], losses
+
+    out = tmp_path / "grpo"
+    grpo(tmp_path, sft / "hf", out, steps=2)
     records = {r["step"]: r for r in read_metrics(out / "metrics.jsonl")}
     for step in (1, 2):
         assert records[step]["mismatch/kl_k3"] < 1e-4, records[step]
     assert "val/shapes/accuracy" in records[2]  # validation generated from the images too
-    log = run(tmp_path, out, steps=3)
+    log = grpo(tmp_path, sft / "hf", out, steps=3)
     assert "resumed from" in log and "global_step_2" in log, log[-3000:]
     assert max(r["step"] for r in read_metrics(out / "metrics.jsonl")) == 3
 
     from transformers import LlavaForConditionalGeneration
 
-    exported = LlavaForConditionalGeneration.from_pretrained(out / "hf")
-    assert exported.config.vision_config is not None
-    start, end = load_hf_tensors(tmp_path / "vlm"), load_hf_tensors(out / "hf")
+    assert LlavaForConditionalGeneration.from_pretrained(out / "hf").config.vision_config is not None
+    start, end = load_hf_tensors(sft / "hf"), load_hf_tensors(out / "hf")
     assert sorted(start) == sorted(end)
-    projector = "multi_modal_projector.linear_1.weight"
+    projector, tower = (
+        "multi_modal_projector.linear_1.weight",
+        "vision_tower.embeddings.patch_embedding.weight",
+    )
     assert not torch.equal(start[projector], end[projector]), "the projector did not train"
-    tower = "vision_tower.embeddings.patch_embedding.weight"
     assert torch.equal(start[tower], end[tower]), "the frozen vision tower moved"
+    assert torch.equal(load_hf_tensors(tmp_path / "vlm")[tower], end[tower])

@@ -90,7 +90,7 @@ def build_vlm_model(hf_dir, cfg: MegatronConfig, *, load_weights: bool = True, f
     vlm = load_vlm_config(hf_dir)
     validate_parallel_layout(vlm.text, cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, 1, 1)
     model = build_llava_model(vlm, cfg)
-    model.vlm_config, model.megatron_config, model.value_head = vlm, cfg, False
+    model.megatron_config, model.value_head = cfg, False
     if load_weights:
         load_vlm_weights(model, hf_dir, vlm, cfg)
     model.freeze(freeze_language_model=False, freeze_vision_model=not train_vision_tower,

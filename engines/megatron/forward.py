@@ -76,9 +76,11 @@ def _image_forward_step(loss_fn, device, data_iterator, model):
     micro_batch = micro_batch.to(device)
     llava = unwrap_model(model)
     ids, mask = micro_batch["input_ids"], micro_batch["attention_mask"]  # (b, T) each
+    responses = micro_batch["responses"].shape[1] if "responses" in micro_batch else 0
+    slots = vlm.mark_image_slots(ids, llava.vlm_config.image_token_id, ids.shape[1] - responses)  # (b, T)
     features = llava.img_seq_len
-    collapsed = vlm.collapse_image_tokens(ids, llava.image_token_index, features)  # (b, T')
-    combined_mask = vlm.llava_attention_mask(mask, ids, llava.image_token_index, features)  # (b, T + extra)
+    collapsed = vlm.collapse_image_tokens(slots, vlm.IMAGE_SLOT, features)  # (b, T')
+    combined_mask = vlm.llava_attention_mask(mask, slots, vlm.IMAGE_SLOT, features)  # (b, T + extra)
     logits, _ = model(
         images=images.to(device, next(llava.parameters()).dtype),
         input_ids=collapsed,

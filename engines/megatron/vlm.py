@@ -13,8 +13,9 @@ attention causal, which CLIP is not, and allocates its attention on CUDA, so the
 is built here with a bidirectional SDPA core attention. The Transformer Engine path (TE ViT spec,
 fused-norm weight names) is not built yet.
 
-Input convention (Megatron's): one image token per image in `input_ids`; `LLaVAModel` expands it
-to the image's features. A processor's expanded ids become that with `collapse_image_tokens`.
+Input convention (Megatron's): one IMAGE_SLOT id per image in `input_ids`; `LLaVAModel` expands it
+to the image's features. A processor's expanded ids become that with `mark_image_slots` (the
+prompts' placeholders only) and `collapse_image_tokens`.
 """
 
 from contextlib import contextmanager
@@ -218,15 +219,31 @@ def build_llava_model(vlm: VLMConfig, cfg: MegatronConfig):
             img_h=vlm.vision.image_size,
             img_w=vlm.vision.image_size,
             patch_dim=vlm.vision.patch_size,
-            image_token_index=vlm.image_token_id,
+            image_token_index=IMAGE_SLOT,
         )
     # What Megatron's schedules read and Megatron-LM's get_model sets on each chunk (LLaVAModel
-    # does not); `hf_config`, the text config, is what the actor reads of build.py's GPT models.
+    # does not); `hf_config`, the text config, is what the actor reads of build.py's GPT models,
+    # `vlm_config` what forward.py and the weight stream read of a LLaVA one.
     model.model_type = ModelType.encoder_or_decoder
-    model.hf_config = vlm.text
+    model.hf_config, model.vlm_config = vlm.text, vlm
     if not cpu_compat.cuda_available():
         return model
     return model.cuda(torch.cuda.current_device())  # CLIPViTModel's conv and embeddings start on the host
+
+
+# The id LLaVAModel is built to fill with image features, outside every vocabulary (Megatron's own
+# convention): a prompt's image placeholders become it, while the placeholder id sampled in a
+# response stays a token, embedded as text, as transformers' generate embeds it.
+IMAGE_SLOT = -200
+
+
+def mark_image_slots(input_ids: torch.Tensor, image_token_id: int, prompt_length: int) -> torch.Tensor:
+    """input_ids (B, T) with the image placeholders of the first `prompt_length` positions (the
+    prompts) replaced by IMAGE_SLOT; a copy."""
+    marked = input_ids.clone()
+    prompts = marked[:, :prompt_length]  # a view: writes land in `marked`
+    prompts[prompts == image_token_id] = IMAGE_SLOT
+    return marked  # (B, T)
 
 
 def collapse_image_tokens(

@@ -23,8 +23,6 @@ def _settings_problems(cfg: RecipeConfig) -> list[str]:
          "trainer.async_training.mode / trainer.placement: a vision-language policy trains synchronously "
          "with its engines colocated (the weight sync to a separate rollout pool is not built); use "
          "mode: sync and placement: colocated"),
-        (trainer.mode != "rl", "trainer.mode=sft: the SFT trainer reads text-only rows; warm-start "
-         "vision-language models with trainer.mode: rl"),
         (cfg.critic.enable or cfg.reward_model.enable or cfg.algorithm.distillation.enable,
          "critic / reward_model / algorithm.distillation: only the policy may be a vision-language model, "
          "and the others would read its image prompts as text; use a critic-free algorithm (e.g. GRPO) "

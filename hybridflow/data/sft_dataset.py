@@ -9,7 +9,9 @@ import logging
 
 import torch
 
-from hybridflow.data.prompt_dataset import read_parquet_rows, tokenize_chat
+from hybridflow.data.image_prompts import IMAGES_KEY, decode_images, image_prompt_inputs
+from hybridflow.data.prompt_dataset import object_array, read_located_rows, tokenize_chat
+from hybridflow.protocol import PIXEL_VALUES_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -30,24 +32,27 @@ class SFTDataset(torch.utils.data.Dataset):
     limits are dropped and counted, like PromptDataset drops long prompts."""
 
     def __init__(self, files: list[str], tokenizer, max_prompt_length: int, max_response_length: int,
-                 prompt_key: str = "prompt", max_samples: int | None = None):  # fmt: skip
-        rows = read_parquet_rows(files, (prompt_key, "extra_info"))
-        if max_samples is not None:
-            rows = rows[:max_samples]
-        self.pairs = []
-        for row in rows:
-            prompt = tokenize_chat(tokenizer, row[prompt_key])
+                 prompt_key: str = "prompt", max_samples: int | None = None, processor=None):  # fmt: skip
+        """With a vision-language model's `processor`, rows also need an `images` column
+        (hybridflow/data/image_prompts.py) and each item carries its pixels, made when it is read."""
+        images_column = (IMAGES_KEY,) if processor is not None else ()
+        located = read_located_rows(files, (prompt_key, "extra_info", *images_column))[:max_samples]
+        self.processor, self.prompt_key = processor, prompt_key
+        self.pairs, self.image_rows = [], []  # image_rows: (where, row) of each pair, with a processor
+        for where, row in located:
+            prompt = self._prompt_ids(tokenizer, row, where)
             response = tokenizer(answer_of(row), add_special_tokens=False)["input_ids"] + [
                 tokenizer.eos_token_id
             ]
             if len(prompt) <= max_prompt_length and len(response) <= max_response_length:
                 self.pairs.append((prompt, response))
-        self.num_dropped = len(rows) - len(self.pairs)
+                self.image_rows += [(where, row)] if processor is not None else []
+        self.num_dropped = len(located) - len(self.pairs)
         if self.num_dropped:
             logger.warning(
                 "dropped %d of %d SFT rows from %s: prompt over data.max_prompt_length=%d or answer over "
                 "rollout.response_length=%d tokens",
-                self.num_dropped, len(rows), files, max_prompt_length, max_response_length,
+                self.num_dropped, len(located), files, max_prompt_length, max_response_length,
             )  # fmt: skip
         if not self.pairs:
             raise ValueError(
@@ -58,14 +63,28 @@ class SFTDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.pairs)
 
-    def __getitem__(self, i: int) -> tuple[list[int], list[int]]:
-        return self.pairs[i]
+    def _prompt_ids(self, tokenizer, row: dict, where: str) -> list[int]:
+        if self.processor is None:
+            return tokenize_chat(tokenizer, row[self.prompt_key])
+        images = decode_images(row[IMAGES_KEY], where)
+        return image_prompt_inputs(self.processor, row[self.prompt_key], images, where)[0]
+
+    def __getitem__(self, i: int) -> tuple:
+        """(prompt ids, response ids), and with a processor the row's pixels (n_images, 3, H, W)."""
+        if self.processor is None:
+            return self.pairs[i]
+        where, row = self.image_rows[i]
+        images = decode_images(row[IMAGES_KEY], where)
+        return (*self.pairs[i], image_prompt_inputs(self.processor, row[self.prompt_key], images, where)[1])
 
 
-def collate_sft(pairs: list[tuple[list[int], list[int]]], pad_token_id: int) -> dict[str, torch.Tensor]:
+def collate_sft(pairs: list[tuple], pad_token_id: int) -> dict:
     """A rollout-shaped batch: prompts left-padded to P, responses right-padded to R.
 
-    input_ids / attention_mask / position_ids (B, P+R); responses / response_mask (B, R)."""
+    input_ids / attention_mask / position_ids (B, P+R); responses / response_mask (B, R); items with
+    pixels (image prompts) add `pixel_values`, one array per row (protocol.PIXEL_VALUES_KEY)."""
+    pixels = [item[2] for item in pairs] if len(pairs[0]) == 3 else None
+    pairs = [item[:2] for item in pairs]
     prompt_len = max(len(p) for p, _ in pairs)
     response_len = max(len(r) for _, r in pairs)
     batch = len(pairs)
@@ -79,7 +98,8 @@ def collate_sft(pairs: list[tuple[list[int], list[int]]], pad_token_id: int) -> 
         responses[row, : len(response)] = torch.tensor(response)
         response_mask[row, : len(response)] = 1
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1)  # (B, P+R)
-    return {
+    images = {} if pixels is None else {PIXEL_VALUES_KEY: object_array(pixels)}
+    return images | {
         "input_ids": torch.cat([prompts, responses], dim=1),  # (B, P+R)
         "attention_mask": attention_mask,
         "position_ids": (attention_mask.cumsum(dim=1) - 1).clamp(min=0),  # (B, P+R)

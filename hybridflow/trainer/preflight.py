@@ -283,7 +283,7 @@ def check_data(cfg: RecipeConfig, tokenizer) -> int:
             check_chat_prompt(row[data.prompt_key], where, data.prompt_key)
         train = SFTDataset(
             data.train_files, tokenizer, data.max_prompt_length, cfg.rollout.response_length,
-            data.prompt_key, data.train_max_samples,
+            data.prompt_key, data.train_max_samples, processor=policy_processor(cfg),
         )  # fmt: skip
     else:
         train = _prompt_dataset(cfg, tokenizer, data.train_files, data.train_max_samples)

@@ -28,7 +28,7 @@ class SFTTrainer(PPOTrainer):
         data = self.cfg.data
         dataset = SFTDataset(
             files, self.tokenizer, data.max_prompt_length, self.cfg.rollout.response_length,
-            data.prompt_key, max_samples,
+            data.prompt_key, max_samples, processor=self.processor,
         )  # fmt: skip
         return ResumableDataLoader(
             dataset,

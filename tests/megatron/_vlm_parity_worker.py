@@ -10,9 +10,9 @@ On every rank it checks:
   3. the export (save_vlm_hf_checkpoint) holds the source checkpoint's tensors bit for bit, same
      names and dtypes, and transformers loads it (with its processor) to the same logits;
   4. the actor's path (forward.compute_log_prob, micro-batches of 2) on a batch as the trainer
-     holds it: left-padded image prompts with 1, 0, 2 and 1 images, right-padded responses, the
-     pixels in `non_tensor_batch`: response log-probs within 1e-5 of transformers on each row
-     alone (no padding);
+     holds it: left-padded image prompts with 1, 0, 2 and 1 images, right-padded responses (one
+     holding a sampled image placeholder), the pixels in `non_tensor_batch`: response log-probs
+     within 1e-5 of transformers decoding each row alone (no padding), as generate does;
   5. the gradients of the summed response log-probs through Megatron's schedule equal
      transformers' for the projector's first layer and the word embeddings (this rank's shard),
      within 5e-5.
@@ -35,7 +35,7 @@ from safetensors.torch import load_file
 from engines.megatron import forward
 from engines.megatron.config import MegatronConfig
 from engines.megatron.parallel import init_megatron
-from engines.megatron.vlm import build_llava_model, collapse_image_tokens
+from engines.megatron.vlm import IMAGE_SLOT, build_llava_model, collapse_image_tokens, mark_image_slots
 from engines.megatron.vlm_config import load_vlm_config
 from engines.megatron.vlm_weights import load_vlm_weights, save_vlm_hf_checkpoint
 from hybridflow.data.image_prompts import image_prompt_inputs
@@ -74,7 +74,8 @@ def hf_logits(hf_dir: Path, inputs: dict) -> torch.Tensor:
 def megatron_logits(model, inputs: dict, vlm) -> torch.Tensor:
     """On the CPU, where transformers' reference is (the model may be on the GPU)."""
     device = next(model.parameters()).device
-    ids = collapse_image_tokens(inputs["input_ids"], vlm.image_token_id, vlm.image_feature_count)  # (B, T')
+    slots = mark_image_slots(inputs["input_ids"], vlm.image_token_id, inputs["input_ids"].shape[1])  # (B, T)
+    ids = collapse_image_tokens(slots, IMAGE_SLOT, vlm.image_feature_count)  # (B, T')
     positions = torch.arange(ids.shape[1]).expand_as(ids)  # (B, T')
     with torch.no_grad():
         logits, _ = model(
@@ -120,8 +121,10 @@ def batch_rows(hf_dir: Path) -> list[tuple[list[int], np.ndarray, list[int]]]:
     for (text, which), length in zip(BATCH_ROWS, RESPONSE_LENGTHS, strict=True):
         messages = [{"role": "user", "content": text}]
         ids, pixels = image_prompt_inputs(processor, messages, [pictures[i] for i in which], text)
-        response = torch.randint(3, 200, (length,), generator=generator).tolist()  # bytes, no image token
+        response = torch.randint(3, 200, (length,), generator=generator).tolist()  # bytes
         rows.append((ids, pixels, response))
+    # a sampled image placeholder is a token of the response, not an image (as generate treats it)
+    rows[0][2][2] = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
     return rows
 
 
@@ -142,11 +145,17 @@ def padded_batch(rows, pad_id: int) -> DataProto:
 
 
 def hf_response_log_probs(hf_model, prompt, pixels, response) -> torch.Tensor:
-    """(R,) transformers' log-probs of `response` after `prompt`, the row alone (no padding)."""
-    ids = torch.tensor([prompt + response])  # (1, P + R)
+    """(R,) transformers' log-probs of `response` after `prompt`, the row alone (no padding), decoded
+    as generate does: the prompt with its pixels, then one response token at a time from the cache
+    (a full forward would take a sampled image placeholder for an image)."""
     extra = {"pixel_values": torch.as_tensor(pixels)} if len(pixels) else {}
-    logits = hf_model(input_ids=ids, **extra).logits[0, len(prompt) - 1 : -1]  # (R, V)
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
+    out = hf_model(input_ids=torch.tensor([prompt]), use_cache=True, **extra)
+    logits = [out.logits[0, -1]]  # R of (V,)
+    for token in response[:-1]:
+        out = hf_model(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+        logits.append(out.logits[0, -1])
+    log_probs = torch.log_softmax(torch.stack(logits), -1)  # (R, V)
+    return log_probs.gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
 
 
 def check_padded_log_probs(model, hf_dir: Path, rows, data: DataProto) -> float:
