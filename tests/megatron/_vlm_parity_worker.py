@@ -241,11 +241,16 @@ def run(hf_dir: Path, out_dir: Path) -> str:
     )
 
 
-def main() -> None:
+def parse_dirs() -> argparse.Namespace:
+    """--hf-dir (the tiny VLM) and --out-dir (where exports go), as both VLM workers take them."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--hf-dir", type=Path, required=True)
     parser.add_argument("--out-dir", type=Path, required=True)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_dirs()
     print(run(args.hf_dir, args.out_dir), flush=True)
 
 

@@ -19,14 +19,13 @@ On every rank it checks:
 Prints "VLM TRAIN OK tp=.. rank=.. losses=.." when every check passed.
 """
 
-import argparse
 import os
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from _vlm_parity_worker import batch_rows, check_padded_log_probs, padded_batch
+from _vlm_parity_worker import batch_rows, check_padded_log_probs, padded_batch, parse_dirs
 from megatron.core import parallel_state
 from safetensors.torch import load_file
 
@@ -158,10 +157,7 @@ def run(hf_dir: Path, out_dir: Path) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--hf-dir", type=Path, required=True)
-    parser.add_argument("--out-dir", type=Path, required=True)
-    args = parser.parse_args()
+    args = parse_dirs()
     print(run(args.hf_dir, args.out_dir), flush=True)
 
 
