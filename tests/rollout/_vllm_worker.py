@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 from actor_noise import perturb
 
+from engines.megatron import hf_stream
 from engines.megatron import weights as megatron_weights
 from engines.megatron.actor import MegatronActor
 from engines.megatron.build import build_model
@@ -290,21 +291,22 @@ def check_prompts_beyond_one_step(engine: VLLMRolloutEngine) -> None:
 
 
 def check_bad_stream(manager, edit, expected: str) -> None:
-    """A sync whose stream `edit` changes on rank 1 must fail on every rank, naming the tensor."""
-    real = megatron_weights.iter_hf_tensors
+    """A sync whose stream `edit` changes on rank 1 must fail on every rank, naming the tensor.
+    The stream is replaced where the colocated sync looks it up (engines/megatron/hf_stream.py)."""
+    real = hf_stream.iter_hf_tensors
 
     def stream(*args, **kwargs):
         for index, (name, tensor) in enumerate(real(*args, **kwargs)):
             yield edit(name, tensor) if index == 3 and dist.get_rank() == 1 else (name, tensor)
 
-    megatron_weights.iter_hf_tensors = stream
+    hf_stream.iter_hf_tensors = stream
     try:
         manager.load_weights()
         raise AssertionError("the bad sync was not caught")
     except WeightSyncError as err:
         assert "rank 1" in str(err) and expected in str(err), str(err)
     finally:
-        megatron_weights.iter_hf_tensors = real
+        hf_stream.iter_hf_tensors = real
 
 
 def say(message: str) -> None:
