@@ -157,10 +157,22 @@ def load_hf_config(path) -> HFModelConfig:
     architecture = architectures[0]
     family = SUPPORTED_ARCHITECTURES[architecture]
     check_unsupported_features(raw, family, str(config_file))
-    heads = raw["num_attention_heads"]
     return HFModelConfig(
         architecture=architecture,
         model_type=raw.get("model_type", family),
+        **dense_text_fields(raw, family, str(config_file)),
+        source_dir=str(Path(path).resolve()),
+        raw=raw,
+        qk_layernorm=family in ("qwen3", "qwen3_moe"),
+        **_moe_fields(raw, family, str(config_file)),
+    )
+
+
+def dense_text_fields(raw: dict, family: str, where: str) -> dict:
+    """The `HFModelConfig` fields every supported language model has, from its config.json (a
+    text model's, or a vision-language model's `text_config`)."""
+    heads = raw["num_attention_heads"]
+    return dict(
         vocab_size=raw["vocab_size"],
         hidden_size=raw["hidden_size"],
         intermediate_size=raw["intermediate_size"],
@@ -169,15 +181,11 @@ def load_hf_config(path) -> HFModelConfig:
         num_key_value_heads=raw.get("num_key_value_heads") or heads,
         head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
         rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-        rope_theta=rope_theta_of(raw, str(config_file)),
+        rope_theta=rope_theta_of(raw, where),
         max_position_embeddings=raw.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=family == "qwen2",
         initializer_range=raw.get("initializer_range", 0.02),
-        source_dir=str(Path(path).resolve()),
-        raw=raw,
-        qk_layernorm=family in ("qwen3", "qwen3_moe"),
-        **_moe_fields(raw, family, str(config_file)),
     )
 
 

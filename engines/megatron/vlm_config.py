@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from engines.megatron.model import HFModelConfig, check_unsupported_features, rope_theta_of
+from engines.megatron.model import HFModelConfig, check_unsupported_features, dense_text_fields
 
 TEXT_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
 
@@ -63,23 +63,10 @@ def _text_config(text: dict, source_dir: str, where: str) -> HFModelConfig:
             f"{where}: text model_type {family!r} is not supported; supported: {sorted(TEXT_ARCHITECTURES)}"
         )
     check_unsupported_features(text, family, where)
-    heads = text["num_attention_heads"]
     return HFModelConfig(
         architecture=TEXT_ARCHITECTURES[family],
         model_type=family,
-        vocab_size=text["vocab_size"],
-        hidden_size=text["hidden_size"],
-        intermediate_size=text["intermediate_size"],
-        num_hidden_layers=text["num_hidden_layers"],
-        num_attention_heads=heads,
-        num_key_value_heads=text.get("num_key_value_heads") or heads,
-        head_dim=text.get("head_dim") or text["hidden_size"] // heads,
-        rms_norm_eps=text.get("rms_norm_eps", 1e-6),
-        rope_theta=rope_theta_of(text, where),
-        max_position_embeddings=text.get("max_position_embeddings", 4096),
-        tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
-        qkv_bias=family == "qwen2",
-        initializer_range=text.get("initializer_range", 0.02),
+        **dense_text_fields(text, family, where),
         source_dir=source_dir,
         raw=text,
     )

@@ -271,7 +271,7 @@ def _written_call(text: str, name: str) -> str:
 def check_data(cfg: RecipeConfig, tokenizer) -> int:
     """The datasets the trainer will build load, and hold at least one batch each; returns the
     training set's usable rows."""
-    data = cfg.data
+    data, processor = cfg.data, policy_processor(cfg)
     if cfg.trainer.mode == "sft":
         from hybridflow.data.sft_dataset import SFTDataset
 
@@ -283,21 +283,23 @@ def check_data(cfg: RecipeConfig, tokenizer) -> int:
             check_chat_prompt(row[data.prompt_key], where, data.prompt_key)
         train = SFTDataset(
             data.train_files, tokenizer, data.max_prompt_length, cfg.rollout.response_length,
-            data.prompt_key, data.train_max_samples, processor=policy_processor(cfg),
+            data.prompt_key, data.train_max_samples, processor=processor,
         )  # fmt: skip
     else:
-        train = _prompt_dataset(cfg, tokenizer, data.train_files, data.train_max_samples)
+        train = _prompt_dataset(cfg, tokenizer, processor, data.train_files, data.train_max_samples)
     _check_batch_fits("data.train_batch_size", data.train_batch_size, len(train), data.train_files)
     if data.val_files:
-        val = _prompt_dataset(cfg, tokenizer, data.val_files, data.val_max_samples)
+        val = _prompt_dataset(cfg, tokenizer, processor, data.val_files, data.val_max_samples)
         if data.val_batch_size is not None:
             _check_batch_fits("data.val_batch_size", data.val_batch_size, len(val), data.val_files)
     return len(train)
 
 
-def _prompt_dataset(cfg: RecipeConfig, tokenizer, files: list[str], max_samples: int | None) -> PromptDataset:
+def _prompt_dataset(
+    cfg: RecipeConfig, tokenizer, processor, files: list[str], max_samples: int | None
+) -> PromptDataset:
     """The dataset the trainer builds (it checks every prompt), and the rows' reward inputs."""
-    dataset = recipe_prompt_dataset(cfg, tokenizer, files, max_samples, policy_processor(cfg))
+    dataset = recipe_prompt_dataset(cfg, tokenizer, files, max_samples, processor)
     check_reward_inputs(read_located_rows(files, REQUIRED_COLUMNS)[:max_samples], cfg.reward.custom_fn)
     return dataset
 
