@@ -142,8 +142,8 @@ def load_hf_config(path) -> HFModelConfig:
     if "vision_config" in raw:  # its text fields sit under text_config: the missing-field list would mislead
         names = ", ".join(raw.get("architectures") or ["the model"])
         raise ValueError(
-            f"{config_file}: {names} is a vision-language model, which hybridflow does not train yet "
-            "(docs/vlm.md: what is built); use a text model"
+            f"{config_file}: {names} is a vision-language model; it trains only as the policy, read by "
+            "engines/megatron/vlm_config.load_vlm_config (docs/vlm.md); this role needs a text model"
         )
     missing = [key for key in REQUIRED_FIELDS if key not in raw]
     if missing:

@@ -38,6 +38,18 @@ def test_missing_config_is_named(tmp_path):
         load_hf_config(tmp_path)
 
 
+def test_a_vision_language_model_given_to_the_text_loader_names_where_it_trains(qwen_dir, tmp_path):
+    # A LLaVA config.json holds its language model under text_config: the text loader's list of
+    # missing fields would mislead, so it says what the directory is and where such a model trains.
+    text = json.loads((qwen_dir / "config.json").read_text())
+    llava = rewrite_config(
+        qwen_dir, tmp_path / "llava", architectures=["LlavaForConditionalGeneration"], model_type="llava",
+        text_config=text, vision_config={"model_type": "clip_vision_model"},
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"LlavaForConditionalGeneration is a vision-language model.*policy"):
+        load_hf_config(llava)
+
+
 def test_unsupported_rope_scaling_is_named(qwen_dir, tmp_path):
     scaled = rewrite_config(
         qwen_dir, tmp_path / "yarn", rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}
