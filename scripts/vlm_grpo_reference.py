@@ -75,6 +75,8 @@ def response_mask(responses: torch.Tensor, eos_ids: list[int], image_id: int) ->
 def policy_loss(model, sequences, pixels, prompt_length, advantages, mask, temperature) -> torch.Tensor:
     responses = sequences[:, prompt_length:]  # (B, R)
     fed = sequences.clone()
+    # LLaVA fills every placeholder with image features; a sampled one (its row left out by the
+    # mask) is fed as another token so that the feature count matches the images
     fed[:, prompt_length:][responses == model.config.image_token_id] = 0
     logits = model(input_ids=fed, attention_mask=torch.ones_like(fed), pixel_values=pixels).logits
     log_probs = torch.log_softmax(logits[:, prompt_length - 1 : -1].float() / temperature, -1)  # (B, R, V)
@@ -111,7 +113,7 @@ def grpo_step(model, processor, optimizer, rows: list[dict], args) -> str:
     )
     optimizer.zero_grad()
     loss.backward()
-    norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
+    norm = torch.nn.utils.clip_grad_norm_(optimizer.param_groups[0]["params"], 1.0)
     optimizer.step()
     return f"reward {reward.mean():.3f} grad_norm {norm:.3f}"
 
