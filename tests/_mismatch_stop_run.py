@@ -66,7 +66,7 @@ def overrides(workdir: Path) -> list[str]:
         "trainer.use_gpu=false",
         "trainer.test_freq=0",
         "trainer.val_before_train=false",
-        "trainer.logger=[console]",
+        "trainer.logger=[console,plots]",
         "trainer.mismatch_policy=stop",
         "actor.megatron.tensor_model_parallel_size=1",
         "actor.update.ppo_mini_batch_size=8",

@@ -132,7 +132,7 @@ def test_progress_bar_tracks_step_and_postfix(tmp_path, capsys):
 
 
 def test_plots_are_refreshed_every_few_steps_and_hold_matching_metrics(tmp_path):
-    tracker = Tracking(tmp_path, backends=[], plot_every=3)
+    tracker = Tracking(tmp_path, backends=["plots"], plot_every=3)
     tracker.log(step_metrics(1), step=1)
     tracker.log(step_metrics(2), step=2)
     assert not (tmp_path / "plots").exists()
@@ -146,6 +146,14 @@ def test_plots_are_refreshed_every_few_steps_and_hold_matching_metrics(tmp_path)
     for png in (tmp_path / "plots").glob("*.png"):
         assert png.read_bytes()[:8] == PNG_MAGIC
     assert not list((tmp_path / "plots").glob(".*tmp"))
+
+
+def test_without_the_plots_backend_no_plot_is_drawn(tmp_path):
+    tracker = Tracking(tmp_path, backends=["console"], plot_every=1)
+    tracker.log(step_metrics(1), step=1)
+    tracker.close()
+    assert (tmp_path / "metrics.jsonl").is_file()
+    assert not (tmp_path / "plots").exists()
 
 
 def test_plot_patterns_select_the_intended_metrics():

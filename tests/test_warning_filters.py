@@ -60,7 +60,8 @@ def test_a_normal_run_prints_no_warning(tmp_path):
     env = environment(local, uuid.uuid4().hex)
     del env["PYTHONWARNINGS"]
     env.pop("RAY_DEDUP_LOGS", None)  # as a user's shell has it
-    argv = command(local, tmp_path / "run", "trainer.total_training_steps=1", "trainer.save_freq=1")
+    plots = "trainer.logger=[console,plots]"  # matplotlib too, as in a recipe's default run
+    argv = command(local, tmp_path / "run", "trainer.total_training_steps=1", "trainer.save_freq=1", plots)
     result = run_in_own_session(argv, env=env, timeout=1200)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     output = result.stdout + result.stderr

@@ -258,7 +258,7 @@ class TrainerConfig:
     max_ckpt_to_keep: int | None = None  # None: keep every checkpoint
     resume_mode: Literal["auto", "disable"] = "auto"  # auto: continue from <output_dir>/checkpoints/latest
     resume_from_path: str | None = None  # a global_step_N directory to continue from (overrides auto)
-    logger: list[LoggerBackend] = field(default_factory=lambda: ["console", "progress"])
+    logger: list[LoggerBackend] = field(default_factory=lambda: ["console", "progress", "plots"])
     balance_batch: bool = True  # reorder each batch so every DP rank gets a similar token count
     export_hf: bool = False  # write the final actor as a Hugging Face checkpoint to <output_dir>/hf
     # NaN / inf reward, loss or grad norm, or an update over <role>.update.max_update_ratio: "error"

@@ -1,7 +1,7 @@
 """Where each step's metrics go: metrics.jsonl (always), the console, a progress bar, TensorBoard,
 Weights & Biases, and PNG plots refreshed every few steps.
 
-    tracker = Tracking(output_dir, backends=["console", "progress"], total_steps=100)
+    tracker = Tracking(output_dir, backends=["console", "progress", "plots"], total_steps=100)
     tracker.log({"reward/mean": 0.4, "val/accuracy": 0.5}, step=1)
     tracker.close()
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from hybridflow.utils import plotting
 
-BACKENDS = ("console", "progress", "tensorboard", "wandb")
+BACKENDS = ("console", "progress", "tensorboard", "wandb", "plots")
 METRICS_FILE = "metrics.jsonl"
 
 # Shown on the console line and progress bar when present, under these short names.
@@ -100,8 +100,8 @@ class Tracking:
 
     backends: any of "console" (one line per step), "progress" (a tqdm bar showing step, reward,
     accuracy), "tensorboard" (<output_dir>/tensorboard), "wandb" (<output_dir>/wandb; WANDB_MODE,
-    WANDB_API_KEY etc. as wandb reads them).
-    plot_every: re-render <output_dir>/plots/*.png every this many logged steps (0: only at close).
+    WANDB_API_KEY etc. as wandb reads them), "plots" (<output_dir>/plots/*.png, rendered at close
+    and every `plot_every` logged steps; 0: only at close).
     """
 
     def __init__(
@@ -124,7 +124,9 @@ class Tracking:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.output_dir / METRICS_FILE
         self.plots_dir = self.output_dir / "plots"
-        self.plot_every = plot_every
+        # rendering costs about a second a time on a CPU core (matplotlib): only where asked for
+        self.plot_every = plot_every if "plots" in backends else 0
+        self.plots_at_close = "plots" in backends
         self.backends = list(backends)
         self.history = self._resume_history(resume_step)
         self._steps_since_plot = 0
@@ -212,8 +214,8 @@ class Tracking:
         return plotting.plot_metrics(self.history, self.plots_dir)
 
     def close(self) -> None:
-        """Final plots, then flush and close every backend."""
-        if self.history:
+        """Final plots (with the "plots" backend), then flush and close every backend."""
+        if self.history and self.plots_at_close:
             self.refresh_plots()
         self._jsonl.close()
         if self._tensorboard is not None:
