@@ -8,9 +8,13 @@ quickstart's arithmetic data, with RESPONSE_LENGTH and the batch chosen so that 
 training (old log-probs + update) take similar time in the synchronous loop, which is where
 generating ahead can save the most (docs/async.md has the measurement behind the choice).
 
-Step time is the median `timing/step` over steps 2..STEPS (step 1 generates synchronously in
-every mode); `gen` is the step's wait for its responses (in one_step / async: what was left of
-the generation launched a step earlier), `train` the old log-probs plus the actor update.
+A run's step time is the median `timing/step` over steps 2..STEPS (step 1 generates synchronously
+in every mode); `gen` is the step's wait for its responses (in one_step / async: what was left of
+the generation launched a step earlier), `train` the old log-probs plus the actor update. Each mode
+runs ROUNDS times, the modes alternating (sync, one_step, ..., sync, one_step, ...: a change of the
+machine's state lands on every mode alike, benchmarks/_conditions.py); a row gives the medians over
+its runs and `step_spread`, (max - min) / median of the runs' step times. `vs_sync` is refused when
+the load moved during the rounds (the load is printed before the table).
 
 The vLLM rows (sync, one_step, stream) run on heavy-tailed response lengths (`VLLM` below), where
 a whole-batch generation waits for its longest response; `vs_sync` compares each with the sync
@@ -27,10 +31,12 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from benchmarks._conditions import LOAD_LIMIT, LoadSamples, alternating, summary
 from benchmarks._timing import REPO_ROOT
 
 TITLE = "Async RL: GRPO step time, sync vs one_step vs async vs stream (actor 1 process, rollout 1 process)"
 STEPS = 8
+ROUNDS = 3
 RESPONSE_LENGTH = 128
 PROMPTS_PER_STEP = 8  # x 8 responses = 64 sequences
 MODES = {
@@ -65,18 +71,34 @@ def run() -> list[dict]:
     from hybridflow.data.arith import write_arith_parquet
     from hybridflow.utils.tiny_model import make_tiny_model
 
+    runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    loads = LoadSamples()
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_model(Path(tmp) / "model")
         data = write_arith_parquet(Path(tmp) / "data")
-        timings = {
-            mode: _step_timings(model, data, Path(tmp) / f"run{i}", extra)
-            for i, (mode, extra) in enumerate(MODES.items())
-        }
-    rows = []
-    for mode, t in timings.items():
-        sync_step = timings["sync, vllm" if "vllm" in mode else "sync"]["step_s"]  # the same engine's
-        rows.append({"mode": mode, **t, "vs_sync": t["step_s"] / sync_step})
-    return rows
+
+        def case(mode: str):
+            def step_seconds() -> float:
+                out = Path(tmp) / f"run{len(runs[mode])}-{list(MODES).index(mode)}"
+                runs[mode].append(_step_timings(model, data, out, MODES[mode]))
+                return runs[mode][-1]["step_s"]
+
+            return step_seconds
+
+        alternating({mode: case(mode) for mode in MODES}, ROUNDS, loads)
+    print(f"{ROUNDS} alternating rounds; {loads.text()}", flush=True)
+    return [_row(mode, runs, loads) for mode in MODES]
+
+
+def _row(mode: str, runs: dict[str, list[dict]], loads: LoadSamples) -> dict:
+    """The medians of `mode`'s runs, its step time's spread, and its step time against the sync row
+    of the same engine (none when the load moved by more than LOAD_LIMIT)."""
+    step_s, spread = summary([t["step_s"] for t in runs[mode]])
+    sync_step = summary([t["step_s"] for t in runs["sync, vllm" if "vllm" in mode else "sync"]])[0]
+    medians = {key: statistics.median(t[key] for t in runs[mode]) for key in runs[mode][0]}
+    moved = loads.moved()
+    vs_sync = step_s / sync_step if moved <= LOAD_LIMIT else f"no ratio: the load moved {moved:.2f}"
+    return {"mode": mode, **medians, "step_s": step_s, "step_spread": spread, "vs_sync": vs_sync}
 
 
 def _step_timings(model: Path, data: dict[str, Path], out: Path, extra: list[str]) -> dict[str, float]:
