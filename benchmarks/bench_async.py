@@ -93,12 +93,13 @@ def run() -> list[dict]:
 def _row(mode: str, runs: dict[str, list[dict]], loads: LoadSamples) -> dict:
     """The medians of `mode`'s runs, its step time's spread, and its step time against the sync row
     of the same engine (none when the load moved by more than LOAD_LIMIT)."""
-    step_s, spread = summary([t["step_s"] for t in runs[mode]])
-    sync_step = summary([t["step_s"] for t in runs["sync, vllm" if "vllm" in mode else "sync"]])[0]
     medians = {key: statistics.median(t[key] for t in runs[mode]) for key in runs[mode][0]}
+    spread = summary([t["step_s"] for t in runs[mode]])[1]
+    sync_step = statistics.median(t["step_s"] for t in runs["sync, vllm" if "vllm" in mode else "sync"])
     moved = loads.moved()
-    vs_sync = step_s / sync_step if moved <= LOAD_LIMIT else f"no ratio: the load moved {moved:.2f}"
-    return {"mode": mode, **medians, "step_s": step_s, "step_spread": spread, "vs_sync": vs_sync}
+    ratio = medians["step_s"] / sync_step
+    vs_sync = ratio if moved <= LOAD_LIMIT else f"no ratio: the load moved {moved:.2f}"
+    return {"mode": mode, **medians, "step_spread": spread, "vs_sync": vs_sync}
 
 
 def _step_timings(model: Path, data: dict[str, Path], out: Path, extra: list[str]) -> dict[str, float]:

@@ -125,8 +125,8 @@ class Tracking:
         self.metrics_path = self.output_dir / METRICS_FILE
         self.plots_dir = self.output_dir / "plots"
         # rendering costs about a second a time on a CPU core (matplotlib): only where asked for
-        self.plot_every = plot_every if "plots" in backends else 0
-        self.plots_at_close = "plots" in backends
+        self.plots = "plots" in backends
+        self.plot_every = plot_every
         self.backends = list(backends)
         self.history = self._resume_history(resume_step)
         self._steps_since_plot = 0
@@ -191,7 +191,7 @@ class Tracking:
             self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=step)
         self._show(record)
         self._steps_since_plot += 1
-        if self.plot_every and self._steps_since_plot >= self.plot_every:
+        if self.plots and self.plot_every and self._steps_since_plot >= self.plot_every:
             self.refresh_plots()
 
     def _show(self, record: dict) -> None:
@@ -215,7 +215,7 @@ class Tracking:
 
     def close(self) -> None:
         """Final plots (with the "plots" backend), then flush and close every backend."""
-        if self.history and self.plots_at_close:
+        if self.history and self.plots:
             self.refresh_plots()
         self._jsonl.close()
         if self._tensorboard is not None:
