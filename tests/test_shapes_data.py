@@ -1,6 +1,6 @@
-"""The shape-counting image task (hybridflow/data/shapes.py): each row's answer is the number of
-circles its image shows, counted here from the pixels; splits are disjoint and seeded; the reward
-and the VLM's processor read the rows."""
+"""The shapes image tasks (hybridflow/data/shapes.py): each row's answer is the number of circles
+its image shows, or the cell of its one circle, read here from the pixels; splits are disjoint and
+seeded; the reward and the VLM's processor read the rows."""
 
 import io
 import subprocess
@@ -14,7 +14,7 @@ from PIL import Image
 
 from hybridflow.data.prompt_dataset import PromptDataset
 from hybridflow.data.sft_dataset import SFTDataset, collate_sft
-from hybridflow.data.shapes import BACKGROUND, CIRCLE, SQUARE, ShapesConfig, make_splits
+from hybridflow.data.shapes import BACKGROUND, CELL, CIRCLE, SQUARE, ShapesConfig, make_splits
 from hybridflow.reward.registry import rule_reward_fn
 from hybridflow.utils.tiny_vlm import make_tiny_vlm
 
@@ -58,15 +58,40 @@ def test_each_answer_is_the_number_of_circles_in_the_image(splits):
         circles, squares = components(is_colour(image, CIRCLE)), components(is_colour(image, SQUARE))
         assert row["reward_model"]["ground_truth"] == str(circles)
         assert row["extra_info"]["answer"].endswith(f"#### {circles}")
-        assert SMALL.min_circles <= circles <= SMALL.max_circles and squares <= SMALL.max_squares
+        assert SMALL.min_circles <= circles <= 4 and squares <= SMALL.max_squares
         # shapes never touch: the non-background pixels form exactly circles + squares regions
         assert components(~is_colour(image, BACKGROUND)) == circles + squares
 
 
 def test_every_count_and_distractors_occur(splits):
     counts = {row["reward_model"]["ground_truth"] for row in splits["train"]}
-    assert counts == {str(n) for n in range(SMALL.min_circles, SMALL.max_circles + 1)}
+    assert counts == {str(n) for n in range(1, 5)}
     assert any(components(is_colour(pixels(row), SQUARE)) for row in splits["train"])
+
+
+@pytest.mark.parametrize(
+    ("task", "question", "word", "answers"),
+    [
+        ("locate", "Which cell holds the circle?", "cell", range(1, 17)),
+        ("quadrant", "Which quadrant holds the circle?", "quadrant", range(1, 5)),
+    ],
+)
+def test_locating_tasks_answer_where_the_one_circle_is(task, question, word, answers):
+    cfg, seen = ShapesConfig(task=task, num_train=300, num_test=40), set()
+    for row in (row for rows in make_splits(cfg).values() for row in rows):
+        image = pixels(row)
+        assert components(is_colour(image, CIRCLE)) == 1 and components(is_colour(image, SQUARE)) <= 2
+        ys, xs = np.nonzero(is_colour(image, CIRCLE))
+        row_cell, column_cell = int(ys.mean() // CELL), int(xs.mean() // CELL)  # of the 4x4 grid
+        expected = {
+            "locate": row_cell * 4 + column_cell + 1,
+            "quadrant": (row_cell // 2) * 2 + column_cell // 2 + 1,
+        }[task]
+        assert row["reward_model"]["ground_truth"] == str(expected)
+        assert row["extra_info"]["answer"] == f"{word} {expected}\n#### {expected}"
+        assert row["prompt"][0]["content"] == f"<image>{question}"
+        seen.add(expected)
+    assert seen == set(answers)
 
 
 def test_splits_are_disjoint_and_seeded(splits):
@@ -89,6 +114,9 @@ def test_the_gsm8k_rule_scores_the_reference_answer_and_not_a_wrong_count(splits
     [
         ({"max_circles": 15, "max_squares": 2}, r"max_circles \+ max_squares = 17 shapes do not fit"),
         ({"image_size": 30}, "image_size must be a positive multiple of 8"),
+        ({"task": "locate", "max_circles": 2}, "task 'locate' draws exactly one circle"),
+        ({"task": "quadrant", "image_size": 24}, "task 'quadrant' needs an even grid"),
+        ({"task": "where"}, r"task must be one of \['count', 'locate', 'quadrant'\], got 'where'"),
     ],
 )
 def test_settings_that_cannot_be_drawn_are_refused_by_name(change, named):
@@ -112,6 +140,10 @@ def test_script_writes_files_the_vlm_processor_and_the_sft_dataset_read(tmp_path
     ]
     subprocess.run(cmd, check=True, capture_output=True)
     assert pq.read_table(out / "train.parquet").num_rows == 20
+    quadrant = [*cmd, "--task", "quadrant", "--out", str(tmp_path / "quadrant")]
+    subprocess.run(quadrant, check=True, capture_output=True)
+    located = pq.read_table(tmp_path / "quadrant" / "test.parquet").to_pylist()[0]
+    assert located["extra_info"]["answer"].startswith("quadrant ")
     vlm = make_tiny_vlm(tmp_path / "vlm")
     processor = AutoProcessor.from_pretrained(vlm)
     dataset = PromptDataset([str(out / "test.parquet")], processor.tokenizer, 64, processor=processor)
