@@ -114,8 +114,9 @@ def answer_for(cfg: ShapesConfig, circles: int, first_circle_cell: int) -> int:
         return circles
     if cfg.task == "locate":
         return first_circle_cell + 1
-    half = cfg.image_size // CELL // 2  # cells per quadrant side
-    row, column = divmod(first_circle_cell, 2 * half)
+    per_row = cfg.image_size // CELL
+    row, column = divmod(first_circle_cell, per_row)
+    half = per_row // 2  # cells per quadrant side
     return (row // half) * 2 + column // half + 1
 
 
