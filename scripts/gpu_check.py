@@ -5,14 +5,19 @@ actor and the `hf` rollout, trained in this process through `LocalWorkerGroup`: 
 Transformer Engine is needed. On CUDA: a random Qwen2-0.5B-shaped model (24 layers, hidden 896,
 14 query / 2 KV heads, MLP 4864, vocabulary 151936, tied embeddings, built by
 `hybridflow.utils.tiny_model`) in bf16 with Megatron-Core's distributed optimizer; `--cpu`: the
-tiny model in fp32 on CPU (the CI run of the same code path). Prints per step the generation,
+tiny model in fp32 on CPU (the CI run of the same code path). `--vlm`: `recipes/vlm_quickstart.yaml`
+instead, the tiny LLaVA (`hybridflow.utils.tiny_vlm`) naming the quadrant of a shapes image, its
+pixels through the rollout, the log-probs and the update, the vision tower and projector synced.
+`--model DIR --data DIR` train a given checkpoint on a given folder's train.parquet (a warm start)
+and `--set KEY=VALUE` adds recipe overrides after the check's own. Prints per step the generation,
 actor-update and step times, tokens/s (prompt + response tokens of the step / step time), the
-actor update's achieved TFLOP/s and MFU (`hybridflow.utils.flops`; real tokens only), and the
-peak memory (CUDA allocator peak on GPU, peak RSS on CPU). Exits 1 when a step is missing, a
-loss or grad norm is not finite, or Ray was imported (the machines this is for have none).
+actor update's achieved TFLOP/s and MFU (`hybridflow.utils.flops`; real tokens only; a VLM's
+language model only), the peak memory (CUDA allocator peak on GPU, peak RSS on CPU) and any
+held-out accuracy the overrides asked for. Exits 1 when a step is missing, a loss or grad norm is
+not finite, or Ray was imported (the machines this is for have none).
 
-    bash scripts/gpu_check.sh [--cpu] [--wheels DIR] [--steps N]
-    python scripts/gpu_check.py [--cpu] [--steps N] [--workdir DIR]
+    bash scripts/gpu_check.sh [--cpu] [--vlm] [--wheels DIR] [--steps N]
+    python scripts/gpu_check.py [--cpu] [--vlm] [--steps N] [--workdir DIR] [--model M --data D] [--set K=V]
 """
 
 import argparse
@@ -34,17 +39,23 @@ QWEN2_05B_SHAPE = dict(
     tie_word_embeddings=True,
     max_position_embeddings=1024,
 )
-# Per mode: prompts per step (x 8 samples), response length, micro-batch rows (update, log-probs).
+# Per task and device: prompts per step (x 8 samples), response length, micro-batch rows (update,
+# log-probs). The VLM task keeps its recipe's batch on CUDA and its 24-token answers.
 SETTINGS = {
-    "cuda": dict(prompts=32, response_length=256, micro=16, log_prob_micro=32),
-    "cpu": dict(prompts=8, response_length=16, micro=16, log_prob_micro=32),
+    ("text", "cuda"): dict(prompts=32, response_length=256, micro=16, log_prob_micro=32),
+    ("text", "cpu"): dict(prompts=8, response_length=16, micro=16, log_prob_micro=32),
+    ("vlm", "cuda"): dict(prompts=128, response_length=24, micro=64, log_prob_micro=64),
+    ("vlm", "cpu"): dict(prompts=4, response_length=24, micro=16, log_prob_micro=32),
 }
+RECIPES = {"text": "quickstart.yaml", "vlm": "vlm_quickstart.yaml"}
 SAMPLES_PER_PROMPT = 8  # the quickstart recipe's rollout.sampling.n
 
 
-def recipe_overrides(model: Path, data: dict, out: Path, cuda: bool, steps: int) -> list[str]:
-    """key=value settings over recipes/quickstart.yaml for a one-process run of `steps` steps."""
-    s = SETTINGS["cuda" if cuda else "cpu"]
+def recipe_overrides(
+    model: Path, data: dict, out: Path, cuda: bool, steps: int, task: str = "text"
+) -> list[str]:
+    """key=value settings over the task's recipe (RECIPES) for a one-process run of `steps` steps."""
+    s = SETTINGS[task, "cuda" if cuda else "cpu"]
     rows = s["prompts"] * SAMPLES_PER_PROMPT
     overrides = [
         f"model.path={model}",
@@ -76,7 +87,14 @@ def recipe_overrides(model: Path, data: dict, out: Path, cuda: bool, steps: int)
     return overrides
 
 
-def make_inputs(workdir: Path, cuda: bool) -> tuple[Path, dict]:
+def make_inputs(workdir: Path, cuda: bool, task: str) -> tuple[Path, dict]:
+    """(model, {"train": parquet}) for the task: a random model and its data written in `workdir`."""
+    if task == "vlm":
+        from hybridflow.data.shapes import ShapesConfig, write_shapes_parquet
+        from hybridflow.utils.tiny_vlm import make_tiny_vlm
+
+        data = write_shapes_parquet(workdir / "data", ShapesConfig(task="quadrant"))
+        return make_tiny_vlm(workdir / "model"), data
     from hybridflow.data.arith import write_arith_parquet
     from hybridflow.utils.tiny_model import make_tiny_model
 
@@ -84,11 +102,11 @@ def make_inputs(workdir: Path, cuda: bool) -> tuple[Path, dict]:
     return make_tiny_model(workdir / "model", **shape), write_arith_parquet(workdir / "data")
 
 
-def train(overrides: list[str]) -> tuple[dict, list[dict]]:
-    """Run the GRPO steps in this process; (the model's HF config, metrics.jsonl rows)."""
+def train(recipe: str, overrides: list[str]) -> tuple[list[dict], int]:
+    """Run the GRPO steps of recipes/<recipe> in this process; (its metrics.jsonl rows, sequences
+    per step)."""
     import torch
 
-    from engines.megatron.model import load_hf_config
     from hybridflow.single_controller import LocalWorkerGroup, RayClassWithInitArgs
     from hybridflow.trainer.main import prepare
     from hybridflow.trainer.policy import Policy
@@ -97,7 +115,7 @@ def train(overrides: list[str]) -> tuple[dict, list[dict]]:
     from hybridflow.trainer.rollout.colocated import ColocatedRollout
     from hybridflow.workers.hybrid_policy import HybridPolicyWorker
 
-    cfg, layout = prepare([str(REPO / "recipes" / "quickstart.yaml"), *overrides])
+    cfg, layout = prepare([str(REPO / "recipes" / recipe), *overrides])
     group = LocalWorkerGroup(ray_cls_with_init=RayClassWithInitArgs(HybridPolicyWorker, cfg))
     try:
         group.init_model()
@@ -107,10 +125,19 @@ def train(overrides: list[str]) -> tuple[dict, list[dict]]:
         group.shutdown()
         if torch.distributed.is_initialized():  # the in-process rank's group (NCCL warns at exit)
             torch.distributed.destroy_process_group()
-    rows = [
-        json.loads(line) for line in (Path(cfg.trainer.output_dir) / "metrics.jsonl").read_text().splitlines()
-    ]
-    return load_hf_config(cfg.model.path), rows
+    lines = (Path(cfg.trainer.output_dir) / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines], cfg.data.train_batch_size * cfg.rollout.sampling.n
+
+
+def language_model_config(model: Path, task: str):
+    """The HF config whose decoder the MFU counts: a VLM's language model (its tower is frozen)."""
+    if task == "vlm":
+        from engines.megatron.vlm_config import load_vlm_config
+
+        return load_vlm_config(model).text
+    from engines.megatron.model import load_hf_config
+
+    return load_hf_config(model)
 
 
 def step_figures(hf, row: dict, rows_per_step: int, peak: float | None) -> dict:
@@ -133,6 +160,7 @@ def step_figures(hf, row: dict, rows_per_step: int, peak: float | None) -> dict:
 
 
 def problems(rows: list[dict], steps: int) -> list[str]:
+    """What is wrong with the training rows (metrics.jsonl rows of steps; validation-only rows left out)."""
     found = [] if len(rows) == steps else [f"{len(rows)} steps logged, expected {steps}"]
     for row in rows:
         for key in ("actor/pg_loss", "actor/grad_norm"):
@@ -152,6 +180,12 @@ def memory_line(cuda: bool) -> str:
     return f"peak memory (RSS, CPU run): {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB"
 
 
+DESCRIPTIONS = {
+    ("text", True): "Qwen2-0.5B-shaped, bf16, distributed optimizer",
+    ("text", False): "tiny model, fp32",
+    ("vlm", True): "tiny LLaVA, bf16, distributed optimizer (MFU: the language model's)",
+    ("vlm", False): "tiny LLaVA, fp32",
+}
 FORMATS = {
     "gen s": "{:.2f}",
     "update s": "{:.2f}",
@@ -168,34 +202,59 @@ def print_table(figures: list[dict]) -> None:
         print(" | ".join(FORMATS.get(column, "{}").format(fig[column]) for column in columns))
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cpu", action="store_true", help="the tiny model on CPU (what CI runs)")
+    parser.add_argument(
+        "--vlm", action="store_true", help="recipes/vlm_quickstart.yaml: the tiny LLaVA on the shapes task"
+    )
     parser.add_argument("--steps", type=int, default=3, help="GRPO steps (default 3)")
     parser.add_argument(
         "--workdir", type=Path, help="where the model, data and metrics go (default: a temp dir)"
     )
+    parser.add_argument("--model", type=Path, help="train this HF checkpoint instead of a random model")
+    parser.add_argument("--data", type=Path, help="with --model: a folder with its train.parquet")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="more recipe overrides, last"
+    )
     args = parser.parse_args(argv)
+    if (args.model is None) != (args.data is None):
+        parser.error("--model and --data go together (a checkpoint and the folder of its train.parquet)")
+    return args
+
+
+def inputs(args: argparse.Namespace, workdir: Path, cuda: bool, task: str) -> tuple[Path, dict]:
+    if args.model is not None:
+        return args.model, {"train": args.data / "train.parquet"}
+    return make_inputs(workdir, cuda, task)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     import torch
 
-    cuda = not args.cpu
+    cuda, task = not args.cpu, "vlm" if args.vlm else "text"
     if cuda and not torch.cuda.is_available():
         print("error: no CUDA device is visible; run with --cpu for the CPU check", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory() as tmp:
         workdir = args.workdir or Path(tmp)
-        model, data = make_inputs(workdir, cuda)
-        hf, rows = train(recipe_overrides(model, data, workdir / "out", cuda, args.steps))
+        model, data = inputs(args, workdir, cuda, task)
+        overrides = recipe_overrides(model, data, workdir / "out", cuda, args.steps, task)
+        rows, rows_per_step = train(RECIPES[task], overrides + args.set)
+        steps = [row for row in rows if "timing/step" in row]
         device = torch.cuda.get_device_name() if cuda else "CPU"
         from hybridflow.utils.flops import peak_bf16_flops
 
         peak = peak_bf16_flops(device) if cuda else None
-        rows_per_step = SETTINGS["cuda" if cuda else "cpu"]["prompts"] * SAMPLES_PER_PROMPT
-        what = "Qwen2-0.5B-shaped, bf16, distributed optimizer" if cuda else "tiny model, fp32"
-        print(f"\ngpu_check on {device}: {what}, {rows_per_step} sequences per step")
-        print_table([step_figures(hf, row, rows_per_step, peak) for row in rows])
+        print(f"\ngpu_check on {device}: {DESCRIPTIONS[task, cuda]}, {rows_per_step} sequences per step")
+        hf = language_model_config(model, task)
+        print_table([step_figures(hf, row, rows_per_step, peak) for row in steps])
         print(memory_line(cuda))
-    found = problems(rows, args.steps)
+        for row in rows:
+            if "val/accuracy" in row:
+                print(f"val/accuracy at step {row['step']}: {row['val/accuracy']:.3f}")
+    found = problems(steps, args.steps)
     for problem in found:
         print(f"error: {problem}", file=sys.stderr)
     return 1 if found else 0

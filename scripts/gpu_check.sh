@@ -2,10 +2,12 @@
 # One-command GPU check: 3 GRPO steps of the Megatron actor (bf16, distributed optimizer) and the
 # hf rollout on CUDA, in one process through LocalWorkerGroup, on a random Qwen2-0.5B-shaped
 # model; prints tokens/s, the actor update's MFU and peak memory (scripts/gpu_check.py). With
+# --vlm, the same for the tiny LLaVA on the shapes task (recipes/vlm_quickstart.yaml). With
 # --parity, the suite's parity workers at TP1 on the GPU instead (scripts/gpu_parity.py).
 #
 #   bash scripts/gpu_check.sh --cpu                     # the same path on CPU, tiny model (CI runs it)
 #   bash scripts/gpu_check.sh --wheels .whl             # on a CUDA machine with torch but no Ray/SGLang/TE
+#   bash scripts/gpu_check.sh --wheels .whl --vlm       # the VLM path: images through rollout and update
 #   bash scripts/gpu_check.sh --wheels .whl --parity    # Megatron-vs-transformers parity on that GPU
 #   HYBRIDFLOW_GPU_CHECK_WHEELS=.whl bash scripts/gpu_check.sh --steps 5
 #
@@ -36,7 +38,7 @@ while [ $# -gt 0 ]; do
     --wheels) [ $# -ge 2 ] || { echo "error: --wheels needs a folder" >&2; exit 2; }; wheels="$2"; shift 2 ;;
     --wheels=*) wheels="${1#--wheels=}"; shift ;;
     --parity) script=gpu_parity.py; shift ;;
-    -h|--help) sed -n '2,24p' "$0"; exec "$python" "$repo/scripts/$script" --help ;;
+    -h|--help) sed -n '2,27p' "$0"; exec "$python" "$repo/scripts/$script" --help ;;
     *) args+=("$1"); shift ;;
   esac
 done

@@ -1,6 +1,7 @@
 """scripts/gpu_check.sh: the GPU check's `--cpu` mode runs the same in-process path (LocalWorkerGroup,
-Megatron actor, hf rollout, 3 GRPO steps) on the tiny model, with its wheel folder installed
-beside the environment; the GPU mode's recipe passes the recipe checks; the MFU arithmetic."""
+Megatron actor, hf rollout, GRPO steps) on the tiny model, with its wheel folder installed beside
+the environment, and on the tiny LLaVA with image prompts (`--vlm`); the GPU mode's recipes pass the
+recipe checks; the MFU arithmetic."""
 
 import os
 import sys
@@ -58,6 +59,22 @@ def test_cpu_mode_trains_three_steps_in_process_with_carried_wheels(tmp_path):
     assert table[5].startswith("peak memory (RSS, CPU run): ")
 
 
+@pytest.mark.slow
+def test_cpu_vlm_mode_trains_the_tiny_llava_on_image_prompts(tmp_path):
+    done = run_check("--cpu", "--vlm", "--steps", "2", env={"OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    table = done.stdout[done.stdout.index("gpu_check on CPU: tiny LLaVA, fp32, 32 sequences") :].splitlines()
+    steps = [line.split(" | ") for line in table[2:4]]
+    assert [row[0] for row in steps] == ["1", "2"], table
+    assert all(float(row[4]) > 32 * 16 for row in steps), steps  # 16 image tokens in every prompt
+
+
+def test_a_model_without_its_data_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--cpu", "--model", "some/checkpoint"])
+    assert "--model and --data go together" in capsys.readouterr().err
+
+
 def test_the_parity_mode_runs_gpu_parity_and_refuses_a_machine_without_cuda():
     """The suite runs the same parity workers on CPU ranks; scripts/gpu_parity.py is for a GPU."""
     done = run_check("--parity", env={"CUDA_VISIBLE_DEVICES": ""})
@@ -70,16 +87,30 @@ def test_an_empty_wheel_folder_is_refused(tmp_path):
     assert done.returncode == 2 and f"no .whl files in {tmp_path / 'wheels'}" in done.stderr
 
 
-@pytest.mark.usefixtures("in_quickstart_working_tree")
-def test_the_gpu_mode_recipe_passes_the_recipe_checks(tmp_path):
-    from hybridflow.config.loader import load_recipe
-    from hybridflow.config.validate import validate_recipe
+def gpu_mode_inputs(tmp_path: Path, task: str) -> tuple[Path, dict]:
+    """A random model of the task and a small data file: what the recipe checks read of them."""
+    if task == "vlm":
+        from hybridflow.data.shapes import ShapesConfig, write_shapes_parquet
+        from hybridflow.utils.tiny_vlm import make_tiny_vlm
+
+        data = write_shapes_parquet(tmp_path / "data", ShapesConfig(task="quadrant", num_train=8, num_test=2))
+        return make_tiny_vlm(tmp_path / "model"), data
     from hybridflow.utils.tiny_model import make_tiny_model
 
-    model, data = make_tiny_model(tmp_path / "model"), {"train": tmp_path / "train.parquet"}
+    data = {"train": tmp_path / "train.parquet"}
     data["train"].write_bytes(b"")
-    overrides = gpu_check.recipe_overrides(model, data, tmp_path / "out", cuda=True, steps=3)
-    cfg = load_recipe(REPO / "recipes" / "quickstart.yaml", overrides)
+    return make_tiny_model(tmp_path / "model"), data
+
+
+@pytest.mark.usefixtures("in_quickstart_working_tree")
+@pytest.mark.parametrize("task", ["text", "vlm"])
+def test_the_gpu_mode_recipes_pass_the_recipe_checks(tmp_path, task):
+    from hybridflow.config.loader import load_recipe
+    from hybridflow.config.validate import validate_recipe
+
+    model, data = gpu_mode_inputs(tmp_path, task)
+    overrides = gpu_check.recipe_overrides(model, data, tmp_path / "out", cuda=True, steps=3, task=task)
+    cfg = load_recipe(REPO / "recipes" / gpu_check.RECIPES[task], overrides)
     assert (cfg.actor.megatron.params_dtype, cfg.actor.megatron.use_distributed_optimizer) == (
         "bfloat16",
         True,

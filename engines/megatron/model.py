@@ -406,15 +406,16 @@ def unwrap_model(chunk):
     return chunk
 
 
-def torch_norms_in_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Megatron-Core's local spec builds torch's norms (`WrappedTorchNorm`) without a dtype, so
-    under bf16 their weights stayed fp32 and `torch.rms_norm` fell back to its unfused path (seen on
-    an H200: "Mismatch dtype between input and weight"); Megatron's own training casts every
-    parameter through `Float16Module`, which hybridflow does not wrap. Transformer Engine's norms
-    take `params_dtype` themselves."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.RMSNorm | torch.nn.LayerNorm):
-            module.to(dtype)
+def parameters_in_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Casts every floating-point parameter to `dtype` (buffers keep theirs, e.g. the MoE router's
+    fp32 expert bias), as Megatron's `Float16Module`, which hybridflow does not wrap, casts the model.
+    Megatron-Core builds some modules without `params_dtype`: the local spec's torch norms
+    (`WrappedTorchNorm`, in the LLaVA's tower too; fp32 there made `torch.rms_norm` run unfused, seen
+    on an H200) and CLIPViTModel's patch convolution (fp32 there failed a bf16 LLaVA's log-probs on
+    bf16 images: "Input type (CUDABFloat16Type) and weight type (torch.cuda.FloatTensor)", H200)."""
+    for param in model.parameters():
+        if param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
 
 
 def build_gpt_model(hf_config: HFModelConfig, cfg: MegatronConfig, *, value_head: bool = False):
@@ -439,7 +440,7 @@ def build_gpt_model(hf_config: HFModelConfig, cfg: MegatronConfig, *, value_head
         model.output_layer = ValueHead(
             hf_config.hidden_size, hf_config.initializer_range, cfg.seed, tf_config.params_dtype
         )
-    torch_norms_in_dtype(model, tf_config.params_dtype)
+    parameters_in_dtype(model, tf_config.params_dtype)
     if not cpu_compat.cuda_available():
         return model
     return model.cuda(torch.cuda.current_device())

@@ -32,6 +32,7 @@ from engines.megatron.model import (
     block_spec,
     fusion_settings,
     padded_vocab_size,
+    parameters_in_dtype,
     params_dtype,
     to_transformer_config,
 )
@@ -226,6 +227,7 @@ def build_llava_model(vlm: VLMConfig, cfg: MegatronConfig):
     # `vlm_config` what forward.py and the weight stream read of a LLaVA one.
     model.model_type = ModelType.encoder_or_decoder
     model.hf_config, model.vlm_config = vlm.text, vlm
+    parameters_in_dtype(model, language_config.params_dtype)
     if not cpu_compat.cuda_available():
         return model
     return model.cuda(torch.cuda.current_device())  # CLIPViTModel's conv and embeddings start on the host

@@ -5,7 +5,8 @@ Megatron-Core's transformer block picks its final norm from a module-level defau
 class asserts `normalization == "LayerNorm"`, so an RMSNorm model failed to build there. The
 worker sets the default as apex would, builds a Qwen2 model (and the MoE one), and checks the
 final norm is torch's, the core attention is SDPA and the fused kernels are off, and that in bf16
-every parameter, torch's norms included, is bf16. Prints
+every parameter, torch's norms included, is bf16; so is every parameter of a bf16 LLaVA (the last
+argument), CLIPViTModel's patch convolution, position embeddings and class token included. Prints
 "KERNELS OK" when every check passed.
 """
 
@@ -17,13 +18,13 @@ import torch
 from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
 
 from engines.megatron.attention import SDPACoreAttention
-from engines.megatron.build import build_model
+from engines.megatron.build import build_model, build_vlm_model
 from engines.megatron.config import MegatronConfig
 from engines.megatron.model import unwrap_model
 from engines.megatron.parallel import init_megatron
 
 
-def main(model_dirs: list[Path]) -> None:
+def main(model_dirs: list[Path], vlm_dir: Path) -> None:
     transformer_block.LayerNormImpl = FusedLayerNorm  # what `import apex` selects in Megatron-Core
     init_megatron(MegatronConfig())
     for model_dir in model_dirs:
@@ -37,18 +38,20 @@ def main(model_dirs: list[Path]) -> None:
         config = model.config
         fused = (config.apply_rope_fusion, config.gradient_accumulation_fusion, config.bias_activation_fusion)
         assert fused == (False, False, False), fused
-        check_every_parameter_in_bf16(model_dir)
+        check_every_parameter_in_bf16(model_dir, build_model, "layernorm")
+    check_every_parameter_in_bf16(vlm_dir, build_vlm_model, "vision_model.conv1")
     print("KERNELS OK", flush=True)
 
 
-def check_every_parameter_in_bf16(model_dir: Path) -> None:
-    """A bf16 model's torch norms (final, per layer, Qwen3's q/k norms) are bf16 like the rest."""
+def check_every_parameter_in_bf16(model_dir: Path, build, built_without_dtype: str) -> None:
+    """A bf16 model's parameters are all bf16, those Megatron-Core builds without `params_dtype`
+    (torch's norms; the CLIP tower's convolution and embeddings), named by `built_without_dtype`, too."""
     cfg = MegatronConfig(params_dtype="bfloat16")
-    model = unwrap_model(build_model(model_dir, cfg, load_weights=False, for_training=False)[0])
+    model = unwrap_model(build(model_dir, cfg, load_weights=False, for_training=False)[0])
     dtypes = {name: param.dtype for name, param in model.named_parameters()}
     assert set(dtypes.values()) == {torch.bfloat16}, {n: d for n, d in dtypes.items() if d != torch.bfloat16}
-    assert any("layernorm" in name for name in dtypes), sorted(dtypes)
+    assert any(built_without_dtype in name for name in dtypes), sorted(dtypes)
 
 
 if __name__ == "__main__":
-    main([Path(arg) for arg in sys.argv[1:]])
+    main([Path(arg) for arg in sys.argv[1:-1]], Path(sys.argv[-1]))

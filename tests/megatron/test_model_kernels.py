@@ -19,6 +19,7 @@ from engines.megatron.attention import SDPACoreAttention
 from engines.megatron.forward import build_attention_mask
 from engines.megatron.model import ModelKernels, block_spec, fusion_settings, model_kernels
 from engines.megatron.te_attention import te_core_attention, te_mask_arguments
+from hybridflow.utils.tiny_vlm import make_tiny_vlm
 
 
 def test_transformer_engine_only_with_cuda_and_wgrad_fusion_only_with_apex():
@@ -131,7 +132,8 @@ def test_local_spec_uses_sdpa_and_torch_norm(tmp_path, monkeypatch):
 def test_rmsnorm_models_build_where_apex_imports(tmp_path):
     dense = make_tiny_hf_checkpoint(tmp_path / "qwen2")
     moe = make_tiny_hf_checkpoint(tmp_path / "moe", arch="qwen3_moe")
-    assert "KERNELS OK" in run_distributed("_kernels_worker.py", 1, dense, moe, timeout=600)
+    vlm = make_tiny_vlm(tmp_path / "llava")
+    assert "KERNELS OK" in run_distributed("_kernels_worker.py", 1, dense, moe, vlm, timeout=600)
 
 
 TE_CORE_ONLY_INIT = """
