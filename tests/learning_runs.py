@@ -1,7 +1,8 @@
-"""The learning tests' stage 2 (tests/test_quickstart_learning.py, tests/test_distillation_learning.py):
-a quickstart recipe from the shared SFT warm start (`quickstart_warm_start`, tests/conftest.py) for
-STEPS steps, through scripts/run_recipe.sh, unchanged but for the paths, validation at step 0 and
-the last step only and no checkpoints or export; and the check that held-out accuracy rose."""
+"""The learning tests' stage 2 (tests/test_quickstart_learning.py, tests/test_distillation_learning.py,
+tests/test_vlm_learning.py): a quickstart recipe from its SFT warm start (`quickstart_warm_start`,
+tests/conftest.py; `vlm_warm_start`, tests/test_vlm_learning.py) for STEPS steps, through
+scripts/run_recipe.sh, unchanged but for the paths, validation at step 0 and the last step only and
+no checkpoints or export; and the check that held-out accuracy rose."""
 
 from pathlib import Path
 
