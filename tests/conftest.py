@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from filelock import FileLock
-from learning_runs import warm_start_overrides
+from learning_runs import run_sft_warm_start, warm_start_overrides
 from process_group import run_recipe_script
 from working_tree import build_quickstart_working_tree
 
@@ -127,15 +127,5 @@ def make_teacher(warm_start: dict, root: Path) -> None:
 def make_warm_start(root: Path) -> None:
     """The tiny model, the arithmetic data (<root>/data/{train,test}.parquet) and the SFT run
     (<root>/sft/hf)."""
-    model = make_tiny_model(root / "tiny_model")
     data = write_arith_parquet(root / "data")
-    overrides = [
-        f"model.path={model}",
-        f"data.train_files=[{data['train']}]",
-        f"data.val_files=[{data['test']}]",
-        f"trainer.output_dir={root / 'sft'}",
-        "trainer.logger=[console]",
-        "trainer.test_freq=0",
-    ]
-    done = run_recipe_script("recipes/quickstart_sft.yaml", overrides, timeout=1200)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_sft_warm_start("recipes/quickstart_sft.yaml", make_tiny_model(root / "tiny_model"), data, root)

@@ -14,6 +14,22 @@ STEPS = 20
 MARGIN = 0.08  # held-out accuracy that STEPS steps must add (8 points)
 
 
+def run_sft_warm_start(recipe: str, model: Path, data: dict, root: Path) -> dict:
+    """Stage 1: the SFT `recipe` on `model` and `data` (train / test parquet) into <root>/sft, without
+    its validation passes; the paths stage 2 reads: the data's and the export's (`hf`)."""
+    overrides = [
+        f"model.path={model}",
+        f"data.train_files=[{data['train']}]",
+        f"data.val_files=[{data['test']}]",
+        f"trainer.output_dir={root / 'sft'}",
+        "trainer.logger=[console]",
+        "trainer.test_freq=0",
+    ]
+    done = run_recipe_script(recipe, overrides, timeout=1200)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return {**data, "hf": root / "sft" / "hf"}
+
+
 def run_from_warm_start(recipe: str, warm_start: dict, out: Path, extra: list[str]) -> list[dict]:
     """`recipe` from the warm start for STEPS steps, with `extra` overrides; its metrics records."""
     overrides = [

@@ -20,8 +20,7 @@ gained +5.5 to +14.0 (docs/vlm.md, "Seeds on a GPU").
 """
 
 import pytest
-from learning_runs import check_accuracy_rises, run_from_warm_start
-from process_group import run_recipe_script
+from learning_runs import check_accuracy_rises, run_from_warm_start, run_sft_warm_start
 
 from hybridflow.data.shapes import ShapesConfig, write_shapes_parquet
 from hybridflow.utils.tiny_vlm import make_tiny_vlm
@@ -34,17 +33,7 @@ def vlm_warm_start(tmp_path_factory):
     """The VLM quickstart's stage 1: paths of its data (train / test parquet) and SFT export (`hf`)."""
     root = tmp_path_factory.mktemp("vlm_warm_start")
     data = write_shapes_parquet(root / "data", ShapesConfig(task="quadrant"))
-    overrides = [
-        f"model.path={make_tiny_vlm(root / 'tiny_vlm')}",
-        f"data.train_files=[{data['train']}]",
-        f"data.val_files=[{data['test']}]",
-        f"trainer.output_dir={root / 'sft'}",
-        "trainer.logger=[console]",
-        "trainer.test_freq=0",
-    ]
-    done = run_recipe_script("recipes/vlm_quickstart_sft.yaml", overrides, timeout=1200)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return {"train": data["train"], "test": data["test"], "hf": root / "sft" / "hf"}
+    return run_sft_warm_start("recipes/vlm_quickstart_sft.yaml", make_tiny_vlm(root / "tiny_vlm"), data, root)
 
 
 def test_vlm_grpo_raises_held_out_accuracy_above_the_warm_start(vlm_warm_start, tmp_path):

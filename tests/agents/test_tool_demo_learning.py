@@ -17,6 +17,7 @@ MARGIN, 10 points, is what issue 23 asks; the measured gain is 84.5.
 """
 
 import pytest
+from learning_runs import run_sft_warm_start
 from process_group import run_recipe_script
 from transformers import AutoTokenizer
 
@@ -33,17 +34,7 @@ def tool_warm_start(tmp_path_factory):
     root = tmp_path_factory.mktemp("tool_demo")
     model = make_tiny_model(root / "tiny_model", added_tokens=TOOL_TOKENS)
     data = write_tool_arith_parquet(root / "data", AutoTokenizer.from_pretrained(model))
-    overrides = [
-        f"model.path={model}",
-        f"data.train_files=[{data['train']}]",
-        f"data.val_files=[{data['test']}]",
-        f"trainer.output_dir={root / 'sft'}",
-        "trainer.logger=[console]",
-        "trainer.test_freq=0",
-    ]
-    done = run_recipe_script("recipes/tool_demo_sft.yaml", overrides, timeout=1200)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return {**data, "hf": root / "sft" / "hf"}
+    return run_sft_warm_start("recipes/tool_demo_sft.yaml", model, data, root)
 
 
 @pytest.mark.slow
