@@ -102,9 +102,8 @@ def make_inputs(workdir: Path, cuda: bool, task: str) -> tuple[Path, dict]:
     return make_tiny_model(workdir / "model", **shape), write_arith_parquet(workdir / "data")
 
 
-def train(recipe: str, overrides: list[str]) -> tuple[list[dict], int]:
-    """Run the GRPO steps of recipes/<recipe> in this process; (its metrics.jsonl rows, sequences
-    per step)."""
+def train(recipe: str, overrides: list[str]):
+    """Run the GRPO steps of recipes/<recipe> in this process; (its metrics.jsonl rows, the config)."""
     import torch
 
     from hybridflow.single_controller import LocalWorkerGroup, RayClassWithInitArgs
@@ -126,7 +125,7 @@ def train(recipe: str, overrides: list[str]) -> tuple[list[dict], int]:
         if torch.distributed.is_initialized():  # the in-process rank's group (NCCL warns at exit)
             torch.distributed.destroy_process_group()
     lines = (Path(cfg.trainer.output_dir) / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines], cfg.data.train_batch_size * cfg.rollout.sampling.n
+    return [json.loads(line) for line in lines], cfg
 
 
 def language_model_config(model: Path, task: str):
@@ -180,12 +179,22 @@ def memory_line(cuda: bool) -> str:
     return f"peak memory (RSS, CPU run): {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB"
 
 
-DESCRIPTIONS = {
-    ("text", True): "Qwen2-0.5B-shaped, bf16, distributed optimizer",
-    ("text", False): "tiny model, fp32",
-    ("vlm", True): "tiny LLaVA, bf16, distributed optimizer (MFU: the language model's)",
-    ("vlm", False): "tiny LLaVA, fp32",
-}
+DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def describe(task: str, cuda: bool, cfg) -> str:
+    """The run in a few words, as its config ran it (overrides may change the check's dtype)."""
+    model = "tiny LLaVA" if task == "vlm" else "Qwen2-0.5B-shaped" if cuda else "tiny model"
+    megatron = cfg.actor.megatron
+    dtype = DTYPE_NAMES[megatron.params_dtype]
+    optimizer = ", distributed optimizer" if cuda and megatron.use_distributed_optimizer else ""  # GPU only
+    return f"{model}, {dtype}{optimizer}, {sequences_per_step(cfg)} sequences per step"
+
+
+def sequences_per_step(cfg) -> int:
+    return cfg.data.train_batch_size * cfg.rollout.sampling.n
+
+
 FORMATS = {
     "gen s": "{:.2f}",
     "update s": "{:.2f}",
@@ -241,15 +250,15 @@ def main(argv: list[str] | None = None) -> int:
         workdir = args.workdir or Path(tmp)
         model, data = inputs(args, workdir, cuda, task)
         overrides = recipe_overrides(model, data, workdir / "out", cuda, args.steps, task)
-        rows, rows_per_step = train(RECIPES[task], overrides + args.set)
+        rows, cfg = train(RECIPES[task], overrides + args.set)
         steps = [row for row in rows if "timing/step" in row]
         device = torch.cuda.get_device_name() if cuda else "CPU"
         from hybridflow.utils.flops import peak_bf16_flops
 
         peak = peak_bf16_flops(device) if cuda else None
-        print(f"\ngpu_check on {device}: {DESCRIPTIONS[task, cuda]}, {rows_per_step} sequences per step")
+        print(f"\ngpu_check on {device}: {describe(task, cuda, cfg)}")
         hf = language_model_config(model, task)
-        print_table([step_figures(hf, row, rows_per_step, peak) for row in steps])
+        print_table([step_figures(hf, row, sequences_per_step(cfg), peak) for row in steps])
         print(memory_line(cuda))
         for row in rows:
             if "val/accuracy" in row:
