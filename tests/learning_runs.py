@@ -18,10 +18,7 @@ def run_sft_warm_start(recipe: str, model: Path, data: dict, root: Path) -> dict
     """Stage 1: the SFT `recipe` on `model` and `data` (train / test parquet) into <root>/sft, without
     its validation passes; the paths stage 2 reads: the data's and the export's (`hf`)."""
     overrides = [
-        f"model.path={model}",
-        f"data.train_files=[{data['train']}]",
-        f"data.val_files=[{data['test']}]",
-        f"trainer.output_dir={root / 'sft'}",
+        *warm_start_overrides({**data, "hf": model}, root / "sft"),
         "trainer.logger=[console]",
         "trainer.test_freq=0",
     ]

@@ -16,7 +16,7 @@ step 0 -> step 20 (2026-11-27):
   data.seed=3 rollout.seed=3: 57.5% -> 77.0% (+19.5)
 The same settings in fp32 on a GPU (scripts/vlm_gpu_sweep.sh, TP 1, validating at 0, 10 and 20)
 gained +8.5 to +16.5 points at six seeds; one optimizer step per RL step instead of the recipe's two
-gained +5.5 to +14.0 (docs/vlm.md, "Seeds on a GPU").
+gained -2.0 to +8.5 from the same warm start (docs/vlm.md, "Seeds on a GPU").
 """
 
 import pytest

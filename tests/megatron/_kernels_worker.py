@@ -6,7 +6,7 @@ class asserts `normalization == "LayerNorm"`, so an RMSNorm model failed to buil
 worker sets the default as apex would, builds a Qwen2 model (and the MoE one), and checks the
 final norm is torch's, the core attention is SDPA and the fused kernels are off, and that in bf16
 every parameter, torch's norms included, is bf16; so is every parameter of a bf16 LLaVA (the last
-argument), CLIPViTModel's patch convolution, position embeddings and class token included. Prints
+argument), CLIPViTModel's patch convolution and its torch norms included. Prints
 "KERNELS OK" when every check passed.
 """
 
@@ -45,7 +45,7 @@ def main(model_dirs: list[Path], vlm_dir: Path) -> None:
 
 def check_every_parameter_in_bf16(model_dir: Path, build, built_without_dtype: str) -> None:
     """A bf16 model's parameters are all bf16, those Megatron-Core builds without `params_dtype`
-    (torch's norms; the CLIP tower's convolution and embeddings), named by `built_without_dtype`, too."""
+    (torch's norms; the CLIP tower's patch convolution), named by `built_without_dtype`, too."""
     cfg = MegatronConfig(params_dtype="bfloat16")
     model = unwrap_model(build(model_dir, cfg, load_weights=False, for_training=False)[0])
     dtypes = {name: param.dtype for name, param in model.named_parameters()}
