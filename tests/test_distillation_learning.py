@@ -6,9 +6,10 @@ only logged) raise held-out accuracy by at least 8 points, the margin of GRPO's 
 quickstart's SFT stage continued from the warm start (`quickstart_teacher`, tests/conftest.py), at
 least 75% held-out.
 
-Measured with exactly this configuration from the same warm start (2026-11-26; the teacher scored
-82.5%): seeds 1/42 (what this test runs): 36.5% -> 60.5% (+24.0); 2/2: 52.5% (+16.0); 3/3: 50.5%
-(+14.0). docs/distillation.md has them against GRPO for the same 20 steps.
+Measured with exactly this configuration from the same warm start (the teacher scored 82.5%):
+seeds 1/42 (what this test runs): 36.5% -> 63.5% (+27.0); 2/2: 53.0% (+16.5); 3/3: 54.5% (+18.0)
+(2026-11-27, after validation calls got seeds of their own; +24.0, +16.0, +14.0 on 2026-11-26).
+docs/distillation.md has them against GRPO for the same 20 steps.
 """
 
 import pytest

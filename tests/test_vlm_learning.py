@@ -10,10 +10,11 @@ step 0 and the last step only, no checkpoints or export. Held-out accuracy is `v
 answers to the 200 test images, scored by the rule reward.
 
 Measured with exactly this configuration on the 2-core machine (runs are deterministic on CPU),
-step 0 -> step 20 (2026-11-27):
-  the recipe's seeds (data.seed=1, rollout.seed=42; what this test runs): 57.5% -> 75.0% (+17.5)
-  data.seed=2 rollout.seed=2: 57.5% -> 70.0% (+12.5)
-  data.seed=3 rollout.seed=3: 57.5% -> 77.0% (+19.5)
+step 0 -> step 20 (2026-11-27, after validation calls got seeds of their own; docs/vlm.md):
+  the recipe's seeds (data.seed=1, rollout.seed=42; what this test runs): 57.5% -> 70.0% (+12.5)
+  data.seed=2 rollout.seed=2: 57.5% -> 71.5% (+14.0)
+  data.seed=3 rollout.seed=3: 57.5% -> 73.0% (+15.5)
+(+17.5, +12.5 and +19.5 before, when the step-0 validation shifted training's seeds).
 The same settings in fp32 on a GPU (scripts/vlm_gpu_sweep.sh, TP 1, validating at 0, 10 and 20)
 gained +8.5 to +16.5 points at six seeds; one optimizer step per RL step instead of the recipe's two
 gained -2.0 to +8.5 from the same warm start (docs/vlm.md, "Seeds on a GPU").

@@ -21,9 +21,11 @@ meta_info switches read by the engines:
   - `validate: True` selects `val_sampling` instead of `sampling`;
   - `n`: samples per row, overriding the selected config's `n`. The PPO driver repeats the batch
     itself (`gen.repeat(n, interleave=True)`) and passes `n=1`;
-  - `seed`: the sampling seed of this call. Without it a call uses `rollout.seed + k`, k counting
-    the engine's previous calls; `get_rng_state()`/`set_rng_state()` save and restore k, so a
-    resumed run samples exactly as the uninterrupted one would have;
+  - `seed`: the sampling seed of this call. Without it a call uses its sampling position's seed
+    (`SamplingPosition`: `rollout.seed + k` for the k-th training call, validation calls counted
+    apart, so how often a run validates does not change what training samples);
+    `get_rng_state()`/`set_rng_state()` save and restore the position, so a resumed run samples
+    exactly as the uninterrupted one would have;
   - `rollout_seed_stream`: set by the sharding manager to the global rank, mixed into the seed so
     that slices of one batch generated on different ranks draw independent samples (the same
     prompt repeated across ranks must not get the same sample). Removed from the output by it.
@@ -43,6 +45,7 @@ PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
 WEIGHTS_TAG, KV_CACHE_TAG, CUDA_GRAPH_TAG = "weights", "kv_cache", "cuda_graph"
 SEED_STREAM_KEY = "rollout_seed_stream"
 _SEED_MODULUS = 2**62
+_VALIDATION_STREAM = 2**31 - 1  # mixed into validation calls' seeds, apart from training's base + k
 
 
 class TopK(NamedTuple):
@@ -88,16 +91,16 @@ class SeededGenerationMixin:
     """`generate_sequences` and the RNG state shared by the engines.
 
     An engine sets `cfg`, `eos_token_ids`, `pad_token_id`, `tokenizer` (None unless stop strings
-    are used) and `_calls = 0`, and implements `_generate(prompts, sampling, seed)` returning the
-    generated ids (B, L), their log-probs (B, L) or None, and with `top_k_log_probs` K > 0 their
-    `TopK` (B, L, K) (else None), on CPU.
+    are used) and `position = SamplingPosition()`, and implements `_generate(prompts, sampling,
+    seed)` returning the generated ids (B, L), their log-probs (B, L) or None, and with
+    `top_k_log_probs` K > 0 their `TopK` (B, L, K) (else None), on CPU.
     """
 
     cfg: RolloutConfig
     eos_token_ids: list[int]
     pad_token_id: int
     tokenizer: Any
-    _calls: int
+    position: "SamplingPosition"
 
     def _generate(self, prompts: DataProto, sampling: SamplingConfig, seed: int):
         raise NotImplementedError
@@ -122,35 +125,77 @@ class SeededGenerationMixin:
         repeated n times when the sampling asks for n samples each."""
         check_prompts(prompts)
         sampling, n = select_sampling(self.cfg, prompts.meta_info)
-        seed = call_seed(prompts.meta_info, self.cfg.seed, self._calls)
-        self._calls += 1
+        default_seed = self.position.next_seed(self.cfg.seed, is_validation(prompts.meta_info))
+        seed = call_seed(prompts.meta_info, default_seed)
         if n > 1:
             prompts = prompts.repeat(n, interleave=True)
         return prompts, sampling, seed
 
-    def get_rng_state(self) -> dict[str, Any]:
-        return {"calls": self._calls}
+    def get_rng_state(self) -> dict[str, int]:
+        return self.position.state()
 
     def set_rng_state(self, state: dict[str, Any]) -> None:
-        calls = state.get("calls") if isinstance(state, dict) else None
-        if isinstance(calls, bool) or not isinstance(calls, int) or calls < 0:
-            raise ValueError(f"set_rng_state expects {{'calls': int >= 0}}, got {state!r}")
-        self._calls = calls
+        self.position = SamplingPosition.from_state(state)
+
+
+class SamplingPosition:
+    """How many training and validation calls came before: the default seed of the next call.
+
+    The two kinds count apart, and validation seeds are mixed away from training's, so validating
+    more or less often (`trainer.test_freq`, ReMax's greedy baselines) leaves training's samples as
+    they were."""
+
+    def __init__(self, calls: int = 0, val_calls: int = 0):
+        self.calls, self.val_calls = calls, val_calls
+
+    def next_seed(self, base_seed: int, validate: bool) -> int:
+        """The next call's seed (counting it): base_seed + k for the k-th training call."""
+        if validate:
+            self.val_calls += 1
+            return _mix_seeds(base_seed + self.val_calls - 1, _VALIDATION_STREAM)
+        self.calls += 1
+        return base_seed + self.calls - 1
+
+    def state(self) -> dict[str, int]:
+        return {"calls": self.calls, "val_calls": self.val_calls}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> "SamplingPosition":
+        """The inverse of `state()`; a state without `val_calls` (saved before validation calls
+        counted apart) starts them at 0."""
+        saved = state if isinstance(state, dict) else {}
+        counts = {"calls": saved.get("calls"), "val_calls": saved.get("val_calls", 0)}
+        if not all(map(_is_count, counts.values())):
+            expected = "{'calls': int >= 0, 'val_calls': int >= 0 (0 when absent)}"
+            raise ValueError(f"set_rng_state expects {expected}, got {state!r}")
+        return cls(**counts)
+
+    def advanced_to(self, other: "SamplingPosition") -> "SamplingPosition":
+        """The later of the two positions, per kind of call."""
+        return SamplingPosition(max(self.calls, other.calls), max(self.val_calls, other.val_calls))
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def is_validation(meta_info: dict) -> bool:
+    return bool(meta_info.get("validate", False))
 
 
 def select_sampling(cfg: RolloutConfig, meta_info: dict) -> tuple[SamplingConfig, int]:
     """The sampling settings of this call and the number of samples per prompt row."""
-    sampling = cfg.val_sampling if meta_info.get("validate", False) else cfg.sampling
+    sampling = cfg.val_sampling if is_validation(meta_info) else cfg.sampling
     n = meta_info.get("n", sampling.n)
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"meta_info['n'] must be a positive int (samples per prompt), got {n!r}")
     return sampling, n
 
 
-def call_seed(meta_info: dict, base_seed: int, calls_so_far: int) -> int:
-    """The sampling seed of one call: meta_info["seed"] when given, else base_seed + calls_so_far,
-    mixed with the seed stream when one is given."""
-    seed = meta_info.get("seed", base_seed + calls_so_far)
+def call_seed(meta_info: dict, default_seed: int) -> int:
+    """The sampling seed of one call: meta_info["seed"] when given, else default_seed (the sampling
+    position's), mixed with the seed stream when one is given."""
+    seed = meta_info.get("seed", default_seed)
     stream = meta_info.get(SEED_STREAM_KEY, 0)
     for key, value in (("seed", seed), (SEED_STREAM_KEY, stream)):
         if isinstance(value, bool) or not isinstance(value, int):

@@ -20,6 +20,7 @@ import torch
 
 from engines.rollout.base import (
     WEIGHTS_TAG,
+    SamplingPosition,
     SeededGenerationMixin,
     TopK,
     load_tokenizer,
@@ -168,7 +169,7 @@ class HFRolloutEngine(SeededGenerationMixin):
         self.route_recorder = RouteRecorder(self.model) if cfg.return_routed_experts else None
         uses_stop = bool(cfg.sampling.stop or cfg.val_sampling.stop)
         self.tokenizer = load_tokenizer(model_path) if uses_stop else None
-        self._calls = 0
+        self.position = SamplingPosition()
 
     # ------------------------------------------------------------------ generation
     def generate_sequences(self, prompts: DataProto) -> DataProto:

@@ -53,7 +53,13 @@ import torch
 
 from engines.placement import EngineDevices
 from engines.process_env import PROCESS_ENV_KEYS
-from engines.rollout.base import SeededGenerationMixin, load_tokenizer, read_special_token_ids, row_seed
+from engines.rollout.base import (
+    SamplingPosition,
+    SeededGenerationMixin,
+    load_tokenizer,
+    read_special_token_ids,
+    row_seed,
+)
 from engines.rollout.config import RolloutConfig, SamplingConfig
 from engines.weight_sync.common import WeightSyncError
 from hybridflow.protocol import DataProto
@@ -101,7 +107,7 @@ class SGLangRolloutEngine(SeededGenerationMixin):
                 "SGLang sampling is not reproducible (per-request seeds need "
                 "rollout.enable_deterministic_inference: true); a resumed run samples differently"
             )
-        self._calls = 0
+        self.position = SamplingPosition()
 
     # ------------------------------------------------------------------ generation
     def _generate(self, prompts: DataProto, sampling: SamplingConfig, seed: int):

@@ -43,6 +43,7 @@ import torch
 from engines.rollout.base import (
     KV_CACHE_TAG,
     WEIGHTS_TAG,
+    SamplingPosition,
     SeededGenerationMixin,
     TopK,
     load_tokenizer,
@@ -204,7 +205,7 @@ class VLLMRolloutEngine(SeededGenerationMixin):
             self.llm.collective_rpc(_check_plain_weights)
         self.lora_rank = lora_rank
         self.adapter = AdapterSlot()
-        self._calls = 0
+        self.position = SamplingPosition()
 
     # ------------------------------------------------------------------ generation
     def _generate(self, prompts: DataProto, sampling: SamplingConfig, seed: int):

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from engines.rollout.base import SeededGenerationMixin, row_seed
+from engines.rollout.base import SamplingPosition, SeededGenerationMixin, row_seed
 from engines.rollout.config import SamplingConfig
 from hybridflow.agents.batch import trajectories_to_batch
 from hybridflow.agents.chat_session import ChatSession
@@ -78,7 +78,7 @@ class OpenAIAgentRollout(SeededGenerationMixin):
         self.agent, self.engine, self.tokenizer, self.cfg = agent, engine, tokenizer, cfg
         self.pad_token_id, self.eos_token_ids = pad_token_id, end_of_turn_ids(tokenizer, eos_token_ids)
         self.render_delta = message_delta_renderer(tokenizer)
-        self._calls = 0
+        self.position = SamplingPosition()
 
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         prompts, sampling, seed = self.start_call(prompts)
@@ -98,7 +98,7 @@ class OpenAIAgentRollout(SeededGenerationMixin):
             )
 
         async with ChatServer(self.cfg.server, generate) as server:
-            sessions = [self.session(f"{self._calls}-{row}", row_seed(seed, row)) for row in range(len(rows))]
+            sessions = [self.session(f"{seed}-{row}", row_seed(seed, row)) for row in range(len(rows))]
             server.sessions = {session.name: session for session in sessions}
             runs = (self.run_agent(server, s, *row) for s, row in zip(sessions, rows, strict=True))
             await asyncio.gather(*runs)

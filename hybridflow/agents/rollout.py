@@ -5,7 +5,7 @@ batch (the layout of `batch.py`'s `trajectories_to_batch`).
 
 import asyncio
 
-from engines.rollout.base import SeededGenerationMixin, row_seed, unpadded_prompts
+from engines.rollout.base import SamplingPosition, SeededGenerationMixin, row_seed, unpadded_prompts
 from hybridflow.agents.batch import trajectories_to_batch
 from hybridflow.agents.loop import Trajectory
 from hybridflow.protocol import DataProto
@@ -25,7 +25,7 @@ class AgentRollout(SeededGenerationMixin):
 
     def __init__(self, make_loop, cfg, pad_token_id: int):
         self.make_loop, self.cfg, self.pad_token_id = make_loop, cfg, pad_token_id
-        self._calls = 0
+        self.position = SamplingPosition()
 
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         prompts, sampling, seed = self.start_call(prompts)

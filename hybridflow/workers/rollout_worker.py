@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from engines.rollout.base import SamplingPosition
 from hybridflow.config.schema import RecipeConfig
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller import Dispatch, Worker, register
@@ -180,10 +181,11 @@ class RolloutWorker(Worker):
         return None if score is None else score(sequences)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def advance_rng_state(self, calls: int) -> None:
-        """The engine's sampling position moved up to `calls` (the driver's count of generation
-        calls), never back (calls the driver did not count keep theirs)."""
-        self.engine.set_rng_state({"calls": max(calls, self.engine.get_rng_state()["calls"])})
+    def advance_rng_state(self, position: dict) -> None:
+        """The engine's sampling position moved up to `position` (the driver's count of generation
+        calls, a `SamplingPosition` state), never back (calls the driver did not count keep theirs)."""
+        own = SamplingPosition.from_state(self.engine.get_rng_state())
+        self.engine.set_rng_state(own.advanced_to(SamplingPosition.from_state(position)).state())
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_rng_state(self, path: str) -> None:

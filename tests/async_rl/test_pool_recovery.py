@@ -174,3 +174,17 @@ def test_a_restarted_engine_unlike_the_actor_stops_the_run(tmp_path):
     pool, _, _, _ = pool_over(tmp_path, deaths={1}, max_engine_restarts=1, engine_error=0.01)
     with pytest.raises(WeightSyncError, match=r"differ from the actor's \(policy version 0\) by up to 0.01"):
         pool.generate(rows(0))
+
+
+def test_validation_calls_take_seeds_apart_from_the_training_calls(tmp_path):
+    """The pool seeds calls as the engines would (SamplingPosition): a validation call between two
+    training calls leaves the second training call its seed."""
+    pool, _, group, _ = pool_over(tmp_path, deaths=set(), max_engine_restarts=0)
+    pool.generate(rows(0))
+    validation = rows(0)
+    validation.meta_info["validate"] = True
+    pool.generate(validation)
+    pool.generate(rows(10))
+    assert group.seeds[0::2] == [42, 43]  # the training calls: rollout.seed + k
+    assert group.seeds[1] not in (42, 43, 44)
+    assert pool.position.state() == {"calls": 2, "val_calls": 1}

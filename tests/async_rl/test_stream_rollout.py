@@ -106,11 +106,11 @@ class RolloutGroup:
     def save_rng_state(self, path: str) -> None:
         pass
 
-    def advance_rng_state(self, calls: int) -> None:
+    def advance_rng_state(self, position: dict) -> None:
         pass
 
     def load_rng_state(self, path: str) -> list[dict]:
-        return [{"calls": 0}] * self.engines.ranks
+        return [{"calls": 0, "val_calls": 0}] * self.engines.ranks
 
 
 class RecoveringPool(PoolRollout):

@@ -216,6 +216,26 @@ def test_seeded_sampling_and_rng_state(checkpoint):
         engine.set_rng_state({"calls": -1})
 
 
+def test_validation_calls_leave_the_training_samples_as_they_were(checkpoint):
+    """Validation calls count apart from training calls (SamplingPosition): validating between two
+    training calls does not change what the second one samples, and validation's own sampled draws
+    are not a training call's (before, a validation call took the next training seed)."""
+    sampled_val = SamplingConfig(max_new_tokens=MAX_NEW, temperature=1.0)
+    validating, plain = (HFRolloutEngine(checkpoint, make_cfg(val_sampling=sampled_val)) for _ in range(2))
+    prompts = make_prompts(data_seed=7)
+    for engine in (validating, plain):
+        engine.generate_sequences(prompts)
+    val = validating.generate_sequences(make_prompts(data_seed=7, validate=True)).batch["responses"]
+    second = [engine.generate_sequences(prompts).batch["responses"] for engine in (validating, plain)]
+    assert torch.equal(second[0], second[1])
+    assert not torch.equal(val, second[1])
+    assert validating.get_rng_state() == {"calls": 2, "val_calls": 1}
+    validating.set_rng_state({"calls": 2})  # saved before validation calls were counted apart
+    assert validating.get_rng_state() == {"calls": 2, "val_calls": 0}
+    with pytest.raises(ValueError, match="val_calls"):
+        validating.set_rng_state({"calls": 2, "val_calls": -1})
+
+
 def reference_response_log_probs(reference_model, out, temperature: float) -> torch.Tensor:
     """log_softmax(logits / T) of an independent forward at the positions predicting the responses
     of the rollout output `out`. (B, R, V)"""

@@ -27,7 +27,7 @@ connection: the pool is asked whether a process died before that error is believ
     the restarted engines' log-probs of fixed tokens are compared with the actor's (vLLM; the hf
         engine cannot score) within the rollout dtype's tolerance, else WeightSyncError
     the lost call is generated again from its rows, with its seed: every call carries the seed
-        `rollout.seed + k` (k counting the pool's calls: the engines' own rule, made explicit), so
+        of its sampling position (the engines' own rule, `SamplingPosition`, made explicit), so
         a seeded engine gives the rows the lost call would have given
 
 `metrics` adds `rollout/engine_restarts` (restarts so far in the run), `rollout/restart_seconds`
@@ -37,6 +37,7 @@ One death more than the limit (any, with `max_engine_restarts: 0`) ends the run 
 `RolloutProcessDied` naming the process and the call; the last complete checkpoint stays.
 """
 
+import functools
 import itertools
 import json
 import os
@@ -49,6 +50,7 @@ from pathlib import Path
 
 import torch
 
+from engines.rollout.base import SamplingPosition, is_validation
 from engines.rollout.config import RolloutConfig
 from engines.weight_sync.common import WeightSyncError
 from hybridflow.protocol import DataProto, DataProtoFuture
@@ -161,7 +163,7 @@ class PoolRollout:
         self.policy: Policy | None = None  # the policy last synced: a restarted engine gets its weights
         self.restarts = EngineRestarts(cfg.max_engine_restarts)
         self.seed, self.dtype = cfg.seed, cfg.dtype
-        self.calls = 0  # generation calls sent to the pool (each engine's sampling position)
+        self.position = SamplingPosition()  # generation calls sent to the pool (each engine's)
 
     def sync_weights(self, policy: Policy) -> None:
         self.policy = policy
@@ -212,8 +214,8 @@ class PoolRollout:
         """The rows (views) with this call's seed, the one the engines would pick themselves (a
         streaming rollout seeds each group call here, in submission order)."""
         seeded = rows.slice()
-        seeded.meta_info.setdefault("seed", self.seed + self.calls)
-        self.calls += 1
+        seed = self.position.next_seed(self.seed, is_validation(seeded.meta_info))
+        seeded.meta_info.setdefault("seed", seed)
         return seeded
 
     def _retrying(self, call: Callable, again: Callable | None = None):
@@ -306,12 +308,13 @@ class PoolRollout:
     def save(self, path: str) -> None:
         """Each engine's sampling position: the pool's count of calls (a restarted engine's too);
         how many lines policy_versions.jsonl has."""
-        self.group.advance_rng_state(self.calls)
+        self.group.advance_rng_state(self.position.state())
         self.group.save_rng_state(path)
         (Path(path) / VERSIONS_LINES_FILE).write_text(json.dumps({"lines": count_lines(self.versions_file)}))
 
     def load(self, path: str) -> None:
-        self.calls = max(state["calls"] for state in self.group.load_rng_state(path))
+        states = [SamplingPosition.from_state(state) for state in self.group.load_rng_state(path)]
+        self.position = functools.reduce(SamplingPosition.advanced_to, states)
         self.served = None
         saved = Path(path) / VERSIONS_LINES_FILE
         if saved.is_file():  # checkpoints of older runs lack it
