@@ -6,7 +6,6 @@ availability check expects it). Building an engine changes process-wide state as
 root logger, `os.environ`); the fixture puts that back afterwards, whatever the code under test did.
 """
 
-import json
 import logging
 import os
 import sys
@@ -41,12 +40,3 @@ def sglang_double(monkeypatch):
 @pytest.fixture(scope="module")
 def sglang_checkpoint(tmp_path_factory) -> Path:
     return make_tiny_hf_checkpoint(tmp_path_factory.mktemp("sglang_tiny"), vocab_size=ascii_vocab_size())
-
-
-def set_eos(checkpoint: Path, eos_id: int) -> None:
-    """Declare `eos_id` the model's EOS in config.json and generation_config.json."""
-    for name in ("config.json", "generation_config.json"):
-        path = checkpoint / name
-        config = json.loads(path.read_text())
-        config["eos_token_id"] = eos_id
-        path.write_text(json.dumps(config))

@@ -5,6 +5,7 @@ and its log-prob); generation and weight updates with the real SGLang where it a
 (skipped otherwise, with the reason)."""
 
 import importlib.util
+import json
 import logging
 import os
 import sys
@@ -12,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import set_eos
 
 from engines.placement import EngineDevices
 from engines.process_env import PROCESS_ENV_KEYS, process_env
@@ -23,6 +23,15 @@ from hybridflow.protocol import DataProto
 
 HAS_SGLANG_GPU = torch.cuda.is_available() and importlib.util.find_spec("sglang") is not None
 GREEDY = SamplingConfig(do_sample=False, temperature=0.0)
+
+
+def set_eos(checkpoint: Path, eos_id: int) -> None:
+    """Declare `eos_id` the model's EOS in config.json and generation_config.json."""
+    for name in ("config.json", "generation_config.json"):
+        path = checkpoint / name
+        config = json.loads(path.read_text())
+        config["eos_token_id"] = eos_id
+        path.write_text(json.dumps(config))
 
 
 def double_engine(checkpoint: Path, **overrides) -> SGLangRolloutEngine:
