@@ -2,8 +2,9 @@
 
 Batch: 1,024 samples x 2,048 tokens, 8 tensors (4 int64, 4 float32; 96 MiB) and 4 object arrays
 (uid and data_source strings, reward_model dicts, raw_prompt message lists). Times are the median
-and best of 7 runs (the machine is shared). GB/s counts the tensor bytes an operation produces
-(views count too, so a zero-copy operation shows a large number). Two baselines for the same tensor bytes:
+and best of 7 runs, 31 for the Ray rows (the machine is shared). GB/s counts the tensor bytes an
+operation produces (views count too, so a zero-copy operation shows a large number). Two baselines
+for the same tensor bytes:
 `vs_memcpy` divides by a single-threaded memcpy into buffers already touched (lower bound),
 `vs_fresh_copy` by a copy into newly allocated memory (`bytes(buffer)`), which is what each copy
 a serialiser makes costs, page faults included. An in-band pickle round trip makes two such
@@ -34,6 +35,9 @@ from hybridflow.protocol import DataProto
 
 TITLE = "DataProto operations (1,024 x 2,048 tokens, 8 tensors, 4 object arrays)"
 ROWS, TOKENS, REPEATS, ACTORS = 1024, 2048, 7, 4
+# The Ray rows wait on other processes' scheduling on a 2-core machine: their median of 7 moved by
+# up to 40% between runs (docs/dataproto.md), so they take more calls (each under 0.2 s).
+RAY_REPEATS = 31
 INT_KEYS = ["input_ids", "attention_mask", "position_ids", "responses"]
 FLOAT_KEYS = ["old_log_probs", "ref_log_prob", "advantages", "returns"]
 
@@ -58,13 +62,13 @@ def tensor_bytes(data: DataProto) -> int:
     return sum(v.numel() * v.element_size() for v in data.batch.values())
 
 
-def time_runs(fns: list[Callable[[], object]]) -> list[list[float]]:
-    """REPEATS times per function, calls taking turns, so load from other processes (the machine
+def time_runs(fns: list[Callable[[], object]], repeats: int = REPEATS) -> list[list[float]]:
+    """`repeats` times per function, calls taking turns, so load from other processes (the machine
     is shared) falls on each alike; before/after pairs are timed this way."""
     for fn in fns:
         fn()  # warm-up: first-touch page faults and allocator growth
     times = [[] for _ in fns]
-    for _ in range(REPEATS):
+    for _ in range(repeats):
         for fn, out in zip(fns, times, strict=True):
             start = time.perf_counter()
             fn()
@@ -175,7 +179,7 @@ def _run(receivers: list) -> list[dict]:
     for _ in range(3):  # the object store's shared memory is touched for the first time here, not timed
         ray_split(data, receivers, copy=False)
     timed = [(name, moved, time_runs([fn])[0]) for name, moved, fn in cases]
-    pair_times = time_runs([fn for _, _, fn in before_after])
+    pair_times = time_runs([fn for _, _, fn in before_after], RAY_REPEATS)
     timed += [(name, moved, t) for (name, moved, _), t in zip(before_after, pair_times, strict=True)]
     # seconds per tensor byte of each baseline, so rows moving fewer bytes compare fairly
     memcpy_per_byte = statistics.median(timed[0][2]) / nbytes
