@@ -22,12 +22,14 @@ row of its own engine. `samples_per_s` is trained samples per second of step tim
 the share of the step the engine generated (stream: `stream/engine_busy_share`, measured from its
 calls' windows; sync: `gen` / step; one_step and async: the batch's generation / step, at most 1).
 
-Run: `python -m benchmarks async`.
+Run: `python -m benchmarks async`; `python -m benchmarks.bench_async vllm` runs the vLLM rows alone
+(sync, one_step and stream on vLLM, alternating as above).
 """
 
 import os
 import statistics
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -67,11 +69,11 @@ MODES |= {
 }
 
 
-def run() -> list[dict]:
+def run(modes: dict[str, list[str]] = MODES) -> list[dict]:
     from hybridflow.data.arith import write_arith_parquet
     from hybridflow.utils.tiny_model import make_tiny_model
 
-    runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    runs: dict[str, list[dict]] = {mode: [] for mode in modes}
     loads = LoadSamples()
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_model(Path(tmp) / "model")
@@ -79,15 +81,15 @@ def run() -> list[dict]:
 
         def case(mode: str):
             def step_seconds() -> float:
-                out = Path(tmp) / f"run{len(runs[mode])}-{list(MODES).index(mode)}"
-                runs[mode].append(_step_timings(model, data, out, MODES[mode]))
+                out = Path(tmp) / f"run{len(runs[mode])}-{list(modes).index(mode)}"
+                runs[mode].append(_step_timings(model, data, out, modes[mode]))
                 return runs[mode][-1]["step_s"]
 
             return step_seconds
 
-        alternating({mode: case(mode) for mode in MODES}, ROUNDS, loads)
+        alternating({mode: case(mode) for mode in modes}, ROUNDS, loads)
     print(f"{ROUNDS} alternating rounds; {loads.text()}", flush=True)
-    return [_row(mode, runs, loads) for mode in MODES]
+    return [_row(mode, runs, loads) for mode in modes]
 
 
 def _row(mode: str, runs: dict[str, list[dict]], loads: LoadSamples) -> dict:
@@ -153,3 +155,11 @@ def _engine_busy_share(record: dict) -> float:
     if "stream/engine_busy_share" in record:
         return record["stream/engine_busy_share"]
     return min(1.0, record.get("timing/rollout_gen", record["timing/gen"]) / record["timing/step"])
+
+
+if __name__ == "__main__":
+    from benchmarks.__main__ import _format_table
+
+    if sys.argv[1:] != ["vllm"]:
+        sys.exit("usage: python -m benchmarks.bench_async vllm  (all rows: python -m benchmarks async)")
+    print(_format_table(run({mode: extra for mode, extra in MODES.items() if "vllm" in mode})), flush=True)
