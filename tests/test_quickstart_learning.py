@@ -61,6 +61,9 @@ ONE_STEP = [*DISAGGREGATED, "trainer.async_training.mode=one_step", *DECOUPLED_P
 # 3/3: 56.5% (+20.0). With lr 2e-4 and truncated_is the gain was -0.5 to +10.5
 # points at seeds 1/42 (five runs): below the margin too often to test.
 STREAM = [*DISAGGREGATED, "trainer.async_training.mode=stream", "rollout.name=vllm", *DECOUPLED_PPO]
+# pytest-timeout counts fixture setup: the first of these items builds the SFT warm start (a recipe
+# run bounded at 1200 s) before its own run (1200 s).
+pytestmark = pytest.mark.timeout(2400)
 
 
 def run_grpo(warm_start, out, extra: list[str]) -> list[dict]:
