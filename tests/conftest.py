@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from filelock import FileLock
-from learning_runs import run_sft_warm_start, warm_start_overrides
+from learning_runs import RUN_TIMEOUT_S, run_sft_warm_start, warm_start_overrides
 from process_group import run_recipe_script
 from working_tree import build_quickstart_working_tree
 
@@ -73,7 +73,7 @@ def run_shared_dir(tmp_path_factory, worker_id: str) -> Path:
 
 @pytest.fixture(scope="session")
 def quickstart_warm_start(tmp_path_factory, worker_id):
-    """The quickstart's stage 1, run once per `make test` whichever worker asks first (the others
+    """The quickstart's stage 1, run once per pytest run whichever worker asks first (the others
     wait on a file lock and reuse it): the tiny model and arithmetic data of scripts/quickstart.sh,
     then recipes/quickstart_sft.yaml through scripts/run_recipe.sh (400 steps, ~2 min on 2 idle
     cores), without its validation passes. Returns the paths of the data (train / test parquet)
@@ -92,7 +92,7 @@ TEACHER_SFT_STEPS = 300
 
 @pytest.fixture(scope="session")
 def quickstart_teacher(quickstart_warm_start, tmp_path_factory, worker_id):
-    """A distillation teacher made by the quickstart's own pipeline, once per `make test` like the
+    """A distillation teacher made by the quickstart's own pipeline, once per pytest run like the
     warm start: recipes/quickstart_sft.yaml continued from the warm start for TEACHER_SFT_STEPS more
     steps (the warm start stops early on purpose, at ~37%; measured 2026-11-26: 72.5% after 100
     more steps, 80.5% after 200, 82.5% after 300). Returns its export (`hf`) and its held-out
@@ -120,7 +120,7 @@ def make_teacher(warm_start: dict, root: Path) -> None:
         f"trainer.test_freq={TEACHER_SFT_STEPS}",  # the teacher's accuracy, at its last step only
         "trainer.logger=[console]",
     ]
-    done = run_recipe_script("recipes/quickstart_sft.yaml", overrides, timeout=1200)
+    done = run_recipe_script("recipes/quickstart_sft.yaml", overrides, timeout=RUN_TIMEOUT_S)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 

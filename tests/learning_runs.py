@@ -6,12 +6,22 @@ no checkpoints or export; and the check that held-out accuracy rose."""
 
 from pathlib import Path
 
+import pytest
 from process_group import run_recipe_script
 
 from hybridflow.utils.tracking import read_metrics
 
 STEPS = 20
 MARGIN = 0.08  # held-out accuracy that STEPS steps must add (8 points)
+RUN_TIMEOUT_S = 1200  # each recipe run of a learning test: its stage 1, a teacher, its stage 2
+
+
+def learning_test_timeout(runs: int) -> pytest.MarkDecorator:
+    """pytest-timeout for a learning test whose item may make `runs` recipe runs: the timeout counts
+    fixture setup, and the first item to ask for a warm start (or a teacher) builds it. The suite's
+    900 s is not enough on a slow day: the distillation test's warm start and teacher took 630 s
+    there, its own run 270 s (2026-11-27)."""
+    return pytest.mark.timeout(runs * RUN_TIMEOUT_S)
 
 
 def run_sft_warm_start(recipe: str, model: Path, data: dict, root: Path) -> dict:
@@ -22,7 +32,7 @@ def run_sft_warm_start(recipe: str, model: Path, data: dict, root: Path) -> dict
         "trainer.logger=[console]",
         "trainer.test_freq=0",
     ]
-    done = run_recipe_script(recipe, overrides, timeout=1200)
+    done = run_recipe_script(recipe, overrides, timeout=RUN_TIMEOUT_S)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return {**data, "hf": root / "sft" / "hf"}
 
@@ -38,7 +48,7 @@ def run_from_warm_start(recipe: str, warm_start: dict, out: Path, extra: list[st
         "trainer.logger=[console]",
         *extra,
     ]
-    done = run_recipe_script(recipe, overrides, timeout=1200)
+    done = run_recipe_script(recipe, overrides, timeout=RUN_TIMEOUT_S)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return read_metrics(out / "metrics.jsonl")
 

@@ -13,16 +13,13 @@ docs/distillation.md has them against GRPO for the same 20 steps.
 """
 
 import pytest
-from learning_runs import STEPS, check_accuracy_rises, run_from_warm_start
+from learning_runs import STEPS, check_accuracy_rises, learning_test_timeout, run_from_warm_start
 
 TEACHER_AT_LEAST = 0.75
+# the item may build both session fixtures (the SFT warm start and the teacher) before its own run
+pytestmark = [pytest.mark.slow, pytest.mark.learning, learning_test_timeout(runs=3)]
 
 
-@pytest.mark.slow
-# pytest-timeout counts fixture setup: the item can build both session fixtures (the SFT warm start
-# and the teacher, each a recipe run bounded at 1200 s) before its own run (1200 s). On a slow day
-# setup took 630 s and the run 270 s, past the suite's 900 s (2026-11-27).
-@pytest.mark.timeout(3600)
 def test_distillation_from_a_stronger_teacher_raises_held_out_accuracy(
     quickstart_warm_start, quickstart_teacher, tmp_path
 ):

@@ -23,7 +23,7 @@ every gain measured; 10 steps gained only +10 in some runs. docs/quickstart-resu
 """
 
 import pytest
-from learning_runs import STEPS, check_accuracy_rises, run_from_warm_start
+from learning_runs import STEPS, check_accuracy_rises, learning_test_timeout, run_from_warm_start
 
 # LoRA on every linear (rank 16, alpha 32) at 10x the full-weight lr, as adapters usually need;
 # measured from the same warm start: 36.5% -> 59.0% (+22.5 points) in 20 steps (2026-11-27; from the
@@ -61,21 +61,18 @@ ONE_STEP = [*DISAGGREGATED, "trainer.async_training.mode=one_step", *DECOUPLED_P
 # 3/3: 56.5% (+20.0). With lr 2e-4 and truncated_is the gain was -0.5 to +10.5
 # points at seeds 1/42 (five runs): below the margin too often to test.
 STREAM = [*DISAGGREGATED, "trainer.async_training.mode=stream", "rollout.name=vllm", *DECOUPLED_PPO]
-# pytest-timeout counts fixture setup: the first of these items builds the SFT warm start (a recipe
-# run bounded at 1200 s) before its own run (1200 s).
-pytestmark = pytest.mark.timeout(2400)
+# the first of these items builds the SFT warm start before its own run
+pytestmark = [pytest.mark.slow, pytest.mark.learning, learning_test_timeout(runs=2)]
 
 
 def run_grpo(warm_start, out, extra: list[str]) -> list[dict]:
     return run_from_warm_start("recipes/quickstart.yaml", warm_start, out, extra)
 
 
-@pytest.mark.slow
 def test_grpo_raises_held_out_accuracy_over_the_sft_warm_start(quickstart_warm_start, tmp_path):
     check_accuracy_rises(run_grpo(quickstart_warm_start, tmp_path / "grpo", []))
 
 
-@pytest.mark.slow
 def test_grpo_with_lora_raises_held_out_accuracy_too(quickstart_warm_start, tmp_path):
     records = run_grpo(quickstart_warm_start, tmp_path / "grpo_lora", LORA)
     check_accuracy_rises(records)
@@ -85,7 +82,6 @@ def test_grpo_with_lora_raises_held_out_accuracy_too(quickstart_warm_start, tmp_
     assert 0 < counts["actor/optimizer_state_bytes"] <= 8 * trainable, counts  # Adam's two moments
 
 
-@pytest.mark.slow
 def test_one_step_grpo_raises_held_out_accuracy_too(quickstart_warm_start, tmp_path):
     records = run_grpo(quickstart_warm_start, tmp_path / "grpo_one_step", ONE_STEP)
     check_accuracy_rises(records)
@@ -93,7 +89,6 @@ def test_one_step_grpo_raises_held_out_accuracy_too(quickstart_warm_start, tmp_p
     assert staleness == [0.0] + [1.0] * (STEPS - 1)  # trained on samples one update old
 
 
-@pytest.mark.slow
 def test_streaming_grpo_raises_held_out_accuracy_too(quickstart_warm_start, tmp_path):
     records = run_grpo(quickstart_warm_start, tmp_path / "grpo_stream", STREAM)
     check_accuracy_rises(records)

@@ -18,7 +18,7 @@ gain is 85.0.
 """
 
 import pytest
-from learning_runs import run_sft_warm_start
+from learning_runs import RUN_TIMEOUT_S, learning_test_timeout, run_sft_warm_start
 from process_group import run_recipe_script
 from transformers import AutoTokenizer
 
@@ -28,6 +28,7 @@ from hybridflow.utils.tracking import read_metrics
 
 GRPO_STEPS = 5
 MARGIN = 0.10
+pytestmark = [pytest.mark.slow, pytest.mark.learning, learning_test_timeout(runs=2)]  # warm start + run
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,6 @@ def tool_warm_start(tmp_path_factory):
     return run_sft_warm_start("recipes/tool_demo_sft.yaml", model, data, root)
 
 
-@pytest.mark.slow
 def test_grpo_with_the_calculator_beats_the_warm_start(tool_warm_start, tmp_path):
     overrides = [
         f"model.path={tool_warm_start['hf']}",
@@ -50,7 +50,7 @@ def test_grpo_with_the_calculator_beats_the_warm_start(tool_warm_start, tmp_path
         "trainer.export_hf=false",
         "trainer.logger=[console]",
     ]
-    done = run_recipe_script("recipes/tool_demo.yaml", overrides, timeout=1200)
+    done = run_recipe_script("recipes/tool_demo.yaml", overrides, timeout=RUN_TIMEOUT_S)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     val = {r["step"]: r for r in read_metrics(tmp_path / "grpo/metrics.jsonl") if "val/accuracy" in r}
     assert sorted(val) == [0, GRPO_STEPS]
