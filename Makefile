@@ -30,7 +30,7 @@ TEST_WORKERS ?= 2
 test: $(STAMP) ## Run the test suite but the learning tests (what CI runs; TEST_WORKERS=0: in this process)
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not learning"
 
-# Each learning test trains a tiny model from an SFT warm start for minutes (README, "Tests").
+# Each learning test trains a tiny model from an SFT warm start for minutes (README, "Two commands").
 test-learning: $(STAMP) ## Run the learning tests: held-out accuracy rises over each warm start
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m learning
 
