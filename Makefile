@@ -26,13 +26,14 @@ install: $(STAMP) ## Create .venv and install pinned dependencies (torch CPU whe
 # single-threaded (OMP_NUM_THREADS=1) and often wait on process and Ray start-up, so one worker
 # leaves a core idle much of the time.
 TEST_WORKERS ?= 2
+PYTEST = $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: $(STAMP) ## Run the test suite but the learning tests (what CI runs; TEST_WORKERS=0: in this process)
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not learning"
+	$(PYTEST) -m "not learning"
 
 # Each learning test trains a tiny model from an SFT warm start for minutes (README, "Two commands").
 test-learning: $(STAMP) ## Run the learning tests: held-out accuracy rises over each warm start
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m learning
+	$(PYTEST) -m learning
 
 lint: $(STAMP) ## ruff lint and format check
 	$(VENV)/bin/ruff check .

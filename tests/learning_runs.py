@@ -16,12 +16,13 @@ MARGIN = 0.08  # held-out accuracy that STEPS steps must add (8 points)
 RUN_TIMEOUT_S = 1200  # each recipe run of a learning test: its stage 1, a teacher, its stage 2
 
 
-def learning_test_timeout(runs: int) -> pytest.MarkDecorator:
-    """pytest-timeout for a learning test whose item may make `runs` recipe runs: the timeout counts
-    fixture setup, and the first item to ask for a warm start (or a teacher) builds it. The suite's
-    900 s is not enough on a slow day: the distillation test's warm start and teacher took 630 s
-    there, its own run 270 s (2026-11-27)."""
-    return pytest.mark.timeout(runs * RUN_TIMEOUT_S)
+def learning_test_marks(runs: int) -> list[pytest.MarkDecorator]:
+    """A learning test file's `pytestmark`: `slow` (its file runs early), `learning` (`make
+    test-learning` runs it, `make test` leaves it out) and a pytest-timeout for an item that may make
+    `runs` recipe runs: the timeout counts fixture setup, and the first item to ask for a warm start
+    (or a teacher) builds it. The suite's 900 s is not enough on a slow day: the distillation test's
+    warm start and teacher took 630 s there, its own run 270 s (2026-11-27)."""
+    return [pytest.mark.slow, pytest.mark.learning, pytest.mark.timeout(runs * RUN_TIMEOUT_S)]
 
 
 def run_sft_warm_start(recipe: str, model: Path, data: dict, root: Path) -> dict:

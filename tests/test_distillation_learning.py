@@ -12,12 +12,11 @@ seeds 1/42 (what this test runs): 36.5% -> 63.5% (+27.0); 2/2: 53.0% (+16.5); 3/
 docs/distillation.md has them against GRPO for the same 20 steps.
 """
 
-import pytest
-from learning_runs import STEPS, check_accuracy_rises, learning_test_timeout, run_from_warm_start
+from learning_runs import STEPS, check_accuracy_rises, learning_test_marks, run_from_warm_start
 
 TEACHER_AT_LEAST = 0.75
 # the item may build both session fixtures (the SFT warm start and the teacher) before its own run
-pytestmark = [pytest.mark.slow, pytest.mark.learning, learning_test_timeout(runs=3)]
+pytestmark = learning_test_marks(runs=3)
 
 
 def test_distillation_from_a_stronger_teacher_raises_held_out_accuracy(

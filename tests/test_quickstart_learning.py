@@ -22,8 +22,7 @@ Validating more often no longer changes these runs. Before that change, the four
 every gain measured; 10 steps gained only +10 in some runs. docs/quickstart-results.md has the runs.
 """
 
-import pytest
-from learning_runs import STEPS, check_accuracy_rises, learning_test_timeout, run_from_warm_start
+from learning_runs import STEPS, check_accuracy_rises, learning_test_marks, run_from_warm_start
 
 # LoRA on every linear (rank 16, alpha 32) at 10x the full-weight lr, as adapters usually need;
 # measured from the same warm start: 36.5% -> 59.0% (+22.5 points) in 20 steps (2026-11-27; from the
@@ -62,7 +61,7 @@ ONE_STEP = [*DISAGGREGATED, "trainer.async_training.mode=one_step", *DECOUPLED_P
 # points at seeds 1/42 (five runs): below the margin too often to test.
 STREAM = [*DISAGGREGATED, "trainer.async_training.mode=stream", "rollout.name=vllm", *DECOUPLED_PPO]
 # the first of these items builds the SFT warm start before its own run
-pytestmark = [pytest.mark.slow, pytest.mark.learning, learning_test_timeout(runs=2)]
+pytestmark = learning_test_marks(runs=2)
 
 
 def run_grpo(warm_start, out, extra: list[str]) -> list[dict]:

@@ -21,12 +21,12 @@ gained -2.0 to +8.5 from the same warm start (docs/vlm.md, "Seeds on a GPU").
 """
 
 import pytest
-from learning_runs import check_accuracy_rises, learning_test_timeout, run_from_warm_start, run_sft_warm_start
+from learning_runs import check_accuracy_rises, learning_test_marks, run_from_warm_start, run_sft_warm_start
 
 from hybridflow.data.shapes import ShapesConfig, write_shapes_parquet
 from hybridflow.utils.tiny_vlm import make_tiny_vlm
 
-pytestmark = [pytest.mark.slow, pytest.mark.learning, learning_test_timeout(runs=2)]  # warm start + run
+pytestmark = learning_test_marks(runs=2)  # warm start + run
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ gain is 85.0.
 """
 
 import pytest
-from learning_runs import RUN_TIMEOUT_S, learning_test_timeout, run_sft_warm_start
+from learning_runs import RUN_TIMEOUT_S, learning_test_marks, run_sft_warm_start
 from process_group import run_recipe_script
 from transformers import AutoTokenizer
 
@@ -28,7 +28,7 @@ from hybridflow.utils.tracking import read_metrics
 
 GRPO_STEPS = 5
 MARGIN = 0.10
-pytestmark = [pytest.mark.slow, pytest.mark.learning, learning_test_timeout(runs=2)]  # warm start + run
+pytestmark = learning_test_marks(runs=2)  # warm start + run
 
 
 @pytest.fixture(scope="module")
