@@ -10,7 +10,9 @@ generating ahead can save the most (docs/async.md has the measurement behind the
 
 A run's step time is the median `timing/step` over steps 2..STEPS (step 1 generates synchronously
 in every mode); `gen` is the step's wait for its responses (in one_step / async: what was left of
-the generation launched a step earlier), `train` the old log-probs plus the actor update. Each mode
+the generation launched a step earlier), `train` the old log-probs plus the actor update, `sync` the
+step's weight sync (generating ahead without partial rollouts, it also waits for the launched
+generation to finish: a rollout process takes one call at a time). Each mode
 runs ROUNDS times, the modes alternating (sync, one_step, ..., sync, one_step, ...: a change of the
 machine's state lands on every mode alike, benchmarks/_conditions.py); a row gives the medians over
 its runs and `step_spread`, (max - min) / median of the runs' step times. `vs_sync` is refused when
@@ -144,6 +146,7 @@ def _step_timings(model: Path, data: dict[str, Path], out: Path, extra: list[str
         "step_s": step_s,
         "gen_s": statistics.median(r["timing/gen"] for r in steps),
         "train_s": statistics.median(r["timing/old_log_prob"] + r["timing/update_actor"] for r in steps),
+        "sync_s": statistics.median(r["timing/weight_sync"] for r in steps),
         "samples_per_s": PROMPTS_PER_STEP * 8 / step_s,  # trained
         "engine_busy": statistics.median(_engine_busy_share(r) for r in steps),
     }
