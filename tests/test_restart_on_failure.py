@@ -23,7 +23,7 @@ import psutil
 import pytest
 import ray.exceptions
 from multinode_helpers import processes_with_env
-from test_run_lifecycle import as_from_a_terminal, cleanup, marker_in, wait_for
+from test_run_lifecycle import actor_processes, as_from_a_terminal, cleanup, wait_for
 from tiny_run import command, environment, tiny_run_inputs
 
 from hybridflow.config.loader import to_dict
@@ -215,7 +215,7 @@ def kill_the_policy_worker_after(
     checkpoints = CheckpointManager(output_dir / "checkpoints")
     wait_for(lambda: (checkpoints.latest_step() or 0) >= step or proc.poll() is not None, 900, f"step {step}")
     assert proc.poll() is None, log.read_text()[-3000:]
-    (worker,) = [p for p in psutil.process_iter() if marker_in(p, marker) and is_policy_worker(p)]
+    (worker,) = actor_processes(marker, is_policy_worker)
     worker.kill()
     return worker.pid
 

@@ -24,6 +24,7 @@ import signal
 import subprocess
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -100,6 +101,21 @@ def marker_in(process: psutil.Process, marker: str) -> bool:
         return False
 
 
+def actor_processes(marker: str, is_actor: Callable[[psutil.Process], bool]) -> list[psutil.Process]:
+    """The run's processes that `is_actor` picks, less their forked children, which keep the title
+    Ray gave their parent (Megatron's checkpoint writers fork from the policy worker during a save)."""
+    picked = [p for p in psutil.process_iter() if marker_in(p, marker) and is_actor(p)]
+    pids = {p.pid for p in picked}
+    return [p for p in picked if parent_pid(p) not in pids]
+
+
+def parent_pid(process: psutil.Process) -> int | None:
+    try:
+        return process.ppid()
+    except psutil.Error:
+        return None
+
+
 def test_sigint_exits_130_with_one_line_and_leaves_nothing(local, tmp_path):
     marker = uuid.uuid4().hex
     proc, log = start_and_wait_for_step_1(local, tmp_path / "run", marker)
@@ -145,7 +161,7 @@ def test_a_killed_rollout_process_ends_the_run_with_one_named_error(local, tmp_p
     no_restart = "rollout.max_engine_restarts=0"
     proc, log = start_and_wait_for_step_1(local, tmp_path / "run", marker, *DISAGGREGATED, no_restart)
     try:
-        (rollout,) = [p for p in psutil.process_iter() if marker_in(p, marker) and is_rollout_worker(p)]
+        (rollout,) = actor_processes(marker, is_rollout_worker)
         rollout.kill()
         assert proc.wait(timeout=600) == 1, log.read_text()[-3000:]
         output = log.read_text()

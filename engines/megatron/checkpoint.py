@@ -25,7 +25,8 @@ queue only crosses processes for async saves (`AsyncCallsQueue`), which hybridfl
 synchronous save puts and gets it in the saving process (`AsyncRequest.execute_sync`,
 strategies/async_utils.py; `write_preloaded_data_multiproc` puts, `retrieve_write_results` gets).
 `save_checkpoint` therefore provides a plain in-process queue first. The per-file writers are
-forked, joined within the save.
+forked, joined within the save, and killed with the saving process if it dies mid-save
+(engines/megatron/forked_writers.py: an orphaned writer would hide the death from Ray).
 """
 
 import queue
@@ -40,6 +41,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 from engines.megatron import cpu_compat
+from engines.megatron.forked_writers import forks_die_with_this_process
 from engines.megatron.model import unwrap_model
 from engines.megatron.optimizer import inner_optimizers
 from engines.megatron.parallel import parallel_ranks
@@ -169,7 +171,8 @@ def save_checkpoint(chunks, optimizer, scheduler, path) -> None:
     path.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     state = _sharded_state_dict(chunks, optimizer, scheduler, is_loading=False, with_rng=True)
-    dist_checkpointing.save(state, str(path))
+    with forks_die_with_this_process():
+        dist_checkpointing.save(state, str(path))
 
 
 def load_checkpoint(chunks, optimizer, scheduler, path) -> None:
