@@ -8,11 +8,11 @@ quickstart's arithmetic data, with RESPONSE_LENGTH and the batch chosen so that 
 training (old log-probs + update) take similar time in the synchronous loop, which is where
 generating ahead can save the most (docs/async.md has the measurement behind the choice).
 
-A run's step time is the median `timing/step` over steps 2..STEPS (step 1 generates synchronously
-in every mode); `gen` is the step's wait for its responses (in one_step / async: what was left of
-the generation launched a step earlier), `train` the old log-probs plus the actor update, `sync` the
-step's weight sync (generating ahead without partial rollouts, it also waits for the launched
-generation to finish: a rollout process takes one call at a time). Each mode
+A run's step time is the median `timing/step` over steps 2..STEPS (VLLM_STEPS on vLLM; step 1
+generates synchronously in every mode); `gen` is the step's wait for its responses (in one_step /
+async: what was left of the generation launched a step earlier), `train` the old log-probs plus
+the actor update, `sync` the step's weight sync (generating ahead without partial rollouts, it also
+waits for the launched generation to finish: a rollout process takes one call at a time). Each mode
 runs ROUNDS times, the modes alternating (sync, one_step, ..., sync, one_step, ...: a change of the
 machine's state lands on every mode alike, benchmarks/_conditions.py); a row gives the medians over
 its runs and `step_spread`, (max - min) / median of the runs' step times. `vs_sync` is refused when
@@ -40,6 +40,7 @@ from benchmarks._timing import REPO_ROOT
 
 TITLE = "Async RL: GRPO step time, sync vs one_step vs async vs stream (actor 1 process, rollout 1 process)"
 STEPS = 8
+VLLM_STEPS = 16  # the vLLM rows' heavy-tailed lengths need more steps (VLLM below)
 ROUNDS = 3
 RESPONSE_LENGTH = 128
 PROMPTS_PER_STEP = 8  # x 8 responses = 64 sequences
@@ -56,7 +57,12 @@ MODES = {
 # Training packs the rows (use_dynamic_bsz), as heavy-tailed lengths call for: padded to the batch's
 # longest response it took 4x the generation (5.1 s against 1.2 s, 2026-11-26), a shape where no
 # overlap can save more than a fifth; packed, training and generation take similar time.
+# A whole-batch step on these lengths waits for the batch's longest response, so the step time
+# varies from step to step more than on the hf rows: over 7 steps the vLLM runs' medians spread by
+# 10-23% and the ratio to sync moved 15% between two runs; over 15 they spread by 2-11% and two
+# runs agreed within 7% (2026-11-29, docs/async.md).
 VLLM = [
+    f"trainer.total_training_steps={VLLM_STEPS}",  # after STEPS in the overrides: the later one wins
     "rollout.name=vllm",
     "rollout.calculate_log_probs=true",
     "actor.update.off_policy.mode=truncated_is",
@@ -107,7 +113,7 @@ def _row(mode: str, runs: dict[str, list[dict]], loads: LoadSamples) -> dict:
 
 
 def _step_timings(model: Path, data: dict[str, Path], out: Path, extra: list[str]) -> dict[str, float]:
-    """Median seconds per step (steps 2..STEPS) of one run in a fresh local Ray cluster."""
+    """Median seconds per step (steps 2..the run's last) of one run in a fresh local Ray cluster."""
     from hybridflow.utils.tracking import read_metrics
 
     overrides = [
