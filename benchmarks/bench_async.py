@@ -59,7 +59,7 @@ MODES = {
 # overlap can save more than a fifth; packed, training and generation take similar time.
 # A whole-batch step on these lengths waits for the batch's longest response, so the step time
 # varies from step to step more than on the hf rows: over 7 steps the vLLM runs' medians spread by
-# 10-23% and the ratio to sync moved 15% between two runs; over 15 they spread by 2-11% and two
+# 10-23% and the ratio to sync moved 15% between two runs; over 15 they spread by 2-11% and three
 # runs agreed within 7% (2026-11-29, docs/async.md).
 VLLM = [
     f"trainer.total_training_steps={VLLM_STEPS}",  # after STEPS in the overrides: the later one wins

@@ -43,7 +43,7 @@ from benchmarks._timing import REPO_ROOT, median_seconds, run_torchrun
 
 TITLE = "vLLM (CPU build) vs hf: generation with heavy-tailed lengths, weight sync into vLLM"
 REPEATS = 3
-# The TP2 syncs' median of 3 moved by up to 45% between idle runs (spreads of 23-32% inside a run,
+# The TP2 syncs' median of 3 moved by up to 45% between idle runs (spreads up to 27% inside a run,
 # 2026-11-29, docs/engines.md); a sync takes under a second, so more rounds settle it cheaply.
 SYNC_REPEATS = 9
 SHAPE_76M = dict(
