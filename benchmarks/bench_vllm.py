@@ -19,7 +19,8 @@ Weight sync: the 76M shape held by a Megatron actor at TP1 (1 process) and TP2 (
 torchrun), synced into each rank's vLLM engine by `MegatronRolloutShardingManager.load_weights`
 (512 MiB buckets), with packed weights (vLLM's layerwise reload, which re-packs every layer) and
 with plain ones (loaded in place); against a plain copy of the same bytes into preallocated
-tensors. After a warm-up of each, syncs and copies alternate over SYNC_REPEATS rounds; each row gives
+tensors. After a warm-up of each, syncs and copies alternate over SYNC_REPEATS rounds, each timed
+from a barrier of the ranks (at TP2 both ranks copy at once, as both sync at once); each row gives
 the median, the spread and the load samples, and the share of a plain copy's rate is refused
 when the load moved (as the generation ratios are).
 
@@ -277,7 +278,7 @@ def _sync_worker(model_dir: Path, result_file: Path, weights: str) -> None:
     manager.load_weights()
     plain_copy()
     loads = LoadSamples()
-    timers = {"sync": _timer(manager.load_weights), "copy": _timer(plain_copy)}
+    timers = {"sync": _timer_from_barrier(manager.load_weights), "copy": _timer_from_barrier(plain_copy)}
     seconds = alternating(timers, SYNC_REPEATS, loads)
     nbytes = manager.last_sync.bytes
     sync_case = f"weight sync actor TP{tp} -> vllm, {weights} weights"
@@ -313,8 +314,13 @@ def _profile_one_sync(manager, out: Path) -> None:
         out.write_text(text.getvalue())
 
 
-def _timer(fn):
+def _timer_from_barrier(fn):
+    """Seconds of `fn`, started on every rank at once: at TP2 the two ranks' copies then always
+    overlap, as their syncs do (unaligned, a rank's copy sometimes ran alone: 0.026-0.041 s)."""
+    import torch.distributed as dist
+
     def run() -> float:
+        dist.barrier()
         start = time.perf_counter()
         fn()
         return time.perf_counter() - start
