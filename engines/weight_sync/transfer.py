@@ -46,11 +46,19 @@ BACKENDS = ("gloo", "nccl")
 class TransferGroup:
     """A process group outside torch.distributed's registry, with the store it was built on."""
 
-    store: dist.Store
-    group: dist.ProcessGroup
+    store: dist.Store | None
+    group: dist.ProcessGroup | None
     rank: int
     size: int
     device: torch.device
+
+    def close(self) -> None:
+        """Destroy the group now: its threads join and its connections close. gloo's `shutdown` and
+        `abort` leave both as they are (torch 2.13), only dropping the last reference ends them, and
+        a group still alive when the interpreter exits can abort the process in its teardown
+        ("terminate called without an active exception", pytorch/pytorch#190489). A traceback kept
+        by a failed transfer can hold this object, not the group, so the group ends here."""
+        self.group = self.store = None
 
 
 def transfer_group(
@@ -221,6 +229,8 @@ class _FirstFailure:
 
 
 def _broadcast(group: TransferGroup, tensor: torch.Tensor) -> None:
+    if group.group is None:
+        raise RuntimeError("a weight transfer over a closed transfer group")
     group.group.broadcast([tensor], dist.BroadcastOptions()).wait()
 
 

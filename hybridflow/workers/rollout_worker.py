@@ -124,6 +124,12 @@ class RolloutWorker(Worker):
                 pending.result(timeout=LEAVE_TIMEOUT_S)
             if not pending.done():  # still stuck: later joins and transfers get a thread of their own
                 self._background = ThreadPoolExecutor(max_workers=1)
+        self._close_receiver()
+
+    def _close_receiver(self) -> None:
+        """End this member's transfer group now (TransferGroup.close), not at the process's exit."""
+        if self.receiver is not None:
+            self.receiver.group.close()
         self.receiver = None
 
     def _start(self, start: Callable[[], Future]) -> None:
@@ -202,9 +208,11 @@ class RolloutWorker(Worker):
         return self.engine.get_rng_state()
 
     def teardown(self) -> None:
-        """Stop the engine (last: vLLM's teardown destroys torch.distributed's default group)."""
+        """Close the transfer group, then stop the engine (last: vLLM's teardown destroys
+        torch.distributed's default group)."""
         self._background.shutdown(wait=False, cancel_futures=True)
         if self.batches is not None:
             self.batches.shutdown()
+        self._close_receiver()
         if self.engine is not None:
             self.engine.shutdown()

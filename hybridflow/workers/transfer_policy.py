@@ -49,8 +49,15 @@ class TransferPolicyWorker(PolicyWorker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def leave_transfer(self) -> None:
-        """Rank 0 drops its transfer group (its connections close); `join_transfer` builds a new one."""
+        """Rank 0 closes its transfer group (its connections close); `join_transfer` builds a new one."""
+        if self.sender is not None:
+            self.sender.group.close()
         self.sender = None
+
+    def teardown(self) -> None:
+        """Close the transfer group (TransferGroup.close: not left to the process's exit)."""
+        self.leave_transfer()
+        super().teardown()
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def probe_log_probs(self) -> tuple[list[list[int]], object] | None:

@@ -35,9 +35,9 @@ def version_tensors(version: int) -> list[tuple[str, torch.Tensor]]:
 
 class EngineDouble:
     """Stands for a rollout engine (`RolloutEngine`, engines/rollout/base.py) in the weight-update
-    calls `WeightReceiver.load_into` makes, and only those: begin_weight_update, update_weights,
-    end_weight_update, flush_cache. Records each call and keeps the tensors loaded; `failing_call`
-    raises RuntimeError once, at its FAILS_AT-th call."""
+    calls `WeightReceiver.load_into` makes (begin_weight_update, update_weights, end_weight_update,
+    flush_cache) and in the teardown's `shutdown`. Records each weight-update call and keeps the
+    tensors loaded; `failing_call` raises RuntimeError once, at its FAILS_AT-th call."""
 
     def __init__(self, failing_call: str):
         self.failing_call = failing_call
@@ -57,6 +57,9 @@ class EngineDouble:
     def flush_cache(self) -> None:
         self._call("flush_cache")
 
+    def shutdown(self) -> None:
+        """The worker's teardown stops its engine; this one holds nothing to stop."""
+
     def _call(self, name: str) -> None:
         self.calls.append(name)
         if name == self.failing_call and self.calls.count(name) == FAILS_AT[name]:
@@ -75,6 +78,7 @@ def send(port: int, out_file: str) -> None:
         group.store.set(f"sent {version}", "")
     torch.save({"send_seconds": seconds}, out_file)
     group.store.wait(["received"])  # the store lives in this process: keep it for the receiver
+    group.close()
 
 
 def receive(port: int, failing_call: str, out_file: str) -> None:
@@ -90,6 +94,7 @@ def receive(port: int, failing_call: str, out_file: str) -> None:
     result |= {"served": transfer(worker, 2), "calls_good": engine.calls, "weights": engine.weights}
     torch.save(result, out_file)
     worker.receiver.group.store.set("received", "")
+    worker.teardown()  # as the worker group ends a worker: its transfer group closes before the exit
 
 
 def transfer(worker: RolloutWorker, version: int):

@@ -58,6 +58,7 @@ def send(port: int, size: int, model_dir: str) -> None:
     sender = WeightSender(transfer_group("127.0.0.1", port, 0, size, "gloo"), bucket_mb=BUCKET_MB)
     for version in VERSIONS:
         sender.send(versioned_tensors(model_dir, version), version)
+    sender.group.close()
 
 
 def receive(port: int, size: int, model_dir: str, rank: int, engine_name: str, out_file: str) -> None:
@@ -73,6 +74,7 @@ def receive(port: int, size: int, model_dir: str, rank: int, engine_name: str, o
         "log_probs": out.batch["rollout_log_probs"],
     }
     torch.save(result, out_file)
+    receiver.group.close()
     engine.shutdown()  # last: vLLM's teardown destroys torch.distributed's default group
 
 

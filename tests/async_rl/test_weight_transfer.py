@@ -51,6 +51,40 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+CLOSE_SCRIPT = """
+import os, sys, torch
+from engines.weight_sync.transfer import WeightSender, transfer_group
+def threads():
+    return len(os.listdir("/proc/self/task"))
+before = threads()
+group = transfer_group("127.0.0.1", int(sys.argv[1]), 0, 1, "gloo")
+sender = WeightSender(group, bucket_mb=1)
+sender.send([("w", torch.ones(3))], version=1)
+during = threads()
+group.close()
+after = threads()
+try:
+    sender.send([("w", torch.ones(3))], version=2)
+except RuntimeError as err:
+    print(before, during, after, err)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc/self/task (Linux)")
+def test_closing_a_transfer_group_ends_its_threads_and_refuses_a_later_transfer():
+    """A group left alive to the interpreter's exit can abort the process in its teardown, so the
+    workers close theirs: closing joins the group's threads and store (a process of its own, so
+    that no other thread comes or goes) and a transfer after it is refused by name."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
+    out = subprocess.run(
+        [sys.executable, "-c", CLOSE_SCRIPT, str(free_port())], capture_output=True, text=True, env=env
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    before, during, after, message = out.stdout.strip().split(" ", 3)
+    assert int(during) > int(before) and int(after) == int(before)
+    assert message == "a weight transfer over a closed transfer group"
+
+
 def run_transfer(model_dir: str, engines: list[str], out_dir: Path) -> list[dict]:
     """A sender and one receiver process per engine; each receiver's results."""
     port, size = free_port(), 1 + len(engines)
