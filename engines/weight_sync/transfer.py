@@ -53,11 +53,15 @@ class TransferGroup:
     device: torch.device
 
     def close(self) -> None:
-        """Destroy the group now: its threads join and its connections close. gloo's `shutdown` and
-        `abort` leave both as they are (torch 2.13), only dropping the last reference ends them, and
-        a group still alive when the interpreter exits can abort the process in its teardown
-        ("terminate called without an active exception", pytorch/pytorch#190489). A traceback kept
-        by a failed transfer can hold this object, not the group, so the group ends here."""
+        """Destroy the group now: its threads join and its connections close. `shutdown` is what
+        torch's destroy_process_group calls on each group (NCCL's communicators end there); gloo's
+        leaves its threads running and its broadcasts working (torch 2.13, measured), and only
+        dropping the last reference ends them. A group still alive when the interpreter exits can
+        abort the process in its teardown ("terminate called without an active exception",
+        pytorch/pytorch#190489); a traceback kept by a failed transfer can hold this object, not
+        the group, so the group ends here."""
+        if self.group is not None:
+            self.group.shutdown()
         self.group = self.store = None
 
 
