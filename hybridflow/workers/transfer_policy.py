@@ -4,7 +4,7 @@ to the rollout pool's engines (engines/weight_sync/transfer.py).
 Every actor rank walks the weight stream (`iter_hf_tensors` is collective over the model-parallel
 group: each rank gathers full tensors); rank 0 sends them, the others only take part.
 
-After a rollout process died, rank 0 drops its end of the broken transfer group (`leave_transfer`:
+After a rollout process died, rank 0 closes its end of the broken transfer group (`leave_transfer`:
 closing its connections ends a survivor's receive under way) and joins a new one; the restarted
 engine is then checked against the actor's log-probs of fixed tokens (`probe_log_probs`).
 """

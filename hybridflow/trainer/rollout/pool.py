@@ -268,7 +268,7 @@ class PoolRollout:
         raise died_error(cause, note, dead) from cause
 
     def reconnect(self) -> None:
-        """A new transfer group: the sender drops the broken one first (a survivor's receive under
+        """A new transfer group: the sender closes the broken one first (a survivor's receive under
         way then fails), every rollout process leaves it, and all join the new one."""
         self.served = None
         self.policy.group.leave_transfer()
