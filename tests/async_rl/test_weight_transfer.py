@@ -51,6 +51,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def worker_env() -> dict[str, str]:
+    """This process's environment for a worker script: the repository importable, warnings off."""
+    return {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
+
+
 CLOSE_SCRIPT = """
 import os, sys, torch
 from engines.weight_sync.transfer import WeightSender, transfer_group
@@ -76,9 +81,11 @@ def test_closing_a_transfer_group_ends_its_threads_and_refuses_a_later_transfer(
     """A group left alive to the interpreter's exit can abort the process in its teardown, so the
     workers close theirs: closing joins the group's threads and store (a process of its own, so
     that no other thread comes or goes) and a transfer after it is refused by name."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
     out = subprocess.run(
-        [sys.executable, "-c", CLOSE_SCRIPT, str(free_port())], capture_output=True, text=True, env=env
+        [sys.executable, "-c", CLOSE_SCRIPT, str(free_port())],
+        capture_output=True,
+        text=True,
+        env=worker_env(),
     )
     assert out.returncode == 0, out.stderr[-4000:]
     before, during, after, message = out.stdout.strip().split(" ", 3)
@@ -101,10 +108,15 @@ def run_transfer(model_dir: str, engines: list[str], out_dir: Path) -> list[dict
 
 def run_processes(commands: list[list], timeout_s: float) -> None:
     """Every command at once, each in a session of its own; each must exit 0 within timeout_s."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
+    env = worker_env()
     procs = [
         subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            start_new_session=True,
         )
         for cmd in commands
     ]
