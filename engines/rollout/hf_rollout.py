@@ -28,6 +28,7 @@ from engines.rollout.base import (
 )
 from engines.rollout.config import RolloutConfig, SamplingConfig
 from engines.rollout.hf_routes import ROUTES_KEY, RouteRecorder
+from engines.rollout.images import is_vision_language, refuse_image_tokens_without_pixels
 from engines.weight_sync.common import check_named_shapes, tensor_checksum, torch_dtype
 from hybridflow.protocol import PIXEL_VALUES_KEY, DataProto
 
@@ -71,24 +72,6 @@ def checkpoint_tensors(model, remove_duplicate: bool = True) -> dict[str, torch.
     for name, param in model.named_parameters(remove_duplicate=remove_duplicate):
         tensors.update(_checkpoint_names(name, param, model.config.model_type))
     return tensors
-
-
-def is_vision_language(hf_config) -> bool:
-    return getattr(hf_config, "vision_config", None) is not None
-
-
-def _refuse_image_tokens_without_pixels(hf_config, input_ids: torch.Tensor) -> None:
-    """A vision-language model given image placeholder tokens but no `pixel_values` would read the
-    placeholders as text and generate from a prompt the policy never sees: refused."""
-    if not is_vision_language(hf_config):
-        return
-    image_token = getattr(hf_config, "image_token_id", None)
-    count = int((input_ids == image_token).sum()) if image_token is not None else 0
-    if count:
-        raise ValueError(
-            f"the prompts hold {count} image tokens (id {image_token}) but no `{PIXEL_VALUES_KEY}`: "
-            "pass each row's pixels with its prompt (hybridflow/data/image_prompts.py)"
-        )
 
 
 def _vision_language_checkpoint_names(model, remove_duplicate: bool) -> dict[str, torch.Tensor]:
@@ -214,7 +197,7 @@ class HFRolloutEngine(SeededGenerationMixin):
         the image tokens in the batch (LLaVA fills them in that order); {} without images."""
         rows = prompts.non_tensor_batch.get(PIXEL_VALUES_KEY)
         if rows is None:
-            _refuse_image_tokens_without_pixels(self.model.config, prompts.batch["input_ids"])
+            refuse_image_tokens_without_pixels(self.model.config, prompts.batch["input_ids"])
             return {}
         if not is_vision_language(self.model.config):
             raise ValueError(

@@ -8,7 +8,8 @@ experts), and the hf engine itself imports `common`.
 
 import torch
 
-from engines.rollout.hf_rollout import checkpoint_tensors, is_vision_language
+from engines.rollout.hf_rollout import checkpoint_tensors
+from engines.rollout.images import is_vision_language
 
 
 def expected_hf_tensor_shapes(model_dir) -> tuple[dict[str, tuple[int, ...]], set[str]]:
