@@ -28,7 +28,7 @@ from engines.rollout.base import (
 )
 from engines.rollout.config import RolloutConfig, SamplingConfig
 from engines.rollout.hf_routes import ROUTES_KEY, RouteRecorder
-from engines.rollout.images import is_vision_language, refuse_image_tokens_without_pixels
+from engines.rollout.images import image_rows, is_vision_language
 from engines.weight_sync.common import check_named_shapes, tensor_checksum, torch_dtype
 from hybridflow.protocol import PIXEL_VALUES_KEY, DataProto
 
@@ -195,15 +195,9 @@ class HFRolloutEngine(SeededGenerationMixin):
     def _image_inputs(self, prompts: DataProto) -> dict[str, torch.Tensor]:
         """`pixel_values` (N, 3, H, W) of every row's images in row order, which is the order of
         the image tokens in the batch (LLaVA fills them in that order); {} without images."""
-        rows = prompts.non_tensor_batch.get(PIXEL_VALUES_KEY)
+        rows = image_rows(prompts, self.model.config)
         if rows is None:
-            refuse_image_tokens_without_pixels(self.model.config, prompts.batch["input_ids"])
             return {}
-        if not is_vision_language(self.model.config):
-            raise ValueError(
-                f"the prompts carry `{PIXEL_VALUES_KEY}` but the rollout model "
-                f"({self.model.config.model_type}) takes no images"
-            )
         images = [torch.as_tensor(row) for row in rows if len(row)]
         if not images:
             return {}

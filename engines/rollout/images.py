@@ -3,7 +3,7 @@ images, and the refusal of image placeholders that arrive without their pixels."
 
 import torch
 
-from hybridflow.protocol import PIXEL_VALUES_KEY
+from hybridflow.protocol import PIXEL_VALUES_KEY, DataProto
 
 
 def is_vision_language(hf_config) -> bool:
@@ -22,3 +22,18 @@ def refuse_image_tokens_without_pixels(hf_config, input_ids: torch.Tensor) -> No
             f"the prompts hold {count} image tokens (id {image_token}) but no `{PIXEL_VALUES_KEY}`: "
             "pass each row's pixels with its prompt (hybridflow/data/image_prompts.py)"
         )
+
+
+def image_rows(prompts: DataProto, hf_config):
+    """The rows' `pixel_values` (an object array, one (N_i, 3, H, W) array per row) or None when
+    the prompts carry none; pixels for a text model, or image tokens without pixels, are refused."""
+    rows = prompts.non_tensor_batch.get(PIXEL_VALUES_KEY)
+    if rows is None:
+        refuse_image_tokens_without_pixels(hf_config, prompts.batch["input_ids"])
+        return None
+    if not is_vision_language(hf_config):
+        raise ValueError(
+            f"the prompts carry `{PIXEL_VALUES_KEY}` but the rollout model "
+            f"({hf_config.model_type}) takes no images"
+        )
+    return rows
