@@ -50,10 +50,11 @@ from engines.rollout.base import (
     pad_rows,
     read_special_token_ids,
     row_seed,
-    unpadded_prompts,
 )
 from engines.rollout.config import RolloutConfig, SamplingConfig
+from engines.rollout.images import is_vision_language
 from engines.rollout.vllm_cpu_weights import check_plain_weights, onednn_dispatch
+from engines.rollout.vllm_images import check_image_engine_args, vllm_prompts
 from engines.rollout.vllm_lora import AdapterSlot, lora_engine_args, reset_adapters, sleep_level
 from engines.weight_sync.common import check_named_shapes
 from engines.weight_sync.model_shapes import expected_hf_tensor_shapes
@@ -64,7 +65,9 @@ CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 CPU_KV_CACHE_BYTES = 1 << 30
 
 
-def vllm_engine_args(cfg: RolloutConfig, model_path: str, on_cuda: bool, uses_stop: bool) -> dict[str, Any]:
+def vllm_engine_args(
+    cfg: RolloutConfig, model_path: str, on_cuda: bool, needs_tokenizer: bool
+) -> dict[str, Any]:
     """The `vllm.LLM` keyword arguments of a rollout config: hybridflow's settings, then the
     recipe's `rollout.vllm` (whose names never collide with these: config validation)."""
     args: dict[str, Any] = dict(
@@ -73,7 +76,8 @@ def vllm_engine_args(cfg: RolloutConfig, model_path: str, on_cuda: bool, uses_st
         seed=cfg.seed,
         load_format=cfg.load_format,
         tensor_parallel_size=cfg.tensor_model_parallel_size,
-        skip_tokenizer_init=not uses_stop,  # stop strings are matched on text, so they need it
+        # stop strings are matched on text, and a vision-language model's processor holds the tokenizer
+        skip_tokenizer_init=not needs_tokenizer,
         logprobs_mode="processed_logprobs",
         generation_config="vllm",  # ignore sampling defaults shipped in generation_config.json
     )
@@ -178,7 +182,7 @@ class VLLMRolloutEngine(SeededGenerationMixin):
         hf_config = AutoConfig.from_pretrained(model_path)
         on_cuda = torch.cuda.is_available()
         if not on_cuda:
-            check_cpu_head_size(hf_config)
+            check_cpu_head_size(hf_config.get_text_config())  # a vision-language model's language model
         self.plain_weights = cfg.vllm_cpu_weights == "plain"
         if self.plain_weights and on_cuda:
             raise ValueError(
@@ -190,9 +194,13 @@ class VLLMRolloutEngine(SeededGenerationMixin):
         uses_stop = bool(cfg.sampling.stop or cfg.val_sampling.stop)
         self.tokenizer = load_tokenizer(model_path) if uses_stop else None
         self.expected_shapes, _ = expected_hf_tensor_shapes(model_path)
-        engine_args = vllm_engine_args(cfg, str(model_path), on_cuda, uses_stop)
+        needs_tokenizer = uses_stop or is_vision_language(hf_config)
+        engine_args = vllm_engine_args(cfg, str(model_path), on_cuda, needs_tokenizer)
         if lora_rank:
             engine_args.update(lora_engine_args(lora_rank, cfg.vllm))
+        if is_vision_language(hf_config):
+            check_image_engine_args(engine_args)
+        self.hf_config = hf_config
         try:
             with onednn_dispatch(enabled=not self.plain_weights):
                 self.llm = _build_llm(engine_args)
@@ -211,9 +219,7 @@ class VLLMRolloutEngine(SeededGenerationMixin):
     def _generate(self, prompts: DataProto, sampling: SamplingConfig, seed: int):
         """Generated ids (B, L) padded with the pad id, their log-probs (B, L) or None, and with
         top_k_log_probs their `TopK` (B, L, K) (else None)."""
-        from vllm.inputs import TokensPrompt
-
-        requests = [TokensPrompt(prompt_token_ids=ids) for ids in unpadded_prompts(prompts)]
+        requests = vllm_prompts(prompts, self.hf_config)
         if not requests:
             return torch.zeros(0, 0, dtype=torch.long), None, None
         params = [

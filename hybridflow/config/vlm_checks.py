@@ -7,9 +7,8 @@ from hybridflow.config.schema import RecipeConfig
 def _settings_problems(cfg: RecipeConfig) -> list[str]:
     megatron, trainer = cfg.actor.megatron, cfg.trainer
     checks = [
-        (cfg.rollout.name != "hf", f"rollout.name={cfg.rollout.name}: image prompts generate with the hf "
-         "engine only so far (vLLM's CPU build needs a torchvision this machine cannot install); set "
-         "rollout.name: hf"),
+        (cfg.rollout.name == "sglang", "rollout.name=sglang: image prompts generate with the hf and vllm "
+         "engines only so far; set rollout.name: hf or vllm"),
         (cfg.actor.lora.rank > 0, f"actor.lora.rank={cfg.actor.lora.rank}: LoRA on a vision-language "
          "model is not built; set it to 0"),
         (megatron.pipeline_model_parallel_size > 1 or megatron.context_parallel_size > 1
@@ -28,7 +27,24 @@ def _settings_problems(cfg: RecipeConfig) -> list[str]:
          "and the others would read its image prompts as text; use a critic-free algorithm (e.g. GRPO) "
          "with a rule or custom reward"),
     ]  # fmt: skip
-    return [message for failed, message in checks if failed]
+    return [message for failed, message in checks if failed] + _vllm_problems(cfg)
+
+
+def _vllm_problems(cfg: RecipeConfig) -> list[str]:
+    from engines.rollout.vllm_images import check_image_engine_args
+
+    if cfg.rollout.name != "vllm":
+        return []
+    problems = []
+    if cfg.rollout.verify_weight_sync:
+        problems.append("rollout.verify_weight_sync=true: with vllm the check scores text tokens through "
+                        "the actor, and the LLaVA actor takes none without images; set it to false, or use "
+                        "rollout.name: hf, whose check compares the weights themselves")  # fmt: skip
+    try:
+        check_image_engine_args(cfg.rollout.vllm)
+    except ValueError as err:
+        problems.append(str(err))
+    return problems
 
 
 def vision_language_problems(cfg: RecipeConfig, path: str) -> list[str]:

@@ -7,6 +7,7 @@ import io
 import numpy as np
 import torch
 
+from engines.rollout.config import RolloutConfig, SamplingConfig
 from hybridflow.data.image_prompts import decode_images, image_prompt_inputs
 from hybridflow.protocol import PIXEL_VALUES_KEY, DataProto
 
@@ -86,3 +87,14 @@ def reference_greedy(model, inputs, eos_ids: list[int], pad_id: int) -> list[lis
 def engine_responses(out: DataProto) -> list[list[int]]:
     rows = zip(out.batch["responses"], out.batch["response_mask"], strict=True)
     return [row[mask.bool()].tolist() for row, mask in rows]
+
+
+def greedy_rollout_config(engine: str, load_format: str = "auto") -> RolloutConfig:
+    """Greedy decoding of MAX_NEW tokens with log-probs; the vllm engine through vLLM's Transformers
+    backend (vLLM's own LLaVA needs torchvision: engines/rollout/vllm_images.py)."""
+    greedy = SamplingConfig(do_sample=False, temperature=0.0, max_new_tokens=MAX_NEW)
+    vllm = {"model_impl": "transformers", "max_model_len": 256} if engine == "vllm" else {}
+    return RolloutConfig(
+        name=engine, response_length=MAX_NEW, load_format=load_format, sampling=greedy, val_sampling=greedy,
+        calculate_log_probs=True, vllm=vllm,
+    )  # fmt: skip

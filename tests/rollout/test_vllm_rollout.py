@@ -79,17 +79,17 @@ def test_engine_args_list_matches_the_installed_vllm():
 
 def test_engine_args_on_cpu_and_cuda():
     cfg = RolloutConfig(name="vllm", seed=3, vllm={"max_model_len": 1024})
-    cpu = vllm_engine_args(cfg, "/m", on_cuda=False, uses_stop=False)
+    cpu = vllm_engine_args(cfg, "/m", on_cuda=False, needs_tokenizer=False)
     assert cpu["enforce_eager"] and cpu["kv_cache_memory_bytes"] == 1 << 30
     assert (cpu["seed"], cpu["max_model_len"], cpu["skip_tokenizer_init"]) == (3, 1024, True)
     assert "enable_sleep_mode" not in cpu and "distributed_executor_backend" not in cpu
     assert cpu["enable_chunked_prefill"] is False
     chunked = dataclasses.replace(cfg, vllm={"enable_chunked_prefill": True})
     with pytest.raises(ValueError, match=r"rollout\.vllm\.enable_chunked_prefill"):
-        vllm_engine_args(chunked, "/m", on_cuda=False, uses_stop=False)
+        vllm_engine_args(chunked, "/m", on_cuda=False, needs_tokenizer=False)
     assert cpu["logprobs_mode"] == "processed_logprobs" and cpu["generation_config"] == "vllm"
     tp2 = dataclasses.replace(cfg, tensor_model_parallel_size=2, gpu_memory_utilization=0.3, vllm={})
-    cuda = vllm_engine_args(tp2, "/m", on_cuda=True, uses_stop=True)
+    cuda = vllm_engine_args(tp2, "/m", on_cuda=True, needs_tokenizer=True)
     assert cuda["distributed_executor_backend"] == "external_launcher" and cuda["tensor_parallel_size"] == 2
     assert (cuda["gpu_memory_utilization"], cuda["enable_sleep_mode"], cuda["skip_tokenizer_init"]) == (
         0.3,
@@ -98,7 +98,7 @@ def test_engine_args_on_cpu_and_cuda():
     )
     assert "enforce_eager" not in cuda and "kv_cache_memory_bytes" not in cuda
     own = dataclasses.replace(cfg, vllm={"kv_cache_memory_bytes": 5})
-    assert vllm_engine_args(own, "/m", on_cuda=False, uses_stop=False)["kv_cache_memory_bytes"] == 5
+    assert vllm_engine_args(own, "/m", on_cuda=False, needs_tokenizer=False)["kv_cache_memory_bytes"] == 5
 
 
 def test_sampling_params_follow_the_recipe():
