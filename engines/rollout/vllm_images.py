@@ -5,7 +5,8 @@ vLLM's own LLaVA (`model_executor/models/llava.py`) imports transformers' Pixtra
 which imports torchvision, and vLLM's CPU build has no torchvision for its torch (docs/vlm.md). Its
 Transformers backend (`model_impl="transformers"`, `model_executor/models/transformers/
 multimodal.py`) runs transformers' own LLaVA inside vLLM's engine, with vLLM's attention and
-linear layers, and needs no torchvision: on CPU the recipe sets `rollout.vllm.model_impl`.
+linear layers, and needs no torchvision; it also takes the weight names transformers 5 saves, which
+the sync streams and vLLM's own LLaVA does not. So a recipe sets `rollout.vllm.model_impl`.
 
 Two rules of vLLM shape each request:
   - the rows carry the `pixel_values` the model's processor made (hybridflow/data/image_prompts.py)
@@ -16,8 +17,6 @@ Two rules of vLLM shape each request:
   - vLLM expands every image placeholder token of a token prompt into the image's features, even
     one the processor expanded already, so each image's run of placeholders goes in as one token.
 """
-
-import importlib.util
 
 import torch
 
@@ -80,12 +79,13 @@ def _image_prompt(ids: list[int], pixels, image_token_id: int, per_image: int, r
 
 
 def check_image_engine_args(engine_args: dict) -> None:
-    """ValueError when a vision-language model would reach vLLM's own LLaVA without torchvision,
-    which fails while vLLM inspects the architecture, naming no setting."""
-    if engine_args.get("model_impl") == "transformers" or importlib.util.find_spec("torchvision"):
-        return
-    raise ValueError(
-        "rollout.name=vllm with a vision-language model: vLLM's own LLaVA imports torchvision, "
-        "which is not installed (vLLM's CPU build has none for its torch: docs/vlm.md); set "
-        "rollout.vllm.model_impl: transformers"
-    )
+    """ValueError unless a vision-language model goes through vLLM's Transformers backend: vLLM's
+    own LLaVA takes other weight names than transformers 5 saves and the sync streams
+    (`vision_tower.vision_model.*` for `vision_tower.*`; its loader refused the tiny LLaVA's
+    checkpoint, tried 2026-11-29), and it imports torchvision, which vLLM's CPU build lacks."""
+    if engine_args.get("model_impl") != "transformers":
+        raise ValueError(
+            "rollout.name=vllm with a vision-language model: set rollout.vllm.model_impl: transformers "
+            "(vLLM's own LLaVA takes other weight names than the sync streams, and needs torchvision: "
+            "docs/vlm.md)"
+        )
