@@ -10,7 +10,7 @@ def is_vision_language(hf_config) -> bool:
     return getattr(hf_config, "vision_config", None) is not None
 
 
-def refuse_image_tokens_without_pixels(hf_config, input_ids: torch.Tensor) -> None:
+def _refuse_image_tokens_without_pixels(hf_config, input_ids: torch.Tensor) -> None:
     """A vision-language model given image placeholder tokens but no `pixel_values` would read the
     placeholders as text and generate from a prompt the policy never sees: refused."""
     if not is_vision_language(hf_config):
@@ -29,7 +29,7 @@ def image_rows(prompts: DataProto, hf_config):
     the prompts carry none; pixels for a text model, or image tokens without pixels, are refused."""
     rows = prompts.non_tensor_batch.get(PIXEL_VALUES_KEY)
     if rows is None:
-        refuse_image_tokens_without_pixels(hf_config, prompts.batch["input_ids"])
+        _refuse_image_tokens_without_pixels(hf_config, prompts.batch["input_ids"])
         return None
     if not is_vision_language(hf_config):
         raise ValueError(
