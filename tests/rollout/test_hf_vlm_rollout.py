@@ -15,12 +15,12 @@ from image_rows import (
     RED_CIRCLE,
     ROWS,
     engine_responses,
+    greedy_rollout_config,
     left_padded,
     reference_greedy,
     row_inputs,
 )
 
-from engines.rollout.config import RolloutConfig, SamplingConfig
 from engines.rollout.hf_rollout import HFRolloutEngine
 from hybridflow.data.image_prompts import decode_images, image_prompt_inputs
 from hybridflow.protocol import PIXEL_VALUES_KEY, DataProto
@@ -47,12 +47,7 @@ def reference_model(vlm):
 
 
 def make_engine(vlm, load_format: str = "auto") -> HFRolloutEngine:
-    greedy = SamplingConfig(do_sample=False, temperature=0.0, max_new_tokens=MAX_NEW)
-    cfg = RolloutConfig(
-        response_length=MAX_NEW, load_format=load_format, sampling=greedy, val_sampling=greedy,
-        calculate_log_probs=True,
-    )  # fmt: skip
-    return HFRolloutEngine(vlm, cfg, device="cpu")
+    return HFRolloutEngine(vlm, greedy_rollout_config("hf", load_format), device="cpu")
 
 
 def test_processor_expands_each_placeholder_into_the_images_features(processor):
