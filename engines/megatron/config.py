@@ -14,6 +14,7 @@ from hybridflow.algorithms.offpolicy import IS_LEVELS, OFF_POLICY_MODES
 
 # The valid values of each choice. model.DTYPES and checks.LR_DECAY_STYLES, which check values
 # given to the engine directly, must equal these (tests/test_config.py checks).
+
 ParamsDtype = Literal["float32", "bfloat16"]  # bf16 keeps fp32 master weights
 OptimizerName = Literal["adam"]  # AdamW (decoupled weight decay)
 LrDecayStyle = Literal["constant", "linear", "cosine"]
@@ -45,31 +46,34 @@ MAX_UPDATE_RATIO = 0.25
 class MegatronConfig:
     """Parallel layout, precision and memory placement of one Megatron-backed role."""
 
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    context_parallel_size: int = 1
-    sequence_parallel: bool = False
-    use_distributed_optimizer: bool = True  # GPU only; CPU runs use the numerically equal local update
-    params_dtype: ParamsDtype = "float32"
-    make_vocab_size_divisible_by: int = 128
+    tensor_model_parallel_size: int = 1  # TP: each layer's weights split over this many ranks
+    pipeline_model_parallel_size: int = 1  # PP: the layers split into this many stages
+    context_parallel_size: int = 1  # CP: each sequence split over this many ranks (Transformer Engine)
+    sequence_parallel: bool = False  # Megatron's sequence parallelism over the TP ranks (Transformer Engine)
+    # optimizer state sharded over the data-parallel ranks (GPU only; CPU runs use the numerically
+    # equal local update)
+    use_distributed_optimizer: bool = True
+    params_dtype: ParamsDtype = "float32"  # the parameters' dtype
+    make_vocab_size_divisible_by: int = 128  # the vocabulary is padded to a multiple of this x TP
     # Actor state in host memory while the rollout engine generates (engines/megatron/offload.py);
     # no-ops on CPU machines. Parameters leave once synced into the engine, gradients and
     # optimizer state before the engine's weights are resumed.
     param_offload: bool = False
-    grad_offload: bool = False
-    optimizer_offload: bool = False
-    seed: int = 42
+    grad_offload: bool = False  # gradients in host memory while the engine generates
+    optimizer_offload: bool = False  # optimizer state in host memory while the engine generates
+    seed: int = 42  # seeds torch's and Megatron's model-parallel RNGs and a new value head's weights
     # Mixture-of-experts models only (Qwen3-MoE, Mixtral); ignored for dense models.
     expert_model_parallel_size: int = 1  # EP: experts split over this many ranks
     expert_tensor_parallel_size: int | None = None  # None: Megatron's default, the dense TP size
     moe_aux_loss_coeff: float = 0.0  # router load-balancing loss weight (HF's router_aux_loss_coef)
-    moe_token_dispatcher_type: MoeTokenDispatcher = "allgather"  # Megatron's default
+    # how tokens reach their experts' ranks (allgather: Megatron's default)
+    moe_token_dispatcher_type: MoeTokenDispatcher = "allgather"
     moe_routing_replay: MoeRoutingReplay = "off"  # R3: docs/routing-replay.md
     # Any other Megatron-Core 0.16.1 setting by its own name, applied over what hybridflow builds
-    # (engines/megatron/passthrough.py), e.g. transformer: {recompute_granularity: full}
-    transformer: dict[str, Any] = field(default_factory=dict)  # TransformerConfig fields
-    ddp: dict[str, Any] = field(default_factory=dict)  # DistributedDataParallelConfig fields
-    optimizer: dict[str, Any] = field(default_factory=dict)  # OptimizerConfig fields
+    # (engines/megatron/passthrough.py): TransformerConfig fields, e.g. {recompute_granularity: full}
+    transformer: dict[str, Any] = field(default_factory=dict)
+    ddp: dict[str, Any] = field(default_factory=dict)  # DistributedDataParallelConfig fields, as transformer
+    optimizer: dict[str, Any] = field(default_factory=dict)  # OptimizerConfig fields, as transformer
 
     def __post_init__(self) -> None:
         from engines.megatron.passthrough import check_megatron_passthrough
@@ -84,9 +88,11 @@ class LoraConfig:
     """LoRA adapters on the actor's linears (docs/lora.md): W x + alpha / rank * B A dropout(x),
     base weights frozen, only A and B trained. rank 0: off (full fine-tuning)."""
 
-    rank: int = 0
+    rank: int = 0  # r, the adapters' inner dimension; 0: no adapters
     alpha: float = 16.0  # the update is scaled by alpha / rank (peft's default, not rsLoRA)
     dropout: float = 0.0  # on the adapter's input only
+    # the Megatron-Core linears that get adapters: linear_qkv (HF q/k/v_proj), linear_proj (o_proj),
+    # linear_fc1 (gate/up_proj), linear_fc2 (down_proj)
     target_modules: list[LoraTarget] = field(default_factory=lambda: list(LORA_TARGETS))
     seed: int = 0  # draws A (peft's kaiming-uniform); B starts at zero, so step 0 is the base model
     sync: LoraSync = "merged"  # adapters: send only A and B each step (rollout.name=vllm)
@@ -121,17 +127,17 @@ def validate_lora_config(lora: LoraConfig) -> None:
 class OptimConfig:
     """Optimizer and LR schedule (Megatron-Core `OptimizerConfig` / `OptimizerParamScheduler` names)."""
 
-    optimizer: OptimizerName = "adam"
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    lr_warmup_iters: int = 0
+    optimizer: OptimizerName = "adam"  # the optimizer
+    lr: float = 1e-6  # the learning rate after warmup
+    min_lr: float = 0.0  # the learning rate the decay ends at
+    weight_decay: float = 0.01  # AdamW's decoupled weight decay
+    adam_beta1: float = 0.9  # Adam's decay rate of the gradient's running mean
+    adam_beta2: float = 0.999  # Adam's decay rate of the squared gradient's running mean
+    adam_eps: float = 1e-8  # added to Adam's denominator
+    clip_grad: float = 1.0  # gradients are scaled down to this global L2 norm when above it
+    lr_warmup_iters: int = 0  # optimizer steps of linear warmup from 0 to lr
     lr_decay_iters: int | None = None  # None: no decay
-    lr_decay_style: LrDecayStyle = "constant"
+    lr_decay_style: LrDecayStyle = "constant"  # the curve from lr to min_lr over lr_decay_iters
     # [lowest, highest] lr a recipe may set: one outside them (a typo such as 1e30, which trains to
     # garbage without any NaN) is refused when the recipe loads; widen them for a deliberate run.
     lr_limits: list[float] = field(default_factory=lambda: [1e-9, 1e-2])
@@ -147,7 +153,7 @@ class OffPolicyCorrectionConfig:
     or per sequence (`level`) | "decoupled_ppo": AReaL's rho, 0 above upper (null: no cap).
     """
 
-    mode: OffPolicyMode = "none"
+    mode: OffPolicyMode = "none"  # none: no correction; the others as described above
     lower: float | None = None  # masked_is only; null: no lower bound
     upper: float | None = 2.0  # truncated_is: the truncation C; masked_is / decoupled_ppo: the cap
     level: ImportanceSamplingLevel = "token"  # masked_is only
@@ -161,16 +167,16 @@ class ActorUpdateConfig:
     together; one optimizer step each), `ppo_micro_batch_size` is per rank (one forward/backward).
     """
 
-    ppo_mini_batch_size: int = 8
-    ppo_micro_batch_size: int = 2
-    ppo_epochs: int = 1
-    clip_ratio_low: float = 0.2
+    ppo_mini_batch_size: int = 8  # sequences per optimizer step, all data-parallel ranks together
+    ppo_micro_batch_size: int = 2  # sequences per forward/backward, per data-parallel rank
+    ppo_epochs: int = 1  # passes over each batch
+    clip_ratio_low: float = 0.2  # PPO's clip: ratios below 1 - clip_ratio_low are clipped
     clip_ratio_high: float = 0.2  # > clip_ratio_low is DAPO's clip-higher
     clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages
     loss_agg_mode: LossAggMode = "token-mean"  # "seq-mean-token-sum-norm": Dr. GRPO
     entropy_coeff: float = 0.0  # entropy bonus weight (loss -= coeff * entropy)
     use_kl_loss: bool = False  # KL to the reference policy as a loss term (needs ref_log_prob)
-    kl_loss_coef: float = 0.001
+    kl_loss_coef: float = 0.001  # weight of the KL loss term (use_kl_loss)
     kl_loss_type: KlPenaltyKind = "low_var_kl"  # "kl"/"k1", "abs", "mse"/"k2", "low_var_kl"/"k3"
     shuffle: bool = False  # shuffle rows within this rank's shard before each epoch
     seed: int = 0  # seeds the shuffle
@@ -192,11 +198,11 @@ class ActorUpdateConfig:
 class CriticUpdateConfig:
     """How `MegatronCritic.update_critic` consumes a batch; sizes as in `ActorUpdateConfig`."""
 
-    ppo_mini_batch_size: int = 8
-    ppo_micro_batch_size: int = 2
-    ppo_epochs: int = 1
-    cliprange_value: float = 0.5
-    loss_agg_mode: LossAggMode = "token-mean"
+    ppo_mini_batch_size: int = 8  # sequences per optimizer step, all data-parallel ranks together
+    ppo_micro_batch_size: int = 2  # sequences per forward/backward, per data-parallel rank
+    ppo_epochs: int = 1  # passes over each batch
+    cliprange_value: float = 0.5  # value clipping: new values stay within this of the old ones in the loss
+    loss_agg_mode: LossAggMode = "token-mean"  # how the value loss is averaged, as the actor's
     # Sequence packing + token-budget micro-batches for the update and the values (docs/packing.md).
     use_dynamic_bsz: bool = False
     max_token_len_per_gpu: int = 8192  # tokens (prompt + response) per packed micro-batch, per rank

@@ -72,7 +72,7 @@ class SamplingConfig:
     top_k: int = -1  # -1: no top-k filtering
     max_new_tokens: int | None = None  # None: the rollout's response_length
     stop: list[str] = field(default_factory=list)  # stop strings; the response ends after the first one
-    do_sample: bool = True
+    do_sample: bool = True  # false: greedy decoding
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -96,7 +96,7 @@ class SamplingConfig:
 class AgentConfig:
     """How each prompt's trajectory is produced (docs/agents.md)."""
 
-    loop: AgentLoopName = "single_turn"
+    loop: AgentLoopName = "single_turn"  # how a trajectory is generated
     # for loop: tool, each a dotted path of a Tool, or {path: <dotted path>, kwargs: {<its arguments>}}
     tools: list[Any] = field(default_factory=list)
     max_turns: int = 4  # sampled turns per trajectory (tool responses between them)
@@ -151,9 +151,9 @@ class ServerConfig:
 class RolloutConfig:
     """Which engine generates, and how weights reach it."""
 
-    name: RolloutName = "hf"
+    name: RolloutName = "hf"  # the engine that generates
     tensor_model_parallel_size: int = 1  # ranks per SGLang/vLLM engine; the hf engine has no TP (must be 1)
-    dtype: RolloutDtype = "float32"
+    dtype: RolloutDtype = "float32"  # the engine's weights and compute
     response_length: int = 256  # width of `responses`; max_new_tokens may not exceed it
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     val_sampling: SamplingConfig = field(
@@ -170,7 +170,7 @@ class RolloutConfig:
     # 0 = off; K > 0: every response token also gets the engine's K most likely tokens and their log-probs
     # (the opt-in full-distribution mismatch check)
     top_k_log_probs: int = 0
-    weight_sync_bucket_mb: int = 512
+    weight_sync_bucket_mb: int = 512  # weights reach the engine in buckets of at most this many MiB
     # after every sync: hf compares every tensor's checksum; vllm its log-probs of fixed tokens
     verify_weight_sync: bool = False
     gpu_memory_utilization: float = 0.5  # SGLang mem_fraction_static, vLLM gpu_memory_utilization

@@ -36,7 +36,7 @@ DistillKLEstimator = Literal[DISTILL_KL_ESTIMATORS]
 class ModelConfig:
     """The policy: a local Hugging Face directory (config.json, weights, tokenizer) or a Hub id."""
 
-    path: str = MISSING
+    path: str = MISSING  # the policy: a local Hugging Face directory or a Hub id
     tokenizer_path: str | None = None  # None: the tokenizer in `path`
     # `path` and `tokenizer_path` may also be Hugging Face Hub ids (hybridflow/utils/hub.py);
     # this is the Hub branch, tag or commit they resolve at (None: the default branch)
@@ -47,16 +47,16 @@ class ModelConfig:
 class DataConfig:
     """Prompt parquet files (rows as scripts/prepare_gsm8k.py writes them) and batching."""
 
-    train_files: list[str] = MISSING
-    val_files: list[str] = field(default_factory=list)
-    prompt_key: str = "prompt"
+    train_files: list[str] = MISSING  # training prompts: parquet files, read in order
+    val_files: list[str] = field(default_factory=list)  # validation prompts: parquet files
+    prompt_key: str = "prompt"  # the column holding each row's prompt (chat messages)
     max_prompt_length: int = 512  # longer prompts are dropped (and counted) when the data loads
     train_batch_size: int = 256  # prompts per step; each gets rollout.sampling.n responses
     val_batch_size: int | None = None  # None: the whole validation set in one batch
     train_max_samples: int | None = None  # None: every row; an int keeps the first rows
-    val_max_samples: int | None = None
-    shuffle: bool = True
-    seed: int = 1
+    val_max_samples: int | None = None  # as train_max_samples, for the validation files
+    shuffle: bool = True  # shuffle the training prompts each epoch (validation keeps file order)
+    seed: int = 1  # seeds the shuffle (epoch e is shuffled with seed + e)
 
 
 @dataclass
@@ -81,7 +81,7 @@ class RefConfig:
     """The frozen reference policy (built from model.path with the actor's layout); it runs only
     when KL is used (algorithm.use_kl_in_reward or actor.update.use_kl_loss)."""
 
-    log_prob_micro_batch_size: int = 8
+    log_prob_micro_batch_size: int = 8  # rows per forward of the reference, per data-parallel rank
     # With actor.update.use_dynamic_bsz: packed micro-batches of at most this many tokens per rank.
     log_prob_max_token_len_per_gpu: int = 16384
 
@@ -93,7 +93,7 @@ class TeacherConfig:
     a local directory or a Hub id, with its own Megatron layout. It scores the student's responses
     at the rollout temperature, like the reference."""
 
-    path: str | None = None
+    path: str | None = None  # the teacher: a local Hugging Face directory or a Hub id
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     # 0: in the actor's processes (then its parallel sizes must equal actor.megatron's); >0: a pool
     # of its own of this many devices per node (counted in trainer.n_gpus_per_node), any layout
@@ -107,7 +107,7 @@ class TeacherConfig:
 class CriticConfig:
     """The value model for GAE, initialised from `model_path` with a fresh scalar value head."""
 
-    enable: bool = False
+    enable: bool = False  # train a value model: algorithm.adv_estimator=gae needs it, the others refuse it
     model_path: str | None = None  # None: model.path
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
@@ -124,14 +124,14 @@ class RewardModelConfig:
     """A learned reward model: a value-style Megatron model scored at the last real token.
     It shares the policy's tokenizer."""
 
-    enable: bool = False
-    path: str | None = None
+    enable: bool = False  # score responses with this model; its scores replace the rule reward
+    path: str | None = None  # a Hugging Face model directory (required with enable)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
-    micro_batch_size: int = 8
+    micro_batch_size: int = 8  # rows per scoring forward, per data-parallel rank
     # Packed scoring micro-batches of at most forward_max_token_len_per_gpu tokens per rank
     # instead of micro_batch_size rows (docs/packing.md).
     use_dynamic_bsz: bool = False
-    forward_max_token_len_per_gpu: int = 16384
+    forward_max_token_len_per_gpu: int = 16384  # tokens (prompt + response) per packed micro-batch
 
 
 @dataclass
@@ -148,8 +148,8 @@ class RewardConfig:
 class KLControlConfig:
     """KL coefficient for KL-in-reward: fixed, or adaptive (Ziegler et al. 2019)."""
 
-    type: Literal["fixed", "adaptive"] = "fixed"
-    kl_coef: float = 0.001
+    type: Literal["fixed", "adaptive"] = "fixed"  # adaptive: kl_coef moves to keep the KL near target_kl
+    kl_coef: float = 0.001  # beta, the weight of the KL in the reward (the starting value if adaptive)
     target_kl: float = 0.1  # adaptive only
     horizon: int = 10000  # adaptive only
 
@@ -159,7 +159,7 @@ class FilterGroupsConfig:
     """DAPO's dynamic sampling (Yu et al. 2025): drop prompt groups whose responses all scored the
     same and generate more prompts until data.train_batch_size groups remain."""
 
-    enable: bool = False
+    enable: bool = False  # keep only groups whose rewards differ (they carry a learning signal)
     max_num_gen_batches: int = 10  # generation rounds per step before the run stops with an error
 
 
@@ -168,9 +168,9 @@ class OverlongBufferConfig:
     """DAPO's overlong reward shaping: a penalty falling linearly from 0 to -penalty_factor over the
     last `length` tokens before the response limit (rollout max_new_tokens / response_length)."""
 
-    enable: bool = False
+    enable: bool = False  # add the penalty to the reward of responses that reach the soft zone
     length: int = 0  # L_cache: tokens of the soft zone before the limit
-    penalty_factor: float = 1.0
+    penalty_factor: float = 1.0  # the penalty of a response that reaches the limit
 
 
 @dataclass
@@ -178,9 +178,11 @@ class DistillationConfig:
     """On-policy distillation (hybridflow/algorithms/distillation.py): the per-token reverse KL to
     the teacher (section `teacher`) as a negative advantage, A = task_coef * A_task - kl_coef * KL."""
 
-    enable: bool = False
-    kl_coef: float = 1.0
+    enable: bool = False  # score responses with the teacher and train toward it (needs teacher.path)
+    kl_coef: float = 1.0  # weight of the per-token reverse KL in the advantage
     task_coef: float = 0.0  # 0: pure distillation; > 0 mixes in the estimator's task advantage
+    # k1: log pi_s - log pi_t (its gradient is the reverse KL's) | k3: never negative, lower variance
+    # (hybridflow/algorithms/distillation.py)
     kl_estimator: DistillKLEstimator = "k1"
 
 
@@ -188,11 +190,11 @@ class DistillationConfig:
 class AlgorithmConfig:
     """How advantages are estimated and whether KL enters the reward."""
 
-    adv_estimator: AdvEstimator = "grpo"
-    gamma: float = 1.0
-    lam: float = 1.0
+    adv_estimator: AdvEstimator = "grpo"  # hybridflow/algorithms/advantages.py; gae needs critic.enable
+    gamma: float = 1.0  # discount of future rewards (gae, reinforce_plus_plus)
+    lam: float = 1.0  # GAE's lambda: 1 uses the full returns, lower trusts the values more
     norm_adv_by_std_in_grpo: bool = True  # False: Dr. GRPO (mean-centred only)
-    use_kl_in_reward: bool = False
+    use_kl_in_reward: bool = False  # subtract kl_ctrl's beta x the per-token KL to `ref` from the reward
     kl_penalty: KlPenaltyKind = "kl"  # estimator of the KL in the reward: kl/k1, abs, mse/k2, low_var_kl/k3
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)  # DAPO dynamic sampling
@@ -219,7 +221,7 @@ class RolloutPoolConfig:
     """The rollout engines' own devices with trainer.placement=disaggregated (verl's layout: a pool
     beside the trainer's nnodes x n_gpus_per_node); on CPU machines, processes."""
 
-    nnodes: int = 1
+    nnodes: int = 1  # nodes of the rollout pool
     n_gpus_per_node: int = 0  # 0: no pool (colocated placement)
 
 
@@ -228,7 +230,7 @@ class AsyncTrainingConfig:
     """How generation overlaps training (docs/async.md). Staleness of a sample: the policy version
     it is trained on minus the version its oldest token was generated with."""
 
-    mode: AsyncMode = "sync"
+    mode: AsyncMode = "sync"  # how generation overlaps training
     max_staleness: int = 1  # async, stream: the bound on a trained sample's staleness; one_step is 1
     partial_rollout: bool = False  # async, vllm: in-flight requests continue with new weights, tokens kept
     stale_groups: StaleGroups = "drop"  # stream only
@@ -244,20 +246,22 @@ class TrainerConfig:
     """The run: devices, length, validation, checkpoints, logging and output."""
 
     mode: Literal["rl", "sft"] = "rl"  # rl: the PPO-family loop | sft: supervised warm start (trainer/sft.py)
-    project_name: str = "hybridflow"
-    experiment_name: str = "run"
-    output_dir: str = "outputs/run"
-    nnodes: int = 1
+    project_name: str = "hybridflow"  # the wandb project
+    experiment_name: str = "run"  # the wandb run name
+    output_dir: str = "outputs/run"  # checkpoints, metrics.jsonl, plots and the resolved recipe
+    nnodes: int = 1  # nodes of the trainer's pool
     n_gpus_per_node: int = 8  # devices per node; on CPU machines, worker processes per node
-    use_gpu: bool = True
-    total_epochs: int = 1
+    use_gpu: bool = True  # false: run on CPU (n_gpus_per_node counts processes); true needs CUDA
+    total_epochs: int = 1  # passes over data.train_files, when total_training_steps is null
     total_training_steps: int | None = None  # None: total_epochs passes over the data
     test_freq: int = 0  # validate every this many steps (0: never)
-    val_before_train: bool = False
+    val_before_train: bool = False  # validate once before the first step (needs data.val_files)
     save_freq: int = 0  # checkpoint every this many steps and after the last one (0: never)
     max_ckpt_to_keep: int | None = None  # None: keep every checkpoint
     resume_mode: Literal["auto", "disable"] = "auto"  # auto: continue from <output_dir>/checkpoints/latest
     resume_from_path: str | None = None  # a global_step_N directory to continue from (overrides auto)
+    # where metrics go besides <output_dir>/metrics.jsonl (always written): a console line, a progress
+    # bar, TensorBoard, Weights & Biases, PNG plots (hybridflow/utils/tracking.py)
     logger: list[LoggerBackend] = field(default_factory=lambda: ["console", "progress", "plots"])
     balance_batch: bool = True  # reorder each batch so every DP rank gets a similar token count
     export_hf: bool = False  # write the final actor as a Hugging Face checkpoint to <output_dir>/hf
@@ -278,7 +282,7 @@ class TrainerConfig:
     # group, starts them again and resumes from the newest complete checkpoint, up to this many
     # times a run (hybridflow/trainer/restart.py); 0: the run stops with one error line
     restart_on_failure: int = 0
-    placement: Placement = "colocated"
+    placement: Placement = "colocated"  # where the rollout engines run
     rollout_pool: RolloutPoolConfig = field(default_factory=RolloutPoolConfig)
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
 
