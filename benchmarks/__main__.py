@@ -1,4 +1,5 @@
-"""`make bench`: runs every `benchmarks/bench_*.py` module's `run()` and prints its table.
+"""`make bench`: runs every `benchmarks/bench_*.py` module's `run()`, prints its table and writes
+it into its docs/results/ page with the command, date, machine and commit (`_results.py`).
 
 Each module exposes `TITLE` and `run() -> list[dict]` (one dict per table row, same keys).
 Run one with `python -m benchmarks protocol` (the part after `bench_`).
@@ -8,6 +9,8 @@ import importlib
 import pkgutil
 import sys
 from pathlib import Path
+
+from benchmarks._results import write_results
 
 
 def _format_table(rows: list[dict]) -> str:
@@ -31,7 +34,9 @@ def main(selected: list[str]) -> None:
             continue
         module = importlib.import_module(f"benchmarks.{name}")
         print(f"\n== {module.TITLE} ==", flush=True)
-        print(_format_table(module.run()), flush=True)
+        rows = module.run()
+        print(_format_table(rows), flush=True)
+        print(f"(written to {write_results(name.removeprefix('bench_'), module.TITLE, rows)})", flush=True)
 
 
 if __name__ == "__main__":

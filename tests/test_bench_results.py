@@ -1,0 +1,66 @@
+"""`make bench` writes each benchmark's table into its docs/results/ page, with the command, date,
+machine and commit that produced it (benchmarks/_results.py); no benchmark runs here."""
+
+import re
+import subprocess
+from pathlib import Path
+
+from benchmarks import _results
+from benchmarks._results import Provenance, cpu_model, git_commit, refresh_page, render_block
+
+ROOT = Path(__file__).resolve().parents[1]
+ROWS = [{"mode": "sync", "step_s": 2.5812, "note": "a|b"}, {"mode": "one_step", "step_s": 1.7401, "note": ""}]
+MADE_BY = Provenance("python -m benchmarks async", "2026-12-06 07:00 UTC", "Some CPU, 2 cores", "abc1234")
+
+
+def test_the_block_holds_the_table_and_where_it_came_from():
+    block = render_block("async", "Async step time", ROWS, MADE_BY)
+    lines = block.splitlines()
+    assert lines[0] == "<!-- bench:async -->" and lines[-1] == "<!-- /bench:async -->"
+    assert "### Async step time" in lines
+    for line in ("- Command: `python -m benchmarks async`", "- Date: 2026-12-06 07:00 UTC",
+                 "- Machine: Some CPU, 2 cores", "- Commit: abc1234"):  # fmt: skip
+        assert line in lines
+    assert "| mode | step_s | note |" in lines
+    assert "| sync | 2.581 | a\\|b |" in lines  # floats to 4 significant digits, pipes escaped
+    assert "| one_step | 1.74 |  |" in lines
+
+
+def test_refreshing_replaces_only_its_own_block(tmp_path):
+    page = tmp_path / "async.md"
+    page.write_text("# Async\n\nintro\n\n<!-- bench:async -->\nold table\n<!-- /bench:async -->\n\noutro\n")
+    refresh_page(page, "async", render_block("async", "Async step time", ROWS, MADE_BY))
+    refresh_page(page, "other", render_block("other", "Other", ROWS[:1], MADE_BY))
+    text = page.read_text()
+    assert "old table" not in text
+    assert text.startswith("# Async\n\nintro\n\n<!-- bench:async -->\n### Async step time")
+    assert text.count("<!-- bench:async -->") == 1 and "\n\noutro\n" in text
+    assert text.rstrip().endswith("<!-- /bench:other -->")  # a page without the block gets it appended
+
+
+def test_write_results_creates_the_mapped_page_with_this_machine_and_commit(tmp_path):
+    page = _results.write_results("async", "Async step time", ROWS, results_dir=tmp_path)
+    assert page == tmp_path / "async.md"
+    text = page.read_text()
+    assert "- Command: `python -m benchmarks async`" in text
+    assert re.search(r"^- Date: \d{4}-\d\d-\d\d \d\d:\d\d UTC$", text, re.M)
+    assert f"- Machine: {cpu_model()}" in text
+    assert f"- Commit: {git_commit()}" in text
+
+
+def test_cpu_model_reads_the_model_name(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: AMD EPYC 9B14\nflags\t: avx\n\nprocessor\t: 1\n")
+    assert cpu_model(cpuinfo).startswith("AMD EPYC 9B14, ")
+    assert cpu_model(tmp_path / "absent").startswith("unknown CPU, ")
+
+
+def test_git_commit_is_the_checkouts_head():
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    assert git_commit(ROOT).split()[0] == head.stdout.strip()
+
+
+def test_every_benchmark_has_a_results_page():
+    names = {p.stem.removeprefix("bench_") for p in (ROOT / "benchmarks").glob("bench_*.py")}
+    assert names == set(_results.PAGES)
+    assert all((ROOT / "docs" / "results" / page).is_file() for page in _results.PAGES.values())
