@@ -29,6 +29,14 @@ meta_info switches read by the engines:
   - `rollout_seed_stream`: set by the sharding manager to the global rank, mixed into the seed so
     that slices of one batch generated on different ranks draw independent samples (the same
     prompt repeated across ranks must not get the same sample). Removed from the output by it.
+
+The non-tensor column `rollout_row` (`ROW_KEY`), set by the rollout pool on the driver before a call
+is split over its processes: each row's index in the whole call. The engine seeds the chunk's
+rows as those rows of the call (`chunk_seed`), so a prompt's samples spread over several processes
+are distinct, and the engines seeded per row (vllm, sglang, request batches) give each row the
+same seed whatever the number of processes (the hf engine seeds its whole chunk with the chunk's
+seed: its samples depend on the split). The column is removed before generating: it never
+reaches the output.
 """
 
 from collections.abc import Iterable
@@ -44,8 +52,11 @@ PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
 # Memory an engine can release and resume separately (SGLang's tags, sglang/srt/constants.py).
 WEIGHTS_TAG, KV_CACHE_TAG, CUDA_GRAPH_TAG = "weights", "kv_cache", "cuda_graph"
 SEED_STREAM_KEY = "rollout_seed_stream"
+ROW_KEY = "rollout_row"  # non-tensor column: each row's index in its generation call
 _SEED_MODULUS = 2**62
 _VALIDATION_STREAM = 2**31 - 1  # mixed into validation calls' seeds, apart from training's base + k
+_MULTIPLIER = 1_000_003  # prime: keeps (seed, other) pairs apart in _mix_seeds
+_MULTIPLIER_INVERSE = pow(_MULTIPLIER, -1, _SEED_MODULUS)
 
 
 class TopK(NamedTuple):
@@ -127,9 +138,10 @@ class SeededGenerationMixin:
         sampling, n = select_sampling(self.cfg, prompts.meta_info)
         default_seed = self.position.next_seed(self.cfg.seed, is_validation(prompts.meta_info))
         seed = call_seed(prompts.meta_info, default_seed)
+        prompts, first_row = without_row_index(prompts)
         if n > 1:
             prompts = prompts.repeat(n, interleave=True)
-        return prompts, sampling, seed
+        return prompts, sampling, chunk_seed(seed, first_row * n)
 
     def get_rng_state(self) -> dict[str, int]:
         return self.position.state()
@@ -211,8 +223,29 @@ def row_seed(call_seed: int, row: int) -> int:
     return _mix_seeds(call_seed, row + 1)
 
 
+def chunk_seed(call_seed: int, first_row: int) -> int:
+    """The seed of a chunk of a call whose first row is the call's row `first_row`: the chunk's
+    row j gets row_seed(call_seed, first_row + j). row_seed is affine in the row modulo 2**62 with
+    an odd multiplier, which has an inverse there, so the shift of rows is one of seeds. A chunk
+    at row 0 keeps the call's seed as given (the hf engine seeds torch with it)."""
+    if first_row == 0:
+        return call_seed
+    return (call_seed + first_row * _MULTIPLIER_INVERSE) % _SEED_MODULUS
+
+
+def without_row_index(prompts: DataProto) -> tuple[DataProto, int]:
+    """The prompts without the `ROW_KEY` column (views) and the call's index of their first row
+    (0 without the column). Dispatch's padding rows come after a chunk's own rows, so the first row
+    is always the chunk's own."""
+    if ROW_KEY not in prompts.non_tensor_batch:
+        return prompts, 0
+    prompts = prompts.slice()  # the caller's rows keep their column
+    rows = prompts.non_tensor_batch.pop(ROW_KEY)
+    return prompts, int(rows[0]) if len(rows) else 0
+
+
 def _mix_seeds(seed: int, other: int) -> int:
-    return (seed * 1_000_003 + other) % _SEED_MODULUS  # a prime multiplier keeps (seed, other) pairs apart
+    return (seed * _MULTIPLIER + other) % _SEED_MODULUS
 
 
 def check_prompts(prompts: DataProto) -> None:

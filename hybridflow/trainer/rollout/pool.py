@@ -48,9 +48,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from engines.rollout.base import SamplingPosition, is_validation
+from engines.rollout.base import ROW_KEY, SamplingPosition, is_validation
 from engines.rollout.config import RolloutConfig
 from engines.weight_sync.common import WeightSyncError
 from hybridflow.protocol import DataProto, DataProtoFuture
@@ -212,10 +213,12 @@ class PoolRollout:
 
     def seeded(self, rows: DataProto) -> DataProto:
         """The rows (views) with this call's seed, the one the engines would pick themselves (a
-        streaming rollout seeds each group call here, in submission order)."""
+        streaming rollout seeds each group call here, in submission order), and each row's index in
+        the call (`ROW_KEY`): the processes seed their chunk's rows as those rows of the call."""
         seeded = rows.slice()
         seed = self.position.next_seed(self.seed, is_validation(seeded.meta_info))
         seeded.meta_info.setdefault("seed", seed)
+        seeded.non_tensor_batch[ROW_KEY] = np.arange(len(seeded))
         return seeded
 
     def _retrying(self, call: Callable, again: Callable | None = None):
