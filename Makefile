@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help install test test-learning lint format bench quickstart clean
+.PHONY: help install test test-learning lint format bench quickstart docs clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -48,6 +48,10 @@ bench: $(STAMP) ## Run benchmarks/ and print result tables
 
 quickstart: $(STAMP) ## Tiny model + arithmetic data, SFT warm start, then GRPO on 2 CPU processes
 	bash scripts/quickstart.sh
+
+# NO_MKDOCS_2_WARNING: Material's banner about MkDocs 2.0, printed on every build (not a build warning).
+docs: $(STAMP) ## Build the documentation site into .site/ (mkdocs.yml); any warning fails the build
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 clean: ## Remove the virtual environment and caches
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
