@@ -138,10 +138,11 @@ def _yaml_value(value: object) -> str:
 
 
 def cell(text: str, in_table: bool = True) -> str:
-    """Text safe in Markdown (a table cell: `|` escaped): `<` outside code spans escaped, since
-    `<output_dir>` would otherwise be read as an HTML tag."""
+    """Text safe in Markdown (a table cell: `|` escaped). Outside code spans `<` and `*` are
+    escaped: `<output_dir>` would be read as an HTML tag, `a * b * c` as emphasis."""
     parts = (text.replace("|", "\\|") if in_table else text).split("`")
-    return "`".join(part if i % 2 else part.replace("<", "&lt;") for i, part in enumerate(parts))
+    plain = {i: part.replace("<", "&lt;").replace("*", "\\*") for i, part in enumerate(parts) if i % 2 == 0}
+    return "`".join(plain.get(i, part) for i, part in enumerate(parts))
 
 
 def missing_descriptions(root: type) -> list[str]:
