@@ -38,8 +38,7 @@ from hybridflow.protocol import DataProto
 from hybridflow.trainer.policy import Policy
 from hybridflow.trainer.prompts import PromptBatches, StepPrompts
 from hybridflow.trainer.rollout.pool import LaunchedCall, PoolRollout
-
-AHEAD_FILE = "generation_ahead.pt"  # in the rollout's checkpoint directory
+from hybridflow.trainer.rollout.unread import AHEAD_FILE  # in the rollout's checkpoint directory
 
 
 def overlap_seconds(window: tuple[float, float], others: list[tuple[float, float]]) -> float:
@@ -127,7 +126,7 @@ class GeneratingAhead:
         )
 
     def load(self, path: str) -> None:
-        self.pool.load(path)
+        self.pool.load(path, reads=AHEAD_FILE)
         saved = Path(path) / AHEAD_FILE
         if saved.is_file():  # absent in a synchronous run's checkpoint: nothing was ahead
             state = torch.load(saved, weights_only=False)  # our own file: DataProtos, prompt rows

@@ -8,8 +8,11 @@ it (`policy_version`), and each trained batch's versions are appended to
 
     {"trained_on": 3, "sample_versions": [2, 2, 3, ...]}   # staleness = trained_on - version
 
-one line per trained step; a run resumed in the same directory first drops the lines the
-interrupted run wrote after its checkpoint, as metrics.jsonl does.
+one line per trained step, `trained_on` the version the driver synced for the step (a restart met
+after the update sends the engines the newer weights early, and changes nothing of it); a run
+resumed in the same directory first drops the lines the interrupted run wrote after its checkpoint,
+and a fresh start moves an earlier run's file aside (to policy_versions.jsonl.<k>), as metrics.jsonl
+does.
 
 `metrics` gives `async/staleness_mean`, `async/staleness_max`, the histogram `async/staleness/<s>`
 (share of samples s updates old) and, with partial rollouts (a sample's version is that of its
@@ -30,7 +33,8 @@ connection: the pool is asked whether a process died before that error is believ
         of its sampling position (the engines' own rule, `SamplingPosition`, made explicit), so
         a seeded engine gives the rows the lost call would have given
 
-`metrics` adds `rollout/engine_restarts` (restarts so far in the run), `rollout/restart_seconds`
+`metrics` adds `rollout/engine_restarts` (restarts so far in the run, counted on over a resume:
+checkpoints hold the count, and the limit applies to the whole run), `rollout/restart_seconds`
 (seconds spent restarting since the last step's metrics; the lost call's second generation not
 included) and, after a restart, `rollout/restart_log_prob_diff` (the check's largest difference).
 One death more than the limit (any, with `max_engine_restarts: 0`) ends the run with one
@@ -58,9 +62,12 @@ from hybridflow.protocol import DataProto, DataProtoFuture
 from hybridflow.single_controller.errors import WorkerError
 from hybridflow.trainer.policy import Policy
 from hybridflow.trainer.prompts import PromptBatches, StepPrompts
+from hybridflow.trainer.rollout.unread import report_unread
 from hybridflow.utils.imports import first_line
+from hybridflow.utils.tracking import next_free_name
 
 VERSIONS_LINES_FILE = "policy_versions_lines.json"  # in the rollout's checkpoint part
+RESTARTS_FILE = "engine_restarts.json"  # in the rollout's checkpoint part
 
 
 class RolloutProcessDied(RuntimeError):
@@ -161,6 +168,8 @@ class PoolRollout:
         self.group = group  # the rollout workers
         self.versions_file = Path(output_dir) / "policy_versions.jsonl"
         self.served: int | None = None  # the version the engines serve
+        self.synced: int | None = None  # the version the driver last synced: its next batch's
+        self.versions_begun = False  # policy_versions.jsonl resumed, or a fresh start's moved aside
         self.policy: Policy | None = None  # the policy last synced: a restarted engine gets its weights
         self.restarts = EngineRestarts(cfg.max_engine_restarts)
         self.seed, self.dtype = cfg.seed, cfg.dtype
@@ -169,6 +178,7 @@ class PoolRollout:
     def sync_weights(self, policy: Policy) -> None:
         self.policy = policy
         self._retrying(lambda: self.transfer(policy))
+        self.synced = policy.version
 
     def transfer(self, policy: Policy) -> None:
         """The policy's weights to every engine, unless they serve its version already."""
@@ -298,34 +308,62 @@ class PoolRollout:
         return max(diffs) if diffs else None
 
     def metrics(self, batch: DataProto) -> dict[str, float]:
-        """The batch's staleness against the version trained on (the one served since the last
-        sync), recorded in policy_versions.jsonl, and the engine restarts."""
+        """The batch's staleness against the version trained on (the one the driver last synced,
+        whatever a restart since sent), recorded in policy_versions.jsonl, and the engine restarts."""
         versions = batch.batch["policy_version"].tolist()
-        with self.versions_file.open("a") as out:
-            out.write(json.dumps({"trained_on": self.served, "sample_versions": versions}) + "\n")
-        metrics = staleness_metrics(self.served, versions)
+        self.record_versions({"trained_on": self.synced, "sample_versions": versions})
+        metrics = staleness_metrics(self.synced, versions)
         if "rollout_versions" in batch.batch:  # partial rollouts
             metrics["async/mixed_version_share"] = mixed_version_share(batch.batch["rollout_versions"])
         return {**metrics, **self.restarts.metrics()}
 
+    def record_versions(self, line: dict) -> None:
+        """One line of policy_versions.jsonl; a fresh start's first moves an earlier run's aside."""
+        if not self.versions_begun:
+            self.versions_begun = True
+            move_aside(self.versions_file)
+        with self.versions_file.open("a") as out:
+            out.write(json.dumps(line) + "\n")
+
     def save(self, path: str) -> None:
         """Each engine's sampling position: the pool's count of calls (a restarted engine's too);
-        how many lines policy_versions.jsonl has."""
+        how many lines policy_versions.jsonl has; the run's engine restarts so far."""
         self.group.advance_rng_state(self.position.state())
         self.group.save_rng_state(path)
         (Path(path) / VERSIONS_LINES_FILE).write_text(json.dumps({"lines": count_lines(self.versions_file)}))
+        (Path(path) / RESTARTS_FILE).write_text(json.dumps({"count": self.restarts.count}))
 
-    def load(self, path: str) -> None:
+    def load(self, path: str, reads: str | None = None) -> None:
+        """What `save` wrote. `reads`: the file of drawn-ahead prompts the calling mode takes from
+        the same directory (`unread.AHEAD_FILE` or `STREAM_FILE`); another mode's is reported."""
         states = [SamplingPosition.from_state(state) for state in self.group.load_rng_state(path)]
         self.position = functools.reduce(SamplingPosition.advanced_to, states)
         self.served = None
-        saved = Path(path) / VERSIONS_LINES_FILE
-        if saved.is_file():  # checkpoints of older runs lack it
-            keep_first_lines(self.versions_file, json.loads(saved.read_text())["lines"])
+        self.load_run_records(Path(path))
+        report_unread(path, reads)
+
+    def load_run_records(self, path: Path) -> None:
+        """policy_versions.jsonl cut to the checkpoint's lines (appended to from now on) and the
+        run's count of engine restarts (checkpoints of older runs lack either)."""
+        lines, restarts = path / VERSIONS_LINES_FILE, path / RESTARTS_FILE
+        if lines.is_file():
+            keep_first_lines(self.versions_file, json.loads(lines.read_text())["lines"])
+        self.versions_begun = True
+        if restarts.is_file():
+            self.restarts.count = json.loads(restarts.read_text())["count"]
 
 
 def count_lines(path: Path) -> int:
     return len(path.read_bytes().splitlines()) if path.is_file() else 0
+
+
+def move_aside(path: Path) -> None:
+    """An earlier run's `path` renamed to `path`.<k> (never deleted), as the tracker does with
+    metrics.jsonl on a fresh start."""
+    if path.exists():
+        aside = next_free_name(path)
+        os.replace(path, aside)
+        print(f"fresh start: moved the earlier {path.name} to {aside.name}", flush=True)
 
 
 def keep_first_lines(path: Path, lines: int) -> None:

@@ -49,8 +49,7 @@ from hybridflow.trainer.dynamic_sampling import PROMPT_SIDE, concat_rounds
 from hybridflow.trainer.policy import Policy
 from hybridflow.trainer.prompts import PromptBatches, StepPrompts
 from hybridflow.trainer.rollout.pool import PoolRollout, RolloutProcessDied, naming_dead_processes
-
-STREAM_FILE = "stream.pt"  # in the rollout's checkpoint directory
+from hybridflow.trainer.rollout.unread import STREAM_FILE  # in the rollout's checkpoint directory
 
 
 @dataclass
@@ -351,7 +350,7 @@ class StreamingRollout:
         torch.save(state, Path(path) / STREAM_FILE)
 
     def load(self, path: str) -> None:
-        self.pool.load(path)
+        self.pool.load(path, reads=STREAM_FILE)
         saved = Path(path) / STREAM_FILE
         if saved.is_file():  # absent in another mode's checkpoint
             state = torch.load(saved, weights_only=False)  # our own file: DataProtos
