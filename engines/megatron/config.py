@@ -64,7 +64,8 @@ class MegatronConfig:
     seed: int = 42  # seeds torch's and Megatron's model-parallel RNGs and a new value head's weights
     # Mixture-of-experts models only (Qwen3-MoE, Mixtral); ignored for dense models.
     expert_model_parallel_size: int = 1  # EP: experts split over this many ranks
-    expert_tensor_parallel_size: int | None = None  # None: Megatron's default, the dense TP size
+    # ETP: each expert's weights split over this many ranks; None: Megatron's default, the dense TP size
+    expert_tensor_parallel_size: int | None = None
     moe_aux_loss_coeff: float = 0.0  # router load-balancing loss weight (HF's router_aux_loss_coef)
     # how tokens reach their experts' ranks (allgather: Megatron's default)
     moe_token_dispatcher_type: MoeTokenDispatcher = "allgather"
@@ -90,7 +91,7 @@ class LoraConfig:
 
     rank: int = 0  # r, the adapters' inner dimension; 0: no adapters
     alpha: float = 16.0  # the update is scaled by alpha / rank (peft's default, not rsLoRA)
-    dropout: float = 0.0  # on the adapter's input only
+    dropout: float = 0.0  # dropout probability on the adapter's input (the base path has none)
     # the Megatron-Core linears that get adapters: linear_qkv (HF q/k/v_proj), linear_proj (o_proj),
     # linear_fc1 (gate/up_proj), linear_fc2 (down_proj)
     target_modules: list[LoraTarget] = field(default_factory=lambda: list(LORA_TARGETS))
@@ -136,7 +137,7 @@ class OptimConfig:
     adam_eps: float = 1e-8  # added to Adam's denominator
     clip_grad: float = 1.0  # gradients are scaled down to this global L2 norm when above it
     lr_warmup_iters: int = 0  # optimizer steps of linear warmup from 0 to lr
-    lr_decay_iters: int | None = None  # None: no decay
+    lr_decay_iters: int | None = None  # the optimizer step at which lr reaches min_lr; None: no decay
     lr_decay_style: LrDecayStyle = "constant"  # the curve from lr to min_lr over lr_decay_iters
     # [lowest, highest] lr a recipe may set: one outside them (a typo such as 1e30, which trains to
     # garbage without any NaN) is refused when the recipe loads; widen them for a deliberate run.
@@ -154,9 +155,9 @@ class OffPolicyCorrectionConfig:
     """
 
     mode: OffPolicyMode = "none"  # none: no correction; the others as described above
-    lower: float | None = None  # masked_is only; null: no lower bound
+    lower: float | None = None  # masked_is: weight 0 where rho is below it; null: no lower bound
     upper: float | None = 2.0  # truncated_is: the truncation C; masked_is / decoupled_ppo: the cap
-    level: ImportanceSamplingLevel = "token"  # masked_is only
+    level: ImportanceSamplingLevel = "token"  # masked_is: rho per token, or one per sequence
 
 
 @dataclass
@@ -171,13 +172,17 @@ class ActorUpdateConfig:
     ppo_micro_batch_size: int = 2  # sequences per forward/backward, per data-parallel rank
     ppo_epochs: int = 1  # passes over each batch
     clip_ratio_low: float = 0.2  # PPO's clip: ratios below 1 - clip_ratio_low are clipped
-    clip_ratio_high: float = 0.2  # > clip_ratio_low is DAPO's clip-higher
+    clip_ratio_high: float = 0.2  # ratios above 1 + clip_ratio_high are clipped; > clip_ratio_low: DAPO
     clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages
-    loss_agg_mode: LossAggMode = "token-mean"  # "seq-mean-token-sum-norm": Dr. GRPO
+    # how token losses average into the batch loss (hybridflow/algorithms/losses.py);
+    # "seq-mean-token-sum-norm": Dr. GRPO
+    loss_agg_mode: LossAggMode = "token-mean"
     entropy_coeff: float = 0.0  # entropy bonus weight (loss -= coeff * entropy)
     use_kl_loss: bool = False  # KL to the reference policy as a loss term (needs ref_log_prob)
     kl_loss_coef: float = 0.001  # weight of the KL loss term (use_kl_loss)
-    kl_loss_type: KlPenaltyKind = "low_var_kl"  # "kl"/"k1", "abs", "mse"/"k2", "low_var_kl"/"k3"
+    # the per-token KL estimator (hybridflow/algorithms/kl.py, Schulman 2020): kl/k1 log r, abs |log r|,
+    # mse/k2 (log r)^2 / 2, low_var_kl/k3 r^-1 - 1 + log r, with log r = log pi - log pi_ref
+    kl_loss_type: KlPenaltyKind = "low_var_kl"
     shuffle: bool = False  # shuffle rows within this rank's shard before each epoch
     seed: int = 0  # seeds the shuffle
     # "vanilla": token-level PPO ratio | "gspo": sequence-level ratio and clip (GSPO, Zheng et al.
@@ -206,4 +211,4 @@ class CriticUpdateConfig:
     # Sequence packing + token-budget micro-batches for the update and the values (docs/packing.md).
     use_dynamic_bsz: bool = False
     max_token_len_per_gpu: int = 8192  # tokens (prompt + response) per packed micro-batch, per rank
-    max_update_ratio: float | None = MAX_UPDATE_RATIO  # the collapse guard, as ActorUpdateConfig's
+    max_update_ratio: float | None = MAX_UPDATE_RATIO  # the collapse guard, as actor.update.max_update_ratio

@@ -37,7 +37,7 @@ class ModelConfig:
     """The policy: a local Hugging Face directory (config.json, weights, tokenizer) or a Hub id."""
 
     path: str = MISSING  # the policy: a local Hugging Face directory or a Hub id
-    tokenizer_path: str | None = None  # None: the tokenizer in `path`
+    tokenizer_path: str | None = None  # a tokenizer's directory or Hub id; None: the one in `path`
     # `path` and `tokenizer_path` may also be Hugging Face Hub ids (hybridflow/utils/hub.py);
     # this is the Hub branch, tag or commit they resolve at (None: the default branch)
     revision: str | None = None
@@ -52,8 +52,8 @@ class DataConfig:
     prompt_key: str = "prompt"  # the column holding each row's prompt (chat messages)
     max_prompt_length: int = 512  # longer prompts are dropped (and counted) when the data loads
     train_batch_size: int = 256  # prompts per step; each gets rollout.sampling.n responses
-    val_batch_size: int | None = None  # None: the whole validation set in one batch
-    train_max_samples: int | None = None  # None: every row; an int keeps the first rows
+    val_batch_size: int | None = None  # prompts per validation batch; None: the whole set in one
+    train_max_samples: int | None = None  # training rows used; None: every row, an int: the first rows
     val_max_samples: int | None = None  # as train_max_samples, for the validation files
     shuffle: bool = True  # shuffle the training prompts each epoch (validation keeps file order)
     seed: int = 1  # seeds the shuffle (epoch e is shuffled with seed + e)
@@ -108,7 +108,7 @@ class CriticConfig:
     """The value model for GAE, initialised from `model_path` with a fresh scalar value head."""
 
     enable: bool = False  # train a value model: algorithm.adv_estimator=gae needs it, the others refuse it
-    model_path: str | None = None  # None: model.path
+    model_path: str | None = None  # the critic's starting weights (a model directory); None: model.path
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     update: CriticUpdateConfig = field(default_factory=CriticUpdateConfig)
@@ -253,11 +253,11 @@ class TrainerConfig:
     n_gpus_per_node: int = 8  # devices per node; on CPU machines, worker processes per node
     use_gpu: bool = True  # false: run on CPU (n_gpus_per_node counts processes); true needs CUDA
     total_epochs: int = 1  # passes over data.train_files, when total_training_steps is null
-    total_training_steps: int | None = None  # None: total_epochs passes over the data
+    total_training_steps: int | None = None  # steps to train; None: total_epochs passes over the data
     test_freq: int = 0  # validate every this many steps (0: never)
     val_before_train: bool = False  # validate once before the first step (needs data.val_files)
     save_freq: int = 0  # checkpoint every this many steps and after the last one (0: never)
-    max_ckpt_to_keep: int | None = None  # None: keep every checkpoint
+    max_ckpt_to_keep: int | None = None  # the newest checkpoints kept, older ones deleted; None: all
     resume_mode: Literal["auto", "disable"] = "auto"  # auto: continue from <output_dir>/checkpoints/latest
     resume_from_path: str | None = None  # a global_step_N directory to continue from (overrides auto)
     # where metrics go besides <output_dir>/metrics.jsonl (always written): a console line, a progress
