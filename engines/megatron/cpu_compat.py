@@ -15,6 +15,12 @@ docs/megatron-on-cpu.md beside the repo):
 - `seed_all(seed)`: `model_parallel_cuda_manual_seed` asserts on a CPU build; on CPU the torch
   generator is seeded directly (dropout is 0 in RL fine-tuning, so no per-rank RNG streams are
   needed).
+- Activation recompute: Megatron's checkpoint functions save the RNG states before the forward and
+  restore them around the recompute in backward (`_get_all_rng_states` / `_set_all_rng_states` in
+  megatron/core/tensor_parallel/random.py): torch's CPU generator, the CUDA generator and its
+  tracker's states. The CUDA generator's state asserts on a CPU build; `install()` points
+  Megatron's `_get_cuda_rng_state` / `_set_cuda_rng_state` at an empty state and a no-op, so the
+  recompute saves and restores torch's CPU generator, the one a CPU run draws from.
 - MoE router without Transformer Engine, on CPU and CUDA alike: `moe_utils.RouterGatingLinearFunction`
   tests `te_general_gemm is not None`, but Megatron-Core 0.16.1 only defines that name when TE
   imports (megatron/core/transformer/moe/moe_utils.py), so the router raises NameError (seen on an
@@ -104,6 +110,19 @@ def host_tensor(tensor, as_numpy: bool = False, record_stream: bool = False):
     return tensor
 
 
+_NO_DEVICE_RNG_STATE = torch.empty(0, dtype=torch.uint8)
+
+
+def _no_device_rng_state(*args, **kwargs) -> torch.Tensor:
+    """Megatron's `_get_cuda_rng_state` without a CUDA generator: an empty state."""
+    return _NO_DEVICE_RNG_STATE
+
+
+def _set_no_device_rng_state(*args, **kwargs) -> None:
+    """Megatron's `_set_cuda_rng_state` without a CUDA generator: nothing to restore."""
+    return None
+
+
 def _current_device_cpu() -> str:
     return "cpu"
 
@@ -113,7 +132,8 @@ def _synchronize_noop(device=None) -> None:
 
 
 def install() -> None:
-    """Point `torch.cuda.current_device` / `synchronize` at the CPU (idempotent; a no-op with CUDA)."""
+    """Point `torch.cuda.current_device` / `synchronize` at the CPU, and the rest above (idempotent;
+    a no-op with CUDA)."""
     global _installed
     if _installed or cuda_available():
         return
@@ -122,9 +142,12 @@ def install() -> None:
     torch.cuda.Stream = HostStream
     torch.cuda.current_stream = _current_stream
     torch.cuda.stream = _stream
+    from megatron.core.tensor_parallel import random as megatron_random
     from megatron.core.transformer.moe import token_dispatcher
 
     token_dispatcher.maybe_move_tensor_to_cpu = host_tensor
+    megatron_random._get_cuda_rng_state = _no_device_rng_state
+    megatron_random._set_cuda_rng_state = _set_no_device_rng_state
     _installed = True
 
 
