@@ -66,6 +66,8 @@ def _forward_step(loss_fn, device, data_iterator, model):
         position_ids=micro_batch["position_ids"],
         attention_mask=build_attention_mask(micro_batch["attention_mask"]),
     )
+    if routing_replay.replays_routes(model):
+        routing_replay.replay_in_backward(model)  # a recompute in backward replays these routes
     return output, partial(loss_fn, micro_batch=micro_batch)
 
 
@@ -129,7 +131,8 @@ def _schedule(chunks, forward_step, loss_fn, micro_batches, seq_len, micro_batch
 
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     schedule = get_forward_backward_func()
-    with torch.no_grad() if forward_only else torch.enable_grad(), cpu_compat.cuda_calls_on_cpu():
+    grad = torch.no_grad() if forward_only else torch.enable_grad()
+    with grad, cpu_compat.cuda_calls_on_cpu(), routing_replay.replay_pass(chunks):
         return schedule(
             forward_step_func=partial(forward_step, loss_fn, device),
             data_iterator=iter(micro_batches),

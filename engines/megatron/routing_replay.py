@@ -11,8 +11,12 @@ Mechanism: Megatron-Core 0.16's own `RouterReplay` (megatron/core/transformer/mo
 one per router when the TransformerConfig sets `moe_enable_routing_replay` (model.py does so for
 `moe_routing_replay: rollout`). Before each micro-batch's forward, `replay_routes` hands every router
 of this stage its layer's indices and sets REPLAY_FORWARD; a micro-batch without routes sets no
-action (the routers' own top-k). The indices are set per router, not through RouterReplay's
-process-wide instance list, which would also hold a reference model's routers.
+action (the routers' own top-k). RouterReplay queues every micro-batch's indices as well; after the
+forward `replay_in_backward` sets REPLAY_BACKWARD, so a router recomputed in backward (activation
+recompute: full, or selective with the `moe` module) takes the oldest queued indices, its own
+micro-batch's, also under the pipeline schedule, where later forwards run before a backward.
+`replay_pass` empties the queues before and after each pass. The indices are set per router, not
+through RouterReplay's process-wide instance list, which would also hold a reference model's routers.
 
 Token order: Megatron's router sees the padded micro-batch as (T, b, h) flattened to (T * b, h),
 so a layer's indices are `routed_experts[:, :, layer]` (b, T, k) transposed to (T, b, k). Packed
@@ -123,31 +127,57 @@ def moe_routers(model) -> list:
 
 
 def replay_routes(model, micro_batch) -> None:
-    """Set (or clear) the replay of every router of `model` for this micro-batch's forward."""
+    """Hand every router of `model` this micro-batch's routes for its forward (REPLAY_FORWARD), or
+    none (the routers' own top-k) when the micro-batch has no routes. RouterReplay also queues each
+    micro-batch's routes for the recompute in backward (`replay_in_backward`)."""
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     routers = moe_routers(model)
-    if not routers:
-        return
     routes = micro_batch.get(ROUTES_KEY) if ROUTES_KEY in micro_batch else None  # (b, T, L, k)
-    if routes is not None:
-        AGREEMENT.watch(routers, micro_batch["attention_mask"])
+    if routes is None:
+        for router in routers:
+            router.router_replay.clear_router_replay_action()
+        return
+    AGREEMENT.watch(routers, micro_batch["attention_mask"])
     for router in routers:
-        replay = router.router_replay
-        replay.clear_indices()
-        if routes is None:
-            replay.clear_router_replay_action()
-            continue
         layer = routes[:, :, router.layer_number - 1]  # (b, T, k); layer_number counts from 1
-        replay.set_target_indices(layer.transpose(0, 1).reshape(-1, layer.shape[-1]).long())  # (T*b, k)
-        replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        router.router_replay.set_target_indices(
+            layer.transpose(0, 1).reshape(-1, layer.shape[-1]).long()
+        )  # (T*b, k)
+        router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+
+def replay_in_backward(model) -> None:
+    """After a micro-batch's forward: a router that runs again in backward (activation recompute)
+    takes the oldest queued routes (REPLAY_BACKWARD), which are that micro-batch's own. Why a queue:
+    under the 1F1B pipeline schedule stage s runs the forwards of micro-batches i..i+w (w = PP - s -
+    1) before the backward of i, and each router's backwards run in its forwards' order."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    for router in moe_routers(model):
+        if router.router_replay.router_replay_action == RouterReplayAction.REPLAY_FORWARD:
+            router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
 
 
 def clear_replay(model) -> None:
-    """No replay and no indices held (after a pass)."""
+    """No replay and no routes queued."""
     for router in moe_routers(model):
         router.router_replay.clear_indices()
         router.router_replay.clear_router_replay_action()
+
+
+@contextmanager
+def replay_pass(chunks):
+    """One pass over micro-batches: no routes queued before it, none held after it (the queue keeps
+    every micro-batch's (T*b, k) indices per MoE layer until the pass ends)."""
+    replays = replays_routes(chunks[0])
+    for chunk in chunks if replays else ():
+        clear_replay(chunk)
+    try:
+        yield
+    finally:
+        for chunk in chunks if replays else ():
+            clear_replay(chunk)
 
 
 def check_replay_model(model_path: str, return_routed_experts: bool, moe_routing_replay: str) -> None:
