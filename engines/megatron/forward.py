@@ -57,6 +57,14 @@ def build_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return ~allowed[:, None]  # (b, 1, T, T)
 
 
+def moe_padding_mask(model, attention_mask: torch.Tensor) -> torch.Tensor | None:
+    """(b, T) bool, True on padding, for an MoE model's routers (None for a dense one): Megatron-Core
+    leaves those positions out of the load-balancing loss (its token counts and mean probabilities,
+    `compute_routing_scores_for_aux_loss` in megatron/core/transformer/moe/moe_utils.py), so the
+    loss is the one of the real tokens alone, whatever experts padding is routed (or replayed) to."""
+    return ~attention_mask.bool() if unwrap_model(model).config.num_moe_experts else None
+
+
 def _forward_step(loss_fn, device, data_iterator, model):
     micro_batch = next(data_iterator).to(device)
     if routing_replay.replays_routes(model):
@@ -65,6 +73,7 @@ def _forward_step(loss_fn, device, data_iterator, model):
         input_ids=micro_batch["input_ids"],
         position_ids=micro_batch["position_ids"],
         attention_mask=build_attention_mask(micro_batch["attention_mask"]),
+        padding_mask=moe_padding_mask(model, micro_batch["attention_mask"]),
     )
     if routing_replay.replays_routes(model):
         routing_replay.replay_in_backward(model)  # a recompute in backward replays these routes

@@ -8,7 +8,9 @@ layer: Qwen3MoeTopKRouter, MixtralTopKRouter, which return (logits, scores, indi
 indices during `generate`: the prefill gives every prompt position, each decoding step the token
 fed in. The last generated token is never fed back, so its position (and any position past the
 response) gets the filler ids 0..k-1: they are real experts, and no loss reads the outputs of
-those positions (they predict past the response).
+those positions (they predict past the response). Padding positions are also left out of the
+trainer's load-balancing loss (the Megatron actor hands its routers the padding mask), which is
+computed from the router's own top-k, not from these routes.
 
 Output `routed_experts` (B, P+R, L, k) int16, aligned with `input_ids`: one row of expert ids per
 input position and MoE layer, in the router's order (descending score).
