@@ -63,3 +63,32 @@ def test_replay_on_a_moe_model_gets_as_far_as_ray(files, monkeypatch, capsys):
     with pytest.raises(RayStarted):
         run_in_process(argv(files, "moe", RECORD, REPLAY), monkeypatch, capsys)
     (files["out"] / "config.yaml").unlink()
+
+
+RECOMPUTE = (
+    "actor.megatron.transformer.recompute_granularity=full",
+    "actor.megatron.transformer.recompute_method=uniform",
+    "actor.megatron.transformer.recompute_num_layers=1",
+)
+
+
+def test_replay_with_activation_recompute_gets_as_far_as_ray(files, monkeypatch, capsys):
+    """Recompute replays each micro-batch's own routes (tests/megatron/test_recompute.py): allowed."""
+    with pytest.raises(RayStarted):
+        run_in_process(argv(files, "moe", RECORD, REPLAY, *RECOMPUTE), monkeypatch, capsys)
+    (files["out"] / "config.yaml").unlink()
+
+
+def test_replay_with_expert_capacity_is_refused_before_ray(files, monkeypatch, capsys):
+    """A capacity drops tokens the engine never dropped, and Megatron-Core counts padding positions
+    (replayed to experts 0..k-1) against it: refused by name."""
+    capacity = "actor.megatron.transformer.moe_expert_capacity_factor=1.0"
+    code, err = run_in_process(argv(files, "moe", RECORD, REPLAY, capacity), monkeypatch, capsys)
+    assert code == 2, err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert errors == [
+        "error: invalid recipe: actor.megatron.moe_routing_replay=rollout needs "
+        "actor.megatron.transformer.moe_expert_capacity_factor unset (dropless, as the rollout engine "
+        "routes; Megatron-Core counts padding positions against an expert's capacity), got 1.0"
+    ], err
+    assert not (files["out"] / "config.yaml").exists()

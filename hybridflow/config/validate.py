@@ -498,12 +498,16 @@ def _check_routing_replay(cfg: RecipeConfig) -> list[str]:
     """R3 (engines/megatron/routing_replay.py) as far as it is built: the hf engine records, the
     actor replays padded micro-batches without sequence parallelism."""
     rollout, actor = cfg.rollout, cfg.actor
+    capacity = actor.megatron.transformer.get("moe_expert_capacity_factor")
     needs = {
         "rollout.return_routed_experts=true (the engine records the experts)": rollout.return_routed_experts,
         "rollout.name=hf (vllm and sglang do not return them here yet)": rollout.name == "hf",
         "actor.update.use_dynamic_bsz=false (packed micro-batches)": not actor.update.use_dynamic_bsz,
         "actor.megatron.sequence_parallel=false": not actor.megatron.sequence_parallel,
         "rollout.agent.loop=single_turn": rollout.agent.loop == "single_turn",
+        "actor.megatron.transformer.moe_expert_capacity_factor unset (dropless, as the rollout engine "
+        "routes; Megatron-Core counts padding positions against an expert's capacity), got "
+        f"{capacity}": capacity is None,
     }
     errors = []
     if actor.megatron.moe_routing_replay == "rollout":
