@@ -35,6 +35,7 @@ from hybridflow.algorithms import (
     kl_penalty,
 )
 from hybridflow.algorithms.offpolicy import importance_weight_metrics, off_policy_weights, rollout_mismatch_kl
+from hybridflow.algorithms.sampling import Truncation
 from hybridflow.protocol import DataProto
 
 MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
@@ -69,9 +70,10 @@ class MegatronActor:
         self, data: DataProto, calculate_entropy: bool = True, engine_top_k: bool = False
     ) -> DataProto | None:
         """`old_log_probs` (and `entropys`) (B, R) under the current weights; meta_info may set
-        `micro_batch_size`, `temperature` and `max_token_len` (packed micro-batches of at most
-        that many tokens; None or absent: padded micro-batches). With routing replay, the output's
-        meta_info["metrics"] has `mismatch/router_agreement` (routing_replay.py); with
+        `micro_batch_size`, `temperature`, the rollout's `top_k` and `top_p` (log-probs of the
+        distribution it sampled from, docs/sampling.md) and `max_token_len` (packed micro-batches
+        of at most that many tokens; None or absent: padded micro-batches). With routing replay,
+        the output's meta_info["metrics"] has `mismatch/router_agreement` (routing_replay.py); with
         `engine_top_k`, the actor's view of the engine's top-K ids (forward.compute_log_prob)."""
         require_keys(data, MODEL_KEYS[:4], "compute_log_prob")
         for chunk in self.chunks:
@@ -85,6 +87,7 @@ class MegatronActor:
                 calculate_entropy=calculate_entropy,
                 max_token_len=data.meta_info.get("max_token_len"),
                 engine_top_k=engine_top_k,
+                truncation=Truncation.from_meta(data.meta_info),
             )
         if ROUTES_KEY in data.batch and replays_routes(self.chunks[0]):  # every rank: a collective
             agreement = AGREEMENT.share()
@@ -127,7 +130,7 @@ class MegatronActor:
             batch,
             cfg,
             "actor",
-            partial(self._policy_loss, temperature),
+            partial(self._policy_loss, temperature, Truncation.from_meta(data.meta_info)),
             shuffle=cfg.shuffle,
             seed=cfg.seed,
         )
@@ -137,13 +140,13 @@ class MegatronActor:
             metrics["moe_aux_loss"] = [aux_loss]
         return metrics | off_policy_metrics
 
-    def _policy_loss(self, temperature, counts, scale, logits, micro_batch):
+    def _policy_loss(self, temperature, truncation, counts, scale, logits, micro_batch):
         cfg, mask = self.cfg, micro_batch["response_mask"]
         tokens, seqs = counts
         entropy_grad = "grad" if cfg.entropy_coeff != 0 else "detached"
         log_prob, entropy_tokens = forward.response_log_probs(
-            logits, micro_batch, temperature, self.vocab_size, entropy_grad
-        )  # (b, R) each
+            logits, micro_batch, temperature, self.vocab_size, entropy_grad, truncation
+        )  # (b, R) each, of the distribution the rollout sampled from
         ratio_inputs = (micro_batch["old_log_probs"], log_prob, micro_batch["advantages"], mask)
         is_weights = micro_batch.get("is_weights", None)  # (b, R): the off-policy correction's
         if cfg.policy_loss == "gspo":

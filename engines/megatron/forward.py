@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from engines.megatron import cpu_compat, packing, routing_replay, vlm
 from engines.megatron.model import unwrap_model
+from hybridflow.algorithms.sampling import Truncation, keep_labels, kept_tokens
 from hybridflow.protocol import PIXEL_VALUES_KEY
 
 
@@ -277,15 +278,23 @@ def padded_vocab_columns(local_vocab: int, vocab_size: int | None, device) -> to
     return torch.arange(start, start + local_vocab, device=device) >= vocab_size
 
 
-def vocab_parallel_log_probs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int | None = None):
+def vocab_parallel_log_probs(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_size: int | None = None,
+    excluded: torch.Tensor | None = None,
+):
     """log softmax(logits)[label] with logits (..., Vp / tp) sharded over the TP group; fp32 (...).
 
     Never gathers the vocabulary: Megatron's `vocab_parallel_cross_entropy` all-reduces the max,
-    the sum of exponentials and the target logit. Columns >= `vocab_size` (padding) get no mass.
+    the sum of exponentials and the target logit. Columns >= `vocab_size` (padding) get no mass,
+    nor do those of `excluded` (..., Vp / tp) when given (`sampling_excluded`: padding included).
     """
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    padded = padded_vocab_columns(logits.shape[-1], vocab_size, logits.device)
+    padded = (
+        padded_vocab_columns(logits.shape[-1], vocab_size, logits.device) if excluded is None else excluded
+    )
     if padded is None:
         # Megatron's function works in place on fp32 input: hand it a copy.
         fresh = logits.float() if logits.dtype != torch.float32 else logits.clone()
@@ -294,14 +303,20 @@ def vocab_parallel_log_probs(logits: torch.Tensor, labels: torch.Tensor, vocab_s
     return -vocab_parallel_cross_entropy(fresh, labels)
 
 
-def vocab_parallel_gather_log_probs(logits: torch.Tensor, ids: torch.Tensor, vocab_size: int | None = None):
+def vocab_parallel_gather_log_probs(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    vocab_size: int | None = None,
+    excluded: torch.Tensor | None = None,
+):
     """log softmax(logits) at `ids` (..., K) with logits (..., Vp / tp) sharded over the TP group;
-    fp32 (..., K), no gradient. One normaliser for all K ids: the max and the sum of exponentials
-    are all-reduced once, each id's logit comes from the rank holding its column."""
+    fp32 (..., K), no gradient; -inf at `excluded` columns. One normaliser for all K ids: the max
+    and the sum of exponentials are all-reduced once, each id's logit comes from the rank holding
+    its column."""
     from megatron.core import parallel_state
 
     group = parallel_state.get_tensor_model_parallel_group()
-    z = masked_padding(logits.float(), vocab_size)  # (..., Vp / tp)
+    z = masked_padding(logits.float(), vocab_size, excluded)  # (..., Vp / tp)
     z_max = z.max(dim=-1, keepdim=True).values  # (..., 1)
     dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=group)
     sum_exp = (z - z_max).exp().sum(dim=-1, keepdim=True)  # (..., 1)
@@ -331,9 +346,12 @@ def vocab_parallel_argmax(logits: torch.Tensor, vocab_size: int | None = None) -
     return ids
 
 
-def masked_padding(z: torch.Tensor, vocab_size: int | None) -> torch.Tensor:
-    """`z` (..., Vp / tp) with this rank's padded vocabulary columns at -inf."""
-    padded = padded_vocab_columns(z.shape[-1], vocab_size, z.device)
+def masked_padding(
+    z: torch.Tensor, vocab_size: int | None, excluded: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`z` (..., Vp / tp) with this rank's padded vocabulary columns at -inf, or with the columns of
+    `excluded` (..., Vp / tp) when given (`sampling_excluded`, padding included)."""
+    padded = padded_vocab_columns(z.shape[-1], vocab_size, z.device) if excluded is None else excluded
     return z if padded is None else z.masked_fill(padded, float("-inf"))
 
 
@@ -373,52 +391,105 @@ class _VocabParallelEntropy(torch.autograd.Function):
         return grad_z, None
 
 
-def vocab_parallel_entropy(logits: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
+def vocab_parallel_entropy(
+    logits: torch.Tensor, vocab_size: int | None = None, excluded: torch.Tensor | None = None
+) -> torch.Tensor:
     """Entropy of softmax(logits) with logits (..., Vp / tp) sharded over the TP group; fp32 (...).
 
     Never gathers the vocabulary: the max, the sum of exponentials and the entropy terms are
     all-reduced over the TP group; gradients are exact on every rank (see `_VocabParallelEntropy`).
-    Padded columns (>= `vocab_size`) are excluded.
+    Padded columns (>= `vocab_size`) are excluded, or the columns of `excluded` (..., Vp / tp) when
+    given (`sampling_excluded`, padding included).
     """
     z = logits.float()
-    return _VocabParallelEntropy.apply(z, padded_vocab_columns(z.shape[-1], vocab_size, z.device))
+    padded = padded_vocab_columns(z.shape[-1], vocab_size, z.device) if excluded is None else excluded
+    return _VocabParallelEntropy.apply(z, padded)
 
 
-def response_log_probs(logits, micro_batch, temperature: float, vocab_size: int | None, entropy: str):
+def _gather_vocabulary(z: torch.Tensor) -> torch.Tensor:
+    """(..., Vp / tp) sharded over the TP group -> (..., Vp) on every rank; no gradient."""
+    from megatron.core import parallel_state
+
+    _, size = _tp_rank_and_size()
+    if size == 1:
+        return z
+    shards = [torch.empty_like(z) for _ in range(size)]
+    dist.all_gather(shards, z.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    return torch.cat(shards, dim=-1)
+
+
+def sampling_excluded(
+    scaled: torch.Tensor, labels: torch.Tensor, truncation: Truncation | None, vocab_size: int | None
+) -> torch.Tensor | None:
+    """Bool (..., Vp / tp): this rank's columns outside the distribution the rollout sampled from,
+    given `scaled` logits (..., Vp / tp, divided by the temperature) and the sampled `labels` (...):
+    padding, and with `truncation` the tokens its top-k / top-p drop (the labels always kept,
+    hybridflow/algorithms/sampling.py). None when no column is excluded.
+
+    The kept set is a property of the whole vocabulary, so under TP every rank gathers the scaled
+    logits (..., Vp) once, without gradient: the set is a constant of the loss, as it is of the
+    sampler."""
+    padded = padded_vocab_columns(scaled.shape[-1], vocab_size, scaled.device)
+    if truncation is None or not truncation.active:
+        return padded
+    with torch.no_grad():
+        full = _gather_vocabulary(masked_padding(scaled.detach().float(), vocab_size))  # (..., Vp)
+        keep = keep_labels(kept_tokens(full, truncation), labels)  # (..., Vp)
+        rank, width = _tp_rank_and_size()[0], scaled.shape[-1]
+        excluded = ~keep[..., rank * width : (rank + 1) * width]  # (..., Vp / tp)
+    return excluded if padded is None else excluded | padded
+
+
+def response_log_probs(
+    logits,
+    micro_batch,
+    temperature: float,
+    vocab_size: int | None,
+    entropy: str,
+    truncation: Truncation | None = None,
+):
     """Log-probs of `responses` (b, R) and, unless `entropy` is "none", entropies (b, R) (with
-    gradients for "grad", without for "detached"), from padded or packed logits."""
+    gradients for "grad", without for "detached"), from padded or packed logits: of softmax(logits
+    / temperature), renormalised over the tokens the rollout's top-k / top-p keep with `truncation`
+    (the distribution the engine sampled from, docs/sampling.md)."""
     view = ResponseTokens(logits, micro_batch)
     scaled = view.outputs / temperature  # (b, R, Vp / tp) or (n, Vp / tp)
     labels = view.select(micro_batch["responses"])  # (b, R) or (n,)
-    log_probs = view.to_rows(vocab_parallel_log_probs(scaled, labels, vocab_size))
+    excluded = sampling_excluded(scaled, labels, truncation, vocab_size)  # like scaled, or None
+    log_probs = view.to_rows(vocab_parallel_log_probs(scaled, labels, vocab_size, excluded))
     if entropy == "none":
         return log_probs, None
     with torch.set_grad_enabled(entropy == "grad" and torch.is_grad_enabled()):
-        entropies = view.to_rows(vocab_parallel_entropy(scaled, vocab_size))
+        entropies = view.to_rows(vocab_parallel_entropy(scaled, vocab_size, excluded))
     return log_probs, entropies
 
 
-def engine_top_k_view(logits, micro_batch, temperature: float, vocab_size: int | None) -> dict:
+def engine_top_k_view(
+    logits, micro_batch, temperature: float, vocab_size: int | None, truncation=None
+) -> dict:
     """For the full-distribution mismatch check: the actor's log-probs (b, R, K) of the engine's
-    top-K ids `rollout_top_k_ids` (b, R, K) and its own most likely ids (b, R), at `temperature`."""
+    top-K ids `rollout_top_k_ids` (b, R, K) (in the distribution `response_log_probs` gives:
+    -inf for a token `truncation` drops) and its own most likely ids (b, R), at `temperature`."""
     view = ResponseTokens(logits, micro_batch)
     scaled = view.outputs / temperature  # (b, R, Vp / tp) or (n, Vp / tp)
     ids = view.select(micro_batch[ENGINE_TOP_K_IDS])  # (b, R, K) or (n, K)
+    labels = view.select(micro_batch["responses"])  # (b, R) or (n,)
+    excluded = sampling_excluded(scaled, labels, truncation, vocab_size)  # like scaled, or None
     return {
-        "top_k_log_probs": view.to_rows(vocab_parallel_gather_log_probs(scaled, ids, vocab_size)),
+        "top_k_log_probs": view.to_rows(vocab_parallel_gather_log_probs(scaled, ids, vocab_size, excluded)),
         "top1_ids": view.to_rows(vocab_parallel_argmax(scaled, vocab_size)),
     }
 
 
-def _log_prob_loss(temperature, vocab_size, calculate_entropy, engine_top_k, logits, micro_batch):
+def _log_prob_loss(temperature, truncation, vocab_size, calculate_entropy, engine_top_k, logits, micro_batch):
     log_probs, entropies = response_log_probs(
-        logits, micro_batch, temperature, vocab_size, "detached" if calculate_entropy else "none"
+        logits, micro_batch, temperature, vocab_size, "detached" if calculate_entropy else "none", truncation
     )  # (b, R) each; logits predict the responses
     metrics = {"log_probs": log_probs}
     if calculate_entropy:
         metrics["entropys"] = entropies
     if engine_top_k and ENGINE_TOP_K_IDS in micro_batch:  # rollout.top_k_log_probs
-        metrics |= engine_top_k_view(logits, micro_batch, temperature, vocab_size)
+        metrics |= engine_top_k_view(logits, micro_batch, temperature, vocab_size, truncation)
     return log_probs.new_zeros(()), metrics
 
 
@@ -440,9 +511,11 @@ def compute_log_prob(
     calculate_entropy: bool = True,
     max_token_len: int | None = None,
     engine_top_k: bool = False,
+    truncation: Truncation | None = None,
 ):
     """Log-probs (and entropies) of `responses` under the model: DataProto with `old_log_probs`
     (B, R) and `entropys` (B, R), fp32, on the last pipeline stage; None on the other stages.
+    At `temperature`, over the tokens `truncation` (the rollout's top-k / top-p) keeps.
     With `engine_top_k` and the engine's top-K ids in the batch (`rollout_top_k_ids`, B, R, K),
     also `actor_top_k_log_probs` (B, R, K) and `actor_top1_ids` (B, R) (LOG_PROB_OUTPUTS).
 
@@ -461,7 +534,7 @@ def compute_log_prob(
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     vocab_size = unwrap_model(chunks[0]).hf_config.vocab_size
-    loss_fn = partial(_log_prob_loss, temperature, vocab_size, calculate_entropy, engine_top_k)
+    loss_fn = partial(_log_prob_loss, temperature, truncation, vocab_size, calculate_entropy, engine_top_k)
     groups = None
     if max_token_len is not None:
         groups = token_budget_groups(data, max_token_len, "log-prob max_token_len")

@@ -91,6 +91,13 @@ class SamplingConfig:
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"sampling.stop must be a list of non-empty strings, got {self.stop!r}")
 
+    def filters(self) -> dict[str, Any]:
+        """`top_k` and `top_p` as the engines sample with them (off for greedy decoding): what the
+        actor needs to compute log-probs of the same distribution (docs/sampling.md)."""
+        if not self.do_sample:
+            return {"top_k": -1, "top_p": 1.0}
+        return {"top_k": self.top_k, "top_p": self.top_p}
+
 
 @dataclass
 class AgentConfig:

@@ -30,6 +30,7 @@ from engines.rollout.config import RolloutConfig, SamplingConfig
 from engines.rollout.hf_routes import ROUTES_KEY, RouteRecorder
 from engines.rollout.images import image_rows, is_vision_language
 from engines.weight_sync.common import check_named_shapes, tensor_checksum, torch_dtype
+from hybridflow.algorithms.sampling import Truncation, truncated_log_softmax
 from hybridflow.protocol import PIXEL_VALUES_KEY, DataProto
 
 # model_type -> (router name, one expert's tensor name, its (gate, up, down) names) in checkpoints.
@@ -90,22 +91,24 @@ def _vision_language_checkpoint_names(model, remove_duplicate: bool) -> dict[str
 
 
 class SampledLogProbs:
-    """Records log p(token) of each sampled token at the sampling temperature, one step at a time:
-    generate passes each step's raw logits (custom processors run before its temperature, top-k and
-    top-p warpers, transformers/generation/utils.py `_get_logits_processor`), and the token drawn
-    from them is the last column of the next step's ids. Holds one step's (B, V) log-probs, where
-    `output_logits` would keep (B, L, V) until generate returns; leaves the logits unchanged. With
-    `top_k` K > 0 it also keeps each step's K likeliest tokens of the same log-probs."""
+    """Records log p(token) of each sampled token in the distribution it was drawn from, one step
+    at a time: generate passes each step's raw logits (custom processors run before its
+    temperature, top-k and top-p warpers, transformers/generation/utils.py `_get_logits_processor`),
+    and the token drawn from them is the last column of the next step's ids. The recorder applies
+    the temperature and `truncation` (the same top-k then top-p, hybridflow/algorithms/sampling.py)
+    itself. Holds one step's (B, V) log-probs, where `output_logits` would keep (B, L, V) until
+    generate returns; leaves the logits unchanged. With `top_k` K > 0 it also keeps each step's K
+    likeliest tokens of the same log-probs (-inf for those the filters drop)."""
 
-    def __init__(self, temperature: float, top_k: int = 0):
-        self.temperature, self.top_k = temperature, top_k
+    def __init__(self, temperature: float, top_k: int = 0, truncation: Truncation | None = None):
+        self.temperature, self.top_k, self.truncation = temperature, top_k, truncation or Truncation()
         self.pending: torch.Tensor | None = None  # (B, V): the last step's log-probs, token not yet drawn
         self.columns: list[torch.Tensor] = []  # L of (B,)
         self.top_columns: list[tuple[torch.Tensor, torch.Tensor]] = []  # L of (values, ids), each (B, K)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         self._take(input_ids[:, -1])  # the token drawn from the previous step's distribution
-        self.pending = (scores.float() / self.temperature).log_softmax(dim=-1)  # (B, V)
+        self.pending = truncated_log_softmax(scores.float() / self.temperature, self.truncation)  # (B, V)
         return scores
 
     def _take(self, drawn: torch.Tensor) -> None:
@@ -175,7 +178,8 @@ class HFRolloutEngine(SeededGenerationMixin):
         recorder = None
         if self.cfg.calculate_log_probs:
             temperature = sampling.temperature if sampling.do_sample else 1.0
-            recorder = SampledLogProbs(temperature, self.cfg.top_k_log_probs)
+            truncation = Truncation(**sampling.filters())
+            recorder = SampledLogProbs(temperature, self.cfg.top_k_log_probs, truncation)
         routes = self.route_recorder.recording(len(prompts)) if self.route_recorder else nullcontext()
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), routes:

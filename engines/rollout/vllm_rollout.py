@@ -141,8 +141,7 @@ def sampling_params(cfg: RolloutConfig, sampling: SamplingConfig, seed: int, eos
     return SamplingParams(
         max_tokens=cfg.max_new_tokens(sampling),
         temperature=sampling.temperature if sampling.do_sample else 0.0,  # 0: vLLM's greedy
-        top_p=sampling.top_p if sampling.do_sample else 1.0,
-        top_k=sampling.top_k if sampling.do_sample else -1,
+        **sampling.filters(),
         seed=seed,
         stop=list(sampling.stop) or None,
         stop_token_ids=list(eos_token_ids),  # without a tokenizer vLLM knows no EOS of its own

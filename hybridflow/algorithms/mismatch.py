@@ -71,10 +71,11 @@ def top_k_mismatch(
     tokens sees), its mean and max over the positions, and the share of positions whose engine
     top-1 token is the actor's most likely one.
 
-    engine_ids (N, K) token ids, most likely first; engine_log_probs (N, K) their log mu over the
-    whole vocabulary, at the sampling temperature; actor_log_probs (N, K) log pi of the same ids
-    over the actor's whole vocabulary, at the same temperature; actor_top1 (N,) the actor's most
-    likely token. ValueError when N is 0."""
+    engine_ids (N, K) token ids, most likely first; engine_log_probs (N, K) their log mu in the
+    distribution sampled from (the sampling temperature; with top-k / top-p, -inf for the tokens
+    they drop); actor_log_probs (N, K) log pi of the same ids in the actor's distribution of the
+    same kind (docs/sampling.md); actor_top1 (N,) the actor's most likely token. ValueError when N
+    is 0."""
     if engine_ids.shape[0] == 0:
         raise ValueError("top_k_mismatch needs at least one position (the batch has no response tokens)")
     log_mu_s = engine_log_probs.float().log_softmax(-1)  # (N, K), mu renormalised on S

@@ -82,10 +82,13 @@ class PolicyWorker(Worker):
         """What must happen before the policy computes (the hybrid engine hands the device back)."""
 
     def _log_prob_meta(self, data: DataProto, role) -> DataProto:
-        """Temperature and micro-batching of a log-prob pass; `role` is the actor or ref config."""
+        """Sampling (temperature, top-k, top-p) and micro-batching of a log-prob pass; `role` is the
+        actor or ref config. The reference gets the rollout's top-k / top-p too (docs/sampling.md)."""
+        sampling = self.config.rollout.sampling
         data.meta_info.update(
-            temperature=self.config.rollout.sampling.temperature,
+            temperature=sampling.temperature,
             micro_batch_size=role.log_prob_micro_batch_size,
+            **sampling.filters(),
         )
         packed = self.config.actor.update.use_dynamic_bsz
         data.meta_info["max_token_len"] = role.log_prob_max_token_len_per_gpu if packed else None
@@ -115,7 +118,8 @@ class PolicyWorker(Worker):
     def update_actor(self, data: DataProto) -> DataProto:
         """PPO epochs over the batch; metrics come back in meta_info["metrics"]."""
         self.before_compute()
-        data.meta_info["temperature"] = self.config.rollout.sampling.temperature
+        sampling = self.config.rollout.sampling
+        data.meta_info.update(temperature=sampling.temperature, **sampling.filters())
         start = time.perf_counter()
         metrics = self.actor.update_policy(data)
         if self.config.actor.lora.rank:  # what LoRA saves: trainable elements, optimizer bytes
