@@ -131,25 +131,25 @@ class Sender:
         self.sender = None
 
 
-@pytest.fixture(scope="module")
-def two_process_pool(ray_cluster, tmp_path_factory):
-    """A rollout pool of 2 processes (hf engines of the tiny model) serving version 1."""
+@pytest.fixture(scope="module", params=["hf", "vllm"])
+def two_process_pool(request, ray_cluster, tmp_path_factory):
+    """A rollout pool of 2 processes (hf or vLLM engines of the tiny model) serving version 1."""
     from hybridflow.config.loader import load_recipe
     from hybridflow.single_controller import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
     from hybridflow.trainer.rollout.pool import connect_transfer
     from hybridflow.utils.tiny_model import make_tiny_model
     from hybridflow.workers.rollout_worker import RolloutWorker
 
-    root = tmp_path_factory.mktemp("pool_seeds")
+    root = tmp_path_factory.mktemp(f"pool_seeds_{request.param}")
     model = str(make_tiny_model(root / "tiny", num_layers=2))
     overrides = [
         f"model.path={model}",
-        "rollout.name=hf",
+        f"rollout.name={request.param}",
         "rollout.response_length=12",
         f"rollout.seed={SEED}",
     ]
     cfg = load_recipe(Path(__file__).resolve().parents[2] / "recipes/quickstart.yaml", overrides)
-    resources = RayResourcePool([2], name_prefix="pool_seeds")
+    resources = RayResourcePool([2], name_prefix=f"pool_seeds_{request.param}")
     group = RayWorkerGroup(resources, RayClassWithInitArgs(RolloutWorker, cfg))
     sender = Sender(model)
     try:
@@ -158,6 +158,7 @@ def two_process_pool(ray_cluster, tmp_path_factory):
         policy = Policy(sender)
         policy.version = 1
         pool = PoolRollout(group, str(root), cfg.rollout)
+        pool.engine_name = request.param  # what the tests below ask of the pool
         pool.sync_weights(policy)
         yield pool
     finally:
@@ -166,13 +167,33 @@ def two_process_pool(ray_cluster, tmp_path_factory):
         resources.release()
 
 
+def one_group(samples: int, seed: int | None = None) -> DataProto:
+    """One prompt's rows, repeated by the driver (n=1 for the engine), with `seed` when given."""
+    rows = prompt_rows(1).repeat(samples, interleave=True)
+    rows.meta_info.update({"n": 1} if seed is None else {"n": 1, "seed": seed})
+    return rows
+
+
 @pytest.mark.slow
 def test_a_group_spread_over_two_rollout_processes_holds_distinct_samples(two_process_pool):
     """1 prompt x 4 samples at temperature 1 on 2 processes: rows 0-1 on one, 2-3 on the other.
     With the same seed per chunk, the second process's two samples repeated the first's."""
-    rows = prompt_rows(1).repeat(4, interleave=True)
-    rows.meta_info["n"] = 1  # the driver repeats the prompts itself
-    responses = two_process_pool.generate(rows).batch["responses"]  # (4, R)
+    responses = two_process_pool.generate(one_group(4)).batch["responses"]  # (4, R)
     first, second = responses[:2], responses[2:]
     assert not torch.equal(first, second), responses
     assert len({tuple(row.tolist()) for row in responses}) == 4, responses
+
+
+@pytest.mark.slow
+def test_a_call_samples_the_same_on_one_process_as_split_over_two(two_process_pool):
+    """vLLM seeds each request: the call's rows get the same samples whether one process generates
+    them all or each of two generates half, the seed given being the same."""
+    import ray
+
+    if two_process_pool.engine_name == "hf":
+        pytest.skip("the hf engine samples a chunk as one batch from one seed: samples depend on the split")
+    split = two_process_pool.generate(one_group(4, seed=11)).batch["responses"]  # (4, R): 2 + 2
+    whole = two_process_pool.seeded(one_group(4, seed=11))
+    alone = ray.get(two_process_pool.group.actors[0].generate_sequences.remote(whole)).batch["responses"]
+    assert torch.equal(split, alone), (split, alone)
+    assert len({tuple(row.tolist()) for row in alone}) == 4, alone
