@@ -214,3 +214,14 @@ def test_a_one_step_run_resumed_from_a_stream_checkpoint_names_the_groups_it_doe
         f"warning: the checkpoint holds {held} prompts drawn ahead by trainer.async_training.mode stream"
         in out
     )
+
+
+def test_a_colocated_run_resumed_from_a_one_step_checkpoint_names_the_prompts_it_does_not_take(
+    tmp_path, capsys
+):
+    from hybridflow.trainer.rollout.colocated import ColocatedRollout
+
+    checkpoint, drawn = ahead_checkpoint(tmp_path)
+    ColocatedRollout(SimpleNamespace(load_rollout_state=lambda path: None)).load(checkpoint)
+    mode = "trainer.async_training.mode one_step / async"
+    assert f"warning: the checkpoint holds {drawn} prompts drawn ahead by {mode}" in capsys.readouterr().out

@@ -16,4 +16,6 @@ Implementations (`base.Rollout` is the protocol):
   `depth` batches generating while the driver trains on earlier ones; it holds the queue;
 - `stream.StreamingRollout`: stream (and its checkpoint part): wraps a pool, keeps every prompt's
   group generating on its own and gives a step the next finished groups within the staleness bound.
+
+`unread` names the prompts a checkpoint holds drawn ahead by another mode than the resumed run's.
 """

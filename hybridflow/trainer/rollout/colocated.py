@@ -10,6 +10,7 @@ then streams them again.
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.policy import Policy
 from hybridflow.trainer.prompts import PromptBatches, StepPrompts
+from hybridflow.trainer.rollout.unread import report_unread
 
 
 class ColocatedRollout:
@@ -34,4 +35,6 @@ class ColocatedRollout:
         self.group.save_rollout_state(path)
 
     def load(self, path: str) -> None:
+        """What `save` wrote; a rollout pool's prompts drawn ahead, which this one cannot take, named."""
         self.group.load_rollout_state(path)
+        report_unread(path, reads=None)
