@@ -16,14 +16,16 @@ this order), then forks the process that runs `main.py`, which inherits every la
               working directory, TCP bind/connect denied (ABI >= 4), signals and abstract unix
               sockets scoped to the sandbox (ABI >= 6).
   seccomp     socket(2), socketpair(2) and io_uring_setup(2) fail with EPERM; setsid(2) and
-              setpgid(2) too, so every process stays in the process group the parent kills.
+              setpgid(2) too, so every process stays in the process group the parent kills; and
+              every way to signal, trace or read another process (SECCOMP_DENIED).
   processes   (in the code's process, after the fork) a second seccomp filter: clone(2) without
               CLONE_THREAD, fork, vfork, execve and execveat fail with EPERM, clone3 with ENOSYS.
               The code runs as one process (threads allowed), so RLIMIT_AS bounds all its memory
               and no fork bomb can start, whatever Python-level path it takes.
   audit       (in the code's process, last) a sys.addaudithook hook that refuses sockets,
               process creation, signals, foreign calls through ctypes (the module itself stays
-              importable: sympy needs its types) and writes outside the working directory.
+              importable: sympy needs its types) and writes outside the working directory; the
+              pidfd signal functions, which raise no audit event, replaced by refusals.
 The outcome goes to the parent as one JSON line on the status pipe: {"error": ...} when a layer
 cannot be applied, else {"exit_code"|"signal": ..., "cpu_s": ...} once the code has ended.
 """
@@ -65,11 +67,24 @@ SYSTEM_READ_PATHS = (
     "/proc/meminfo",
     "/sys/devices/system/cpu",
 )
-# seccomp: (AUDIT_ARCH_*, syscall numbers) from arch/x86/entry/syscalls/syscall_64.tbl and
-# include/uapi/asm-generic/unistd.h; order: socket, socketpair, setsid, setpgid, io_uring_setup.
+# seccomp: the calls the seccomp layer refuses, by name, with their numbers from
+# arch/x86/entry/syscalls/syscall_64.tbl and include/uapi/asm-generic/unistd.h. Sockets; leaving
+# the process group; signals to any process (the code's own too: the interpreter sends none);
+# tracing, reading or writing another process's memory, or taking its file descriptors.
+SECCOMP_DENIED = {
+    "x86_64": dict(socket=41, socketpair=53, setsid=112, setpgid=109, io_uring_setup=425),
+    "aarch64": dict(socket=198, socketpair=199, setsid=157, setpgid=154, io_uring_setup=425),
+}
+SECCOMP_DENIED["x86_64"] |= dict(kill=62, tkill=200, tgkill=234, rt_sigqueueinfo=129, rt_tgsigqueueinfo=297)
+SECCOMP_DENIED["aarch64"] |= dict(kill=129, tkill=130, tgkill=131, rt_sigqueueinfo=138, rt_tgsigqueueinfo=240)
+SECCOMP_DENIED["x86_64"] |= dict(pidfd_open=434, pidfd_send_signal=424, pidfd_getfd=438, ptrace=101)
+SECCOMP_DENIED["aarch64"] |= dict(pidfd_open=434, pidfd_send_signal=424, pidfd_getfd=438, ptrace=117)
+SECCOMP_DENIED["x86_64"] |= dict(process_vm_readv=310, process_vm_writev=311)
+SECCOMP_DENIED["aarch64"] |= dict(process_vm_readv=270, process_vm_writev=271)
+# (AUDIT_ARCH_*, the numbers of the denied calls)
 SECCOMP_ARCHES = {
-    "x86_64": (0xC000003E, (41, 53, 112, 109, 425)),
-    "aarch64": (0xC00000B7, (198, 199, 157, 154, 425)),
+    "x86_64": (0xC000003E, tuple(SECCOMP_DENIED["x86_64"].values())),
+    "aarch64": (0xC00000B7, tuple(SECCOMP_DENIED["aarch64"].values())),
 }
 # the processes layer: (clone, clone3, the calls refused outright: fork, vfork, execve, execveat)
 PROCESS_SYSCALLS = {"x86_64": (56, 435, (57, 58, 59, 322)), "aarch64": (220, 435, (221, 281))}
@@ -256,11 +271,27 @@ def _audit_hook(workdir: str):
     return hook
 
 
+def _remove_unaudited_signals() -> None:
+    """os.pidfd_open and signal.pidfd_send_signal signal another process without an audit event,
+    so the audit layer replaces them with functions that refuse."""
+    import signal
+
+    def refused(event: str):
+        def refuse(*args, **kwargs):
+            raise PermissionError(f"sandbox: {event} is not allowed")
+
+        return refuse
+
+    os.pidfd_open = refused("os.pidfd_open")
+    signal.pidfd_send_signal = refused("signal.pidfd_send_signal")
+
+
 def run_code(config: dict) -> None:
     """Runs main.py as the __main__ module; a traceback leaves out this file's frames."""
     sys.argv = ["main.py"]
     if "audit" in config["layers"]:
         sys.addaudithook(_audit_hook(config["workdir"]))
+        _remove_unaudited_signals()
     module = types.ModuleType("__main__")
     module.__file__ = "main.py"
     sys.modules["__main__"] = module
