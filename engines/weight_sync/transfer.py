@@ -21,9 +21,11 @@ whose engine fails still receives the rest of the transfer, so the sender return
 gets the receiver's error (WeightSyncError, from the rollout worker's `finish_transfer`) instead of
 a collective timeout; that engine then serves no known version until a transfer succeeds.
 
-    sender = WeightSender(transfer_group(host, port, 0, 1 + engines, "gloo"), bucket_mb=512)
+    store = sender_store(host)  # listening from now on; tell the receivers store.port
+    group = transfer_group(host, store.port, 0, 1 + engines, "gloo", store=store)
+    sender = WeightSender(group, bucket_mb=512)
     sender.send(iter_hf_tensors(chunks, hf_config), version=step)
-    receiver = WeightReceiver(transfer_group(host, port, rank, 1 + engines, "gloo"))
+    receiver = WeightReceiver(transfer_group(host, store.port, rank, 1 + engines, "gloo"))
     receiver.load_into(engine)  # -> the policy version the engine now serves, or WeightSyncError
 """
 
@@ -65,15 +67,31 @@ class TransferGroup:
         self.group = self.store = None
 
 
+def sender_store(host: str, timeout_s: float = 600.0) -> dist.TCPStore:
+    """The sender's rendezvous store, listening on `host` from now on at a port the OS gave it
+    (`.port`): publish that port to the receivers and pass the store to `transfer_group`. (A port
+    found free and closed again can be taken by another process before the sender binds it.)"""
+    timeout = timedelta(seconds=timeout_s)
+    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+
+
 def transfer_group(
-    host: str, port: int, rank: int, size: int, backend: str, timeout_s: float = 600.0
+    host: str,
+    port: int,
+    rank: int,
+    size: int,
+    backend: str,
+    timeout_s: float = 600.0,
+    store: dist.TCPStore | None = None,
 ) -> TransferGroup:
-    """Collective over the `size` members: rank 0 (the sender) hosts the TCPStore at host:port.
+    """Collective over the `size` members, who meet at the TCPStore that rank 0 (the sender) hosts
+    at host:port: `store` from `sender_store` on rank 0 (without it rank 0 binds host:port here).
     gloo moves host tensors; nccl moves tensors of this process's current CUDA device."""
     if backend not in BACKENDS:
         raise ValueError(f"weight transfer backend must be one of {BACKENDS}, got {backend!r}")
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, size, is_master=rank == SENDER, timeout=timeout)
+    if store is None:
+        store = dist.TCPStore(host, port, size, is_master=rank == SENDER, timeout=timeout)
     store = dist.PrefixStore("weight_transfer", store)
     if backend == "gloo":
         group = dist.ProcessGroupGloo(store, rank, size, timeout)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from hybridflow.parallel_ranks import ParallelRanks
 from hybridflow.single_controller.dispatch import Dispatched
-from hybridflow.single_controller.worker import RayClassWithInitArgs, Worker, free_port
+from hybridflow.single_controller.worker import RENDEZVOUS_ATTR, RayClassWithInitArgs, Worker, host_rendezvous
 from hybridflow.single_controller.worker_group import WorkerGroup
 
 if TYPE_CHECKING:
@@ -33,7 +33,8 @@ class LocalWorkerGroup(WorkerGroup):
         ray_cls_with_init: the worker class and its constructor arguments.
 
     Sets `RANK=0`, `WORLD_SIZE=1`, `LOCAL_RANK=0`, `LOCAL_WORLD_SIZE=1`, `MASTER_ADDR=127.0.0.1`
-    and a free `MASTER_PORT` in this process's environment before building the worker, so
+    and `MASTER_PORT` (the port of a store this process hosts from now on, `worker.host_rendezvous`)
+    in this process's environment before building the worker, so
     `torch.distributed.init_process_group` works in it.
     """
 
@@ -52,6 +53,7 @@ class LocalWorkerGroup(WorkerGroup):
                 f"{resource_pool.world_size} ({resource_pool.process_on_nodes}); use RayWorkerGroup"
             )
         super().__init__(ray_cls_with_init.cls)
+        store = host_rendezvous("127.0.0.1")
         os.environ.update(
             {
                 "RANK": "0",
@@ -59,10 +61,11 @@ class LocalWorkerGroup(WorkerGroup):
                 "LOCAL_RANK": "0",
                 "LOCAL_WORLD_SIZE": "1",
                 "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(free_port()),
+                "MASTER_PORT": str(store.port),
             }
         )
         self._workers = [ray_cls_with_init.instantiate()]
+        setattr(self.worker, RENDEZVOUS_ATTR, store)
 
     @classmethod
     def _view(cls, workers: list[Worker], worker_cls: type, prefix: str) -> LocalWorkerGroup:

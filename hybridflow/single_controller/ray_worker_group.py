@@ -6,13 +6,17 @@
     values = critic.compute_values(batch)      # MEGATRON_COMPUTE_PROTO: split by dp, concat back
 
 Rank r runs in slot r (slots laid out node by node) with `RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
-`LOCAL_WORLD_SIZE`, `MASTER_ADDR` (rank 0's node), `MASTER_PORT` (free on that node) and
-`HYBRIDFLOW_NODE_ID` (the slot's Ray node id, see `engines.placement`) in its environment before
-the worker class's `__init__` runs. Large arguments (DataProto, tensors, arrays) are put in the
-object store once per call however many ranks read them. Blocking
-calls wait on all ranks and raise the first failure as soon as it happens (a rank stuck in a
-collective with a dead peer cannot hide it), as a `WorkerError` that is also the original
-exception type.
+`LOCAL_WORLD_SIZE`, `MASTER_ADDR` (rank 0's node), `MASTER_PORT` and `HYBRIDFLOW_NODE_ID` (the
+slot's Ray node id, see `engines.placement`) in its environment before the worker class's
+`__init__` runs. Rank 0's process hosts the torch.distributed store at MASTER_ADDR:MASTER_PORT
+from before its `__init__` (`worker.host_rendezvous`: the OS picks the port as the store binds it)
+and publishes the address; the other ranks start their `__init__` once rank 0's has returned, so
+a collective belongs in a method (such as `init_model`), not in `__init__`.
+
+Large arguments (DataProto, tensors, arrays) are put in the object store once per call however
+many ranks read them. Blocking calls wait on all ranks and raise the first failure as soon as it
+happens (a rank stuck in a collective with a dead peer cannot hide it), as a `WorkerError` that is
+also the original exception type.
 
 A rank whose process died can be replaced alone (`restart_rank`: a fresh actor of the same class,
 arguments and environment in the same slot) and then driven alone (`call_rank`): the rollout pool
@@ -28,7 +32,7 @@ import sys
 import numpy as np
 import ray
 import torch
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engines.placement import NODE_ID_ENV
 from hybridflow.parallel_ranks import ParallelRanks
@@ -37,7 +41,12 @@ from hybridflow.single_controller.decorator import registered_methods
 from hybridflow.single_controller.dispatch import Dispatched
 from hybridflow.single_controller.errors import worker_error
 from hybridflow.single_controller.resource_pool import RayResourcePool
-from hybridflow.single_controller.worker import RayClassWithInitArgs, free_port, overrides_teardown
+from hybridflow.single_controller.worker import (
+    RENDEZVOUS_ATTR,
+    RayClassWithInitArgs,
+    host_rendezvous,
+    overrides_teardown,
+)
 from hybridflow.single_controller.worker_group import WorkerGroup
 from hybridflow.utils import warning_filters
 
@@ -49,6 +58,9 @@ TEARDOWN_TIMEOUT_S = 90.0
 # How long `dead_ranks` waits for the ranks' answers: a dead process's fails at once, a rank busy in
 # a call (one call at a time) answers later and counts as alive.
 DEATH_CHECK_S = 2.0
+# How long a rank other than 0 waits in its start for rank 0's `__init__` to return and publish the
+# store's address.
+RENDEZVOUS_WAIT_S = 600.0
 
 
 class RayWorkerGroup(WorkerGroup):
@@ -76,8 +88,11 @@ class RayWorkerGroup(WorkerGroup):
         self._slots = _slots(resource_pool)
         self._envs = spmd_envs(resource_pool.slot_nodes())
         self._remote_cls = ray.remote(_with_spmd_env(ray_cls_with_init.cls))
-        self._actors = [self._start_actor(rank) for rank in range(len(self._slots))]
-        try:
+        self._actors = [self._start_actor(0)]
+        self._rendezvous = self._published_by_rank_zero()
+        self._actors += [self._start_actor(rank) for rank in range(1, len(self._slots))]
+        try:  # rank 0 first: the other ranks' starts wait on it, so its failure is the cause of theirs
+            self._wait([self._actors[0].__ray_ready__.remote()], [0], "__init__")
             self._wait([actor.__ray_ready__.remote() for actor in self._actors], self._ranks(), "__init__")
         except BaseException:
             self._kill_actors()  # nothing started yet that a teardown would stop
@@ -95,14 +110,26 @@ class RayWorkerGroup(WorkerGroup):
         return len(self._actors)
 
     def _start_actor(self, rank: int):
-        """A new actor of this group's class in rank's slot, with rank's SPMD environment."""
+        """A new actor of this group's class in rank's slot, with rank's SPMD environment; rank 0
+        hosts the rendezvous store, the others meet it at the address rank 0 published."""
         pg, bundle = self._slots[rank]
         cls_with_init = self._cls_with_init
         return self._remote_cls.options(
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle),
             **self._pool.actor_resources(),
             **cls_with_init.actor_options,
-        ).remote(self._envs[rank], *cls_with_init.args, **cls_with_init.kwargs)
+        ).remote(
+            self._envs[rank],
+            None if rank == 0 else self._rendezvous,
+            *cls_with_init.args,
+            **cls_with_init.kwargs,
+        )
+
+    def _published_by_rank_zero(self) -> list:
+        """[a reference to rank 0's (MASTER_ADDR, MASTER_PORT)], in a list so that Ray hands the
+        reference itself to the other ranks' starts (a top-level one would hold back their process
+        start until rank 0's `__init__` returned)."""
+        return [self._actors[0]._hf_rendezvous_address.remote()]
 
     def restart_rank(self, rank: int) -> None:
         """Replace rank's actor (dead, or killed here) with a fresh one in the same slot, built with
@@ -111,6 +138,8 @@ class RayWorkerGroup(WorkerGroup):
         share the new actor."""
         ray.kill(self._actors[rank], no_restart=True)
         self._actors[rank] = self._start_actor(rank)  # in place: the views hold the same list
+        if rank == 0:  # a fresh store: ranks restarted later meet this one
+            self._rendezvous = self._published_by_rank_zero()
         self._wait([self._actors[rank].__ray_ready__.remote()], [rank], "__init__")
 
     def call_rank(self, rank: int, method: str, *args, **kwargs):
@@ -244,25 +273,50 @@ def _slots(pool: RayResourcePool) -> list[tuple]:
 
 
 def _with_spmd_env(cls: type) -> type:
-    """`cls` whose constructor first sets the SPMD environment it is given, and silences the
-    third-party warnings known to be harmless (hybridflow.utils.warning_filters) before any role
-    imports an engine.
+    """`cls` whose constructor first sets the SPMD environment it is given, with the rendezvous
+    address (`rendezvous` None: this rank hosts the store; else [rank 0's published address]), and
+    silences the third-party warnings known to be harmless (hybridflow.utils.warning_filters)
+    before any role imports an engine.
 
     Passing the environment as a constructor argument, rather than as a per-actor Ray
     runtime_env, lets actors start in Ray's already-running idle worker processes.
     """
 
-    def __init__(self, spmd_env: dict[str, str], *args, **kwargs):
+    def __init__(self, spmd_env: dict[str, str], rendezvous: list | None, *args, **kwargs):
         os.environ.update(spmd_env)
+        host, port = _rendezvous_address(self, rendezvous, spmd_env["RANK"])
+        os.environ.update(MASTER_ADDR=host, MASTER_PORT=str(port))
         warning_filters.install()
         cls.__init__(self, *args, **kwargs)
 
-    return type(cls.__name__, (cls,), {"__init__": __init__, "__doc__": cls.__doc__})
+    def _hf_rendezvous_address(self) -> tuple[str, int]:
+        return self.master_addr, self.master_port
+
+    methods = {"__init__": __init__, "_hf_rendezvous_address": _hf_rendezvous_address, "__doc__": cls.__doc__}
+    return type(cls.__name__, (cls,), methods)
+
+
+def _rendezvous_address(worker, rendezvous: list | None, rank: str) -> tuple[str, int]:
+    """Rank 0 (`rendezvous` None) hosts the store on its node, held by `worker`; the others wait
+    for the address rank 0 published (`rendezvous[0]`)."""
+    if rendezvous is None:
+        host = ray.util.get_node_ip_address()
+        store = host_rendezvous(host)
+        setattr(worker, RENDEZVOUS_ATTR, store)
+        return host, store.port
+    try:
+        return ray.get(rendezvous[0], timeout=RENDEZVOUS_WAIT_S)
+    except ray.exceptions.GetTimeoutError:
+        raise TimeoutError(
+            f"rank {rank} waited {RENDEZVOUS_WAIT_S:g}s for rank 0 to publish its torch.distributed "
+            "store's address, which it does when its __init__ returns: is rank 0's __init__ stuck "
+            "(a collective belongs in a method such as init_model)?"
+        ) from None
 
 
 def spmd_envs(slot_nodes: list[str]) -> list[dict[str, str]]:
-    """The torch.distributed environment of every rank, given the node id of each slot."""
-    master_addr, master_port = _rendezvous_address(slot_nodes[0])
+    """The torch.distributed environment of every rank, given the node id of each slot, but for
+    MASTER_ADDR / MASTER_PORT: rank 0's process sets them as it hosts the store (`_with_spmd_env`)."""
     envs = []
     for rank, node in enumerate(slot_nodes):
         envs.append(
@@ -271,22 +325,7 @@ def spmd_envs(slot_nodes: list[str]) -> list[dict[str, str]]:
                 "WORLD_SIZE": str(len(slot_nodes)),
                 "LOCAL_RANK": str(slot_nodes[:rank].count(node)),
                 "LOCAL_WORLD_SIZE": str(slot_nodes.count(node)),
-                "MASTER_ADDR": master_addr,
-                "MASTER_PORT": str(master_port),
                 NODE_ID_ENV: node,
             }
         )
     return envs
-
-
-def _rendezvous_address(node_id: str) -> tuple[str, int]:
-    """Rank 0's node address and a port free there."""
-    if node_id == ray.get_runtime_context().get_node_id():
-        return ray.util.get_node_ip_address(), free_port()
-    on_node = NodeAffinitySchedulingStrategy(node_id, soft=False)
-    return ray.get(_node_address_and_free_port.options(scheduling_strategy=on_node).remote())
-
-
-@ray.remote(num_cpus=0)
-def _node_address_and_free_port() -> tuple[str, int]:
-    return ray.util.get_node_ip_address(), free_port()

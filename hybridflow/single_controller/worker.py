@@ -3,17 +3,22 @@
 A worker group starts one process per slot and sets the SPMD environment before the worker
 class is built: `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`,
 `MASTER_PORT`. So `torch.distributed.init_process_group(backend)` works inside a worker without
-arguments. After building its Megatron model a role calls `set_parallel_ranks(ranks)`; the
-MEGATRON_* dispatch modes read that layout once per worker group.
+arguments. `MASTER_ADDR:MASTER_PORT` is a store that rank 0's process already hosts
+(`host_rendezvous`), not a port found free and left for rank 0 to bind later.
+
+After building its Megatron model a role calls `set_parallel_ranks(ranks)`; the MEGATRON_*
+dispatch modes read that layout once per worker group.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import sys
 
 from hybridflow.parallel_ranks import ParallelRanks
+
+# The Worker attribute holding the store its process hosts for the group (rank 0), for the worker's life.
+RENDEZVOUS_ATTR = "_hf_rendezvous_store"
 
 
 class Worker:
@@ -115,11 +120,19 @@ def overrides_teardown(worker_cls: type) -> bool:
     return worker_cls.teardown is not Worker.teardown
 
 
-def free_port() -> int:
-    """A TCP port that was free on this host a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
+def host_rendezvous(host: str):
+    """A torch.distributed store hosted by this process, listening on a port the OS gave it (`.port`).
+
+    Rank 0's process calls it and publishes `host` and the port as MASTER_ADDR / MASTER_PORT.
+    torch's env:// rendezvous (init_process_group, and so Megatron-Core's) hosts rank 0's store
+    multi-tenant, so on rank 0 it reuses this server instead of binding the port again: the port
+    is held from its choice to its use. (A port found free and closed again can be taken by another
+    process before rank 0 binds it: EADDRINUSE on rank 0, the other ranks talking to a stranger.)
+    Keep the returned store while a rendezvous may still come (the worker holds it, `RENDEZVOUS_ATTR`).
+    """
+    from torch.distributed import TCPStore  # only the hosting process needs torch.distributed
+
+    return TCPStore(host, 0, is_master=True, wait_for_workers=False, multi_tenant=True)
 
 
 def _spmd_env(key: str) -> str:

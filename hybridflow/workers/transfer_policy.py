@@ -10,17 +10,21 @@ engine is then checked against the actor's log-probs of fixed tokens (`probe_log
 """
 
 from hybridflow.single_controller import Dispatch, register
-from hybridflow.single_controller.worker import free_port
 from hybridflow.workers.policy import PolicyWorker
 
 
 class TransferPolicyWorker(PolicyWorker):
     sender = None  # rank 0's WeightSender once the transfer group is joined
+    transfer_store = None  # rank 0's rendezvous store, from transfer_address until join_transfer
 
     @register(dispatch_mode=Dispatch.RANK_ZERO)
     def transfer_address(self) -> tuple[str, int]:
-        """Where the transfer group meets: this node's address and a free port (rank 0 hosts it)."""
-        return self.master_addr, free_port()
+        """Where the transfer group meets: this node's address and the port of the store rank 0
+        hosts there from now on (held until join_transfer builds the group on it)."""
+        from engines.weight_sync.transfer import sender_store
+
+        self.transfer_store = sender_store(self.master_addr)
+        return self.master_addr, self.transfer_store.port
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def join_transfer(self, host: str, port: int, size: int) -> None:
@@ -31,8 +35,11 @@ class TransferPolicyWorker(PolicyWorker):
 
         from engines.weight_sync.transfer import WeightSender, transfer_group
 
+        if self.transfer_store is None:
+            raise RuntimeError("join_transfer on rank 0 needs transfer_address first: rank 0 hosts its store")
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        group = transfer_group(host, port, 0, size, backend)
+        store, self.transfer_store = self.transfer_store, None  # the group holds it from here
+        group = transfer_group(host, port, 0, size, backend, store=store)
         self.sender = WeightSender(group, bucket_mb=self.config.rollout.weight_sync_bucket_mb)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
