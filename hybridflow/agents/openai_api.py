@@ -3,12 +3,12 @@
 and the response and error bodies. No I/O here; `hybridflow/agents/server.py` serves them.
 
 Served: `messages` (roles system, developer, user, assistant, tool), `tools`, `max_tokens` or
-`max_completion_tokens`, `temperature`, `top_p`, `seed`, `stream` (the reply as
-`chat.completion.chunk` events: `chunk_bodies`), and parameters at their default value (`n: 1`,
-`tool_choice: auto` ...). Anything else is refused with a 400 naming
-the parameter, never ignored: a parameter the engine would not apply changes what the agent
-believes it sampled. Shapes follow the OpenAI API reference (Chat Completions, 2025), the format
-vLLM's and SGLang's servers also speak.
+`max_completion_tokens`, `temperature` and `top_p` equal to the recipe's
+(`check_recipe_sampling`), `seed`, `stream` (the reply as `chat.completion.chunk` events:
+`chunk_bodies`), and parameters at their default value (`n: 1`, `tool_choice: auto` ...).
+Anything else is refused with a 400 naming the parameter, never ignored: a parameter the engine
+would not apply changes what the agent believes it sampled. Shapes follow the OpenAI API
+reference (Chat Completions, 2025), the format vLLM's and SGLang's servers also speak.
 """
 
 import json
@@ -200,6 +200,22 @@ def _seed(value: Any) -> int | None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
         raise ApiError(f"seed must be an integer, got {value!r}", param="seed")
     return value
+
+
+def check_recipe_sampling(request: ChatRequest, recipe: dict[str, float], key: str) -> None:
+    """ApiError (400) naming `temperature` or `top_p` when the request sets it to a value other
+    than `recipe`'s (what the call samples at; set under `key`, rollout.sampling or
+    rollout.val_sampling): the actor computes the turn's log-probs at the recipe's settings, so a
+    turn sampled at others would be trained on as if it were on-policy."""
+    for param in ("temperature", "top_p"):
+        sent = getattr(request, param)
+        if sent is not None and sent != recipe[param]:
+            raise ApiError(
+                f"{param}={sent:g} differs from the recipe's {key}.{param}={recipe[param]:g}, at which "
+                f"the trainer computes this turn's log-probs (it would be off-policy): leave {param} "
+                f"out of the request (or send {recipe[param]:g}), or set {key}.{param} in the recipe",
+                param=param,
+            )
 
 
 @dataclass(frozen=True)

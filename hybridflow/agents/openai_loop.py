@@ -12,18 +12,17 @@ value is unused: what the session recorded becomes the row's `Trajectory` (chat_
 """
 
 import asyncio
-import dataclasses
 import inspect
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from engines.rollout.base import SamplingPosition, SeededGenerationMixin, row_seed
+from engines.rollout.base import SamplingPosition, SeededGenerationMixin, is_validation, row_seed
 from engines.rollout.config import SamplingConfig
 from hybridflow.agents.batch import trajectories_to_batch
 from hybridflow.agents.chat_session import ChatSession
-from hybridflow.agents.openai_api import ChatRequest
+from hybridflow.agents.openai_api import ChatRequest, check_recipe_sampling
 from hybridflow.agents.server import ChatServer
 from hybridflow.agents.template import end_of_turn_ids, message_delta_renderer
 from hybridflow.protocol import DataProto
@@ -42,14 +41,15 @@ def load_openai_agent(path: str) -> Callable:
     return agent
 
 
-def request_sampling(sampling: SamplingConfig, request: ChatRequest) -> SamplingConfig:
-    """The call's sampling with what the request sets: temperature (0: greedy) and top_p."""
-    changes: dict[str, Any] = {}
-    if request.temperature is not None:
-        changes.update(temperature=request.temperature, do_sample=request.temperature > 0)
-    if request.top_p is not None:
-        changes["top_p"] = request.top_p
-    return dataclasses.replace(sampling, **changes)
+def recipe_sampling_check(sampling: SamplingConfig, key: str) -> Callable[[ChatRequest], None]:
+    """`check(request)`: ApiError for a request `temperature` or `top_p` other than the values
+    the call samples at (greedy: temperature 0, top_p 1), set under `key` in the recipe."""
+    greedy = not sampling.do_sample
+    recipe = {
+        "temperature": 0.0 if greedy else sampling.temperature,
+        "top_p": 1.0 if greedy else sampling.top_p,
+    }
+    return lambda request: check_recipe_sampling(request, recipe, key)
 
 
 def agent_rows(prompts: DataProto) -> list[tuple[list[dict], dict[str, Any]]]:
@@ -81,23 +81,23 @@ class OpenAIAgentRollout(SeededGenerationMixin):
         self.position = SamplingPosition()
 
     def generate_sequences(self, prompts: DataProto) -> DataProto:
+        key = "rollout.val_sampling" if is_validation(prompts.meta_info) else "rollout.sampling"
         prompts, sampling, seed = self.start_call(prompts)
-        sessions = asyncio.run(self.run_agents(agent_rows(prompts), sampling, seed))
+        sessions = asyncio.run(self.run_agents(agent_rows(prompts), sampling, seed, key))
         trajectories = [session.trajectory() for session in sessions]
         batch = trajectories_to_batch(prompts, trajectories, self.cfg.response_length, self.pad_token_id)
         divergences = [session.divergences for session in sessions]
         batch.non_tensor_batch["agent_divergences"] = np.array(divergences, dtype=np.int64)
         return batch
 
-    async def run_agents(self, rows, sampling: SamplingConfig, seed: int) -> list[ChatSession]:
-        """Every row's agent against its own session of one server; the sessions afterwards."""
+    async def run_agents(self, rows, sampling: SamplingConfig, seed: int, key: str) -> list[ChatSession]:
+        """Every row's agent against its own session of one server; the sessions afterwards.
+        Every request samples at `sampling` (set under `key` in the recipe)."""
 
         async def generate(ids: list[int], request: ChatRequest, request_seed: int, max_new_tokens: int):
-            return await self.engine.generate(
-                ids, request_sampling(sampling, request), request_seed, max_new_tokens
-            )
+            return await self.engine.generate(ids, sampling, request_seed, max_new_tokens)
 
-        async with ChatServer(self.cfg.server, generate) as server:
+        async with ChatServer(self.cfg.server, generate, recipe_sampling_check(sampling, key)) as server:
             sessions = [self.session(f"{seed}-{row}", row_seed(seed, row)) for row in range(len(rows))]
             server.sessions = {session.name: session for session in sessions}
             runs = (self.run_agent(server, s, *row) for s, row in zip(sessions, rows, strict=True))

@@ -12,12 +12,14 @@ of a format `openai_api.py` already checks. Both are vLLM dependencies, so neith
 import itertools
 import json
 import logging
+from collections.abc import Callable
 
 from aiohttp import web
 
 from hybridflow.agents.chat_session import ChatSession, GenerateChat
 from hybridflow.agents.openai_api import (
     ApiError,
+    ChatRequest,
     chunk_bodies,
     completion_body,
     models_body,
@@ -28,10 +30,11 @@ logger = logging.getLogger(__name__)
 
 
 class ChatServer:
-    """`async with ChatServer(cfg, generate) as server:` serves `server.sessions` while open."""
+    """`async with ChatServer(cfg, generate, check) as server:` serves `server.sessions` while
+    open; `check(request)` raises ApiError for a request the rollout refuses (its sampling)."""
 
-    def __init__(self, cfg, generate: GenerateChat):
-        self.cfg, self.generate = cfg, generate  # cfg: engines.rollout.config.ServerConfig
+    def __init__(self, cfg, generate: GenerateChat, check: Callable[[ChatRequest], None]):
+        self.cfg, self.generate, self.check = cfg, generate, check  # cfg: engines.rollout.config.ServerConfig
         self.sessions: dict[str, ChatSession] = {}
         self._ids = itertools.count()
         self._runner: web.AppRunner | None = None
@@ -82,6 +85,7 @@ class ChatServer:
         try:
             session = self._session(request)
             chat = parse_chat_request(await _json(request), self.cfg.model_name)
+            self.check(chat)
             reply = await session.complete(chat, self.generate)
         except ApiError as err:
             return web.json_response(err.body(), status=err.status)

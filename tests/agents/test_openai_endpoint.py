@@ -318,14 +318,3 @@ def test_the_recipe_check_loads_the_agent_before_any_worker_starts():
     ]
     cfg.rollout.agent.openai_agent = "hybridflow.agents.openai_example:calculator_agent"
     assert _check_agent_tools(cfg) == []
-
-
-def test_a_request_sets_temperature_and_top_p_for_itself_only():
-    from hybridflow.agents.openai_loop import request_sampling
-
-    recipe = SamplingConfig(temperature=0.7, top_p=0.9, top_k=5)
-    greedy = request_sampling(recipe, request(QUESTION, temperature=0))
-    assert (greedy.do_sample, greedy.temperature, greedy.top_p, greedy.top_k) == (False, 0.0, 0.9, 5)
-    hot = request_sampling(recipe, request(QUESTION, temperature=1.2, top_p=0.5))
-    assert (hot.do_sample, hot.temperature, hot.top_p) == (True, 1.2, 0.5)
-    assert request_sampling(recipe, request(QUESTION)) == recipe and recipe.temperature == 0.7
