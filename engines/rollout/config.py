@@ -6,6 +6,7 @@ Choice fields are `Literal` types (the recipe loader rejects other values); the 
 read from them so each list of valid values is written once.
 """
 
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
@@ -115,6 +116,8 @@ class AgentConfig:
     tools: list[Any] = field(default_factory=list)
     max_turns: int = 4  # sampled turns per trajectory (tool responses between them)
     tool_timeout_s: float = 30.0  # per tool call; a call that takes longer answers with an error
+    # tool calls running at once in a rollout worker, over all its trajectories; 0: its CPU count
+    max_concurrent_tool_calls: int = 0
     # for loop: openai, `package.module:function`: async def run(client, model, messages, **row)
     openai_agent: str = ""
 
@@ -126,6 +129,11 @@ class AgentConfig:
             raise ValueError(f"rollout.agent.max_turns must be >= 1, got {self.max_turns}")
         if self.tool_timeout_s <= 0:
             raise ValueError(f"rollout.agent.tool_timeout_s must be > 0, got {self.tool_timeout_s}")
+        if self.max_concurrent_tool_calls < 0:
+            raise ValueError(
+                "rollout.agent.max_concurrent_tool_calls must be >= 0 (0: the worker's CPU count), "
+                f"got {self.max_concurrent_tool_calls}"
+            )
         if self.loop == "tool" and not self.tools:
             raise ValueError("rollout.agent.loop=tool needs rollout.agent.tools (dotted paths of tools)")
         if self.tools and self.loop != "tool":
@@ -139,6 +147,11 @@ class AgentConfig:
             raise ValueError(
                 f"rollout.agent.openai_agent is set but rollout.agent.loop={self.loop!r}; use openai"
             )
+
+    def tool_call_limit(self) -> int:
+        """How many tool calls may run at once in this process (each sandboxed call runs two
+        interpreters beside the engine)."""
+        return self.max_concurrent_tool_calls or os.cpu_count() or 1
 
 
 @dataclass

@@ -6,8 +6,9 @@ batch (the layout of `batch.py`'s `trajectories_to_batch`).
 import asyncio
 
 from engines.rollout.base import SamplingPosition, SeededGenerationMixin, row_seed, unpadded_prompts
+from engines.rollout.config import AgentConfig
 from hybridflow.agents.batch import trajectories_to_batch
-from hybridflow.agents.loop import Trajectory
+from hybridflow.agents.loop import RunTools, ToolTurnResult, Trajectory
 from hybridflow.protocol import DataProto
 
 MALFORMED_CALL_NAME = "invalid_tool_call"  # the tool message `name` answering a call that did not parse
@@ -16,6 +17,26 @@ MALFORMED_CALL_NAME = "invalid_tool_call"  # the tool message `name` answering a
 async def run_loops(loop, prompt_ids: list[list[int]], seed: int) -> list[Trajectory]:
     """Every row's trajectory, the rows' loops running concurrently (row i seeded by row_seed)."""
     return await asyncio.gather(*(loop.run(ids, row_seed(seed, row)) for row, ids in enumerate(prompt_ids)))
+
+
+def tool_runner(tools: list, agent: AgentConfig) -> RunTools:
+    """`run_tools(turn text)`: the turn's tool calls run, each under `agent.tool_timeout_s`, at most
+    `agent.tool_call_limit()` at once over every caller (every row's loop): a sandboxed call starts
+    two interpreters, and hundreds of rows calling at once would crowd out the engine. Create one
+    per event loop (per generation call)."""
+    from hybridflow.agents.tool_parser import ToolCall, parse_tool_calls, run_tool_calls
+
+    limit = asyncio.Semaphore(agent.tool_call_limit())
+
+    async def run_tools(text: str) -> ToolTurnResult | None:
+        calls = parse_tool_calls(text)
+        if not calls:
+            return None
+        results = await run_tool_calls(calls, tools, agent.tool_timeout_s, limit)
+        names = [call.name if isinstance(call, ToolCall) else MALFORMED_CALL_NAME for call in calls]
+        return ToolTurnResult([r.text for r in results], sum(not r.ok for r in results), names)
+
+    return run_tools
 
 
 class AgentRollout(SeededGenerationMixin):
@@ -43,29 +64,21 @@ def build_agent_rollout(engine, cfg, tokenizer_dir: str) -> AgentRollout:
     from transformers import AutoTokenizer
 
     from engines.rollout.requests import VLLMRequestEngine
-    from hybridflow.agents.loop import ToolAgentLoop, ToolTurnResult, tool_response_renderer
+    from hybridflow.agents.loop import ToolAgentLoop, tool_response_renderer
     from hybridflow.agents.template import end_of_turn_ids
-    from hybridflow.agents.tool_parser import ToolCall, parse_tool_calls, run_tool_calls
     from hybridflow.agents.tools.base import load_tool, tool_schemas
 
-    requests = VLLMRequestEngine(engine, cfg)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     tools = [load_tool(path) for path in cfg.agent.tools]
     render = tool_response_renderer(tokenizer, tool_schemas(tools))
     ends = end_of_turn_ids(tokenizer, engine.eos_token_ids)
-
-    async def run_tools(text: str) -> ToolTurnResult | None:
-        calls = parse_tool_calls(text)
-        if not calls:
-            return None
-        results = await run_tool_calls(calls, tools, cfg.agent.tool_timeout_s)
-        names = [call.name if isinstance(call, ToolCall) else MALFORMED_CALL_NAME for call in calls]
-        return ToolTurnResult([r.text for r in results], sum(not r.ok for r in results), names)
+    requests = VLLMRequestEngine(engine, cfg)
 
     def make_loop(sampling) -> ToolAgentLoop:
         async def generate(ids: list[int], seed: int, max_new_tokens: int):
             return await requests.generate(ids, sampling, seed, max_new_tokens)
 
+        run_tools = tool_runner(tools, cfg.agent)  # its bound is this call's: one event loop each
         return ToolAgentLoop(
             generate, run_tools, tokenizer.decode, render, cfg.response_length, cfg.agent.max_turns, ends
         )

@@ -14,6 +14,7 @@ the metrics: a bad call never raises out of it.
 """
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import Sequence
@@ -91,18 +92,24 @@ def _parse_body(body: str) -> ToolCall | MalformedToolCall:
 
 
 async def run_tool_calls(
-    calls: Sequence[ToolCall | MalformedToolCall], tools: Sequence[Tool], timeout_s: float
+    calls: Sequence[ToolCall | MalformedToolCall],
+    tools: Sequence[Tool],
+    timeout_s: float,
+    limit: asyncio.Semaphore | None = None,
 ) -> list[ToolCallResult]:
-    """Runs the calls concurrently, each for at most timeout_s; one result per call, in order."""
+    """Runs the calls concurrently, each for at most timeout_s; one result per call, in order.
+    With `limit`, a call runs once it holds the semaphore (shared by every caller that passes
+    it); its timeout starts then."""
     if not timeout_s > 0:
         raise ValueError(f"run_tool_calls timeout_s={timeout_s!r}: must be a positive number of seconds")
     check_unique_names(tools)
     by_name = {tool.name: tool for tool in tools}
-    return list(await asyncio.gather(*(_run_one(call, by_name, timeout_s) for call in calls)))
+    limit = limit or contextlib.nullcontext()
+    return list(await asyncio.gather(*(_run_one(call, by_name, timeout_s, limit) for call in calls)))
 
 
 async def _run_one(
-    call: ToolCall | MalformedToolCall, tools: dict[str, Tool], timeout_s: float
+    call: ToolCall | MalformedToolCall, tools: dict[str, Tool], timeout_s: float, limit
 ) -> ToolCallResult:
     if isinstance(call, MalformedToolCall):
         return _failure(call.kind, call.message)
@@ -113,7 +120,8 @@ async def _run_one(
         validate_arguments(tool, call.arguments)
     except ToolError as err:
         return _failure("invalid_arguments", str(err))
-    return await _call_tool(tool, call.arguments, timeout_s)
+    async with limit:
+        return await _call_tool(tool, call.arguments, timeout_s)
 
 
 async def _call_tool(tool: Tool, arguments: dict[str, Any], timeout_s: float) -> ToolCallResult:

@@ -22,14 +22,17 @@ What is enforced, by layer (`layers=`; all five by default):
                sockets limited to the sandbox (ABI >= 6).
   seccomp      kernel (seccomp-BPF, x86_64 and aarch64): socket(), socketpair() and io_uring
                fail with EPERM, so no TCP, UDP or unix-socket traffic at all; setsid() and
-               setpgid() fail, so no process leaves the group the timeout kills.
+               setpgid() fail, so no process leaves the group the timeout kills; no signal to
+               any process (kill, tkill, tgkill, rt_(tg)sigqueueinfo, pidfd_open,
+               pidfd_send_signal), no ptrace, process_vm_readv/writev or pidfd_getfd.
   processes    kernel (a seccomp-BPF filter in the code's process): no new process, by any path
                (fork, subprocess, _posixsubprocess.fork_exec, posix_spawn, exec): EPERM; threads
                run. The call is one process, so RLIMIT_AS bounds its memory in all (threads
                share it) and a fork bomb starts nothing.
   audit        Python (sys.addaudithook in the code's process): sockets, subprocesses, fork,
                exec, kill, foreign calls through ctypes and file writes, renames and removals
-               outside the directory raise PermissionError. A clear message for the model, and
+               outside the directory raise PermissionError; os.pidfd_open and
+               signal.pidfd_send_signal (which raise no audit event) are replaced by refusals. A clear message for the model, and
                the only layer left where the kernel ones are unavailable; on its own it is not a
                security boundary (`_posixsubprocess.fork_exec` raises no audit event).
 
@@ -120,9 +123,28 @@ class PythonSandbox:
         return self._describe(run)
 
     async def _run(self, code: str) -> SandboxRun:
-        with tempfile.TemporaryDirectory(prefix="hybridflow-sandbox-") as workdir:
-            process, status_fd = self._spawn(code, workdir)
+        # the directory's creation and removal, the start and the reaping run in threads: every
+        # row's loop and the engine's steps share this event loop
+        workdir = await asyncio.to_thread(tempfile.TemporaryDirectory, prefix="hybridflow-sandbox-")
+        try:
+            process, status_fd = await self._start(code, workdir.name)
             return await _supervise(process, status_fd, self.timeout_s, 4 * self.max_output_chars)
+        finally:
+            await asyncio.shield(asyncio.to_thread(workdir.cleanup))
+
+    async def _start(self, code: str, workdir: str) -> tuple[subprocess.Popen, int]:
+        """`_spawn` in a thread. Cancelled meanwhile, the call still waits for the start, then
+        kills what it started."""
+        starting = asyncio.ensure_future(asyncio.to_thread(self._spawn, code, workdir))
+        try:
+            return await asyncio.shield(starting)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                process, status_fd = await starting
+                os.close(status_fd)
+                await _kill_group(process)
+                await _group_gone(process.pid)
+            raise
 
     def _config(self, workdir: str, status_fd: int) -> dict[str, Any]:
         return {
@@ -224,7 +246,7 @@ async def _supervise(
         try:
             exited = await _exits_within(process.pid, timeout_s)
         finally:
-            _kill_group(process)
+            await _kill_group(process)
             await _group_gone(process.pid)
         await _drain(reading)
         return SandboxRun(bytes(output.kept), output.total, not exited, _read_status(status_fd))
@@ -276,11 +298,12 @@ async def _exits_within(pid: int, timeout_s: float) -> bool:
         os.close(pidfd)
 
 
-def _kill_group(process: subprocess.Popen) -> None:
-    """SIGKILLs the launcher's process group, then reaps the launcher."""
+async def _kill_group(process: subprocess.Popen) -> None:
+    """SIGKILLs the launcher's process group, then reaps the launcher (in a thread, which goes on
+    reaping if the call is cancelled meanwhile)."""
     with contextlib.suppress(ProcessLookupError):  # every process of the group has exited
         os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
+    await asyncio.shield(asyncio.to_thread(process.wait))
 
 
 async def _group_gone(pgid: int) -> None:
