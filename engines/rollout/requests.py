@@ -26,7 +26,7 @@ segments together, and EOS and stop strings end it as they would end one uninter
 
 import asyncio
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -60,9 +60,13 @@ class _Request:
 
 
 class VLLMRequestEngine:
-    """Awaitable requests over a `VLLMRolloutEngine` (rollout TP 1: one engine per process)."""
+    """Awaitable requests over a `VLLMRolloutEngine` (rollout TP 1: one engine per process).
+    A request ends at the model's EOS ids and at `stop_token_ids` (an agent turn's end: the chat
+    template's end-of-turn token, which a base model's EOS is not)."""
 
-    def __init__(self, rollout, cfg: RolloutConfig, partial_rollout: bool = False):
+    def __init__(
+        self, rollout, cfg: RolloutConfig, partial_rollout: bool = False, stop_token_ids: Iterable[int] = ()
+    ):
         if cfg.tensor_model_parallel_size != 1:
             raise ValueError(
                 "request-level generation (agent loops) needs rollout.tensor_model_parallel_size=1: "
@@ -71,6 +75,7 @@ class VLLMRequestEngine:
         self.rollout = rollout
         self.cfg = cfg
         self.partial_rollout = partial_rollout
+        self.stop_token_ids = sorted({*rollout.eos_token_ids, *stop_token_ids})
         self.policy_version = 0
         self._engine = rollout.llm.llm_engine
         self._ids = itertools.count()
@@ -120,7 +125,7 @@ class VLLMRequestEngine:
 
         from engines.rollout.vllm_rollout import sampling_params
 
-        params = sampling_params(self.cfg, request.sampling, segment.seed, self.rollout.eos_token_ids)
+        params = sampling_params(self.cfg, request.sampling, segment.seed, self.stop_token_ids)
         params.max_tokens = segment.max_new_tokens
         params.logprobs = 0
         params.output_kind = RequestOutputKind.DELTA

@@ -148,5 +148,6 @@ def build_openai_rollout(engine, cfg, tokenizer_dir: str) -> OpenAIAgentRollout:
 
     agent = load_openai_agent(cfg.agent.openai_agent)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    requests = VLLMRequestEngine(engine, cfg)
+    ends = end_of_turn_ids(tokenizer, engine.eos_token_ids)  # a base model's EOS does not end its turn
+    requests = VLLMRequestEngine(engine, cfg, stop_token_ids=ends)
     return OpenAIAgentRollout(agent, requests, tokenizer, cfg, engine.pad_token_id, engine.eos_token_ids)

@@ -72,7 +72,9 @@ def build_agent_rollout(engine, cfg, tokenizer_dir: str) -> AgentRollout:
     tools = [load_tool(path) for path in cfg.agent.tools]
     render = tool_response_renderer(tokenizer, tool_schemas(tools))
     ends = end_of_turn_ids(tokenizer, engine.eos_token_ids)
-    requests = VLLMRequestEngine(engine, cfg)
+    # a turn ends at the template's end of turn even where the model's EOS is another token (a
+    # base model's <|endoftext|>): what it would write after it is an invented next turn
+    requests = VLLMRequestEngine(engine, cfg, stop_token_ids=ends)
 
     def make_loop(sampling) -> ToolAgentLoop:
         async def generate(ids: list[int], seed: int, max_new_tokens: int):

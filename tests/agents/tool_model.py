@@ -63,10 +63,20 @@ def make_tool_model(out_dir: Path, transcripts: list[str], max_steps: int = 400,
     of `transcripts` with a margin (checked every CHECK_EVERY steps; an error after max_steps)."""
     model_dir = make_tiny_model(out_dir, seed=1)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    batch = tokenizer(transcripts, padding=True, return_tensors="pt", add_special_tokens=False)
+    targets = assistant_token_mask(batch["input_ids"], tokenizer)  # (B, T)
+    return fit_transcripts(model_dir, transcripts, targets, max_steps, lr)
+
+
+def fit_transcripts(
+    model_dir: Path, transcripts: list[str], targets: torch.Tensor, max_steps: int = 400, lr: float = 3e-3
+) -> Path:
+    """The model at `model_dir` trained on `transcripts` until greedy decoding reproduces each
+    token where `targets` (B, T) is True with a margin; saved there."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     batch = tokenizer(transcripts, padding=True, return_tensors="pt", add_special_tokens=False)
     labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)  # (B, T)
-    targets = assistant_token_mask(batch["input_ids"], tokenizer)  # (B, T)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     torch.manual_seed(0)
     for step in range(max_steps + 1):
