@@ -68,10 +68,10 @@ class SamplingConfig:
     """
 
     n: int = 1  # samples per prompt; a caller that repeats the batch itself passes meta_info["n"]=1
-    temperature: float = 1.0  # must be > 0 when do_sample is true
+    temperature: float = 1.0  # the sampling temperature; must be > 0 when do_sample is true
     top_p: float = 1.0  # 1.0: no nucleus filtering
     top_k: int = -1  # -1: no top-k filtering
-    max_new_tokens: int | None = None  # None: the rollout's response_length
+    max_new_tokens: int | None = None  # the longest response, in tokens; None: rollout.response_length
     stop: list[str] = field(default_factory=list)  # stop strings; the response ends after the first one
     do_sample: bool = True  # false: greedy decoding
 
@@ -159,7 +159,7 @@ class ServerConfig:
     """The OpenAI-compatible endpoint agents of `rollout.agent.loop=openai` call (docs/agents.md);
     served in the rollout worker's process while it generates."""
 
-    host: str = "127.0.0.1"  # the agents run in the same process: loopback is enough
+    host: str = "127.0.0.1"  # the address it listens on; the agents run in the same process
     port: int = 0  # 0: a free port, chosen at each generation call
     model_name: str = "policy"  # the model name /v1/models lists and requests must name
 
@@ -200,7 +200,9 @@ class RolloutConfig:
     weight_sync_bucket_mb: int = 512  # weights reach the engine in buckets of at most this many MiB
     # after every sync: hf compares every tensor's checksum; vllm its log-probs of fixed tokens
     verify_weight_sync: bool = False
-    gpu_memory_utilization: float = 0.5  # SGLang mem_fraction_static, vLLM gpu_memory_utilization
+    # the share of GPU memory the engine may hold (SGLang's mem_fraction_static, vLLM's
+    # gpu_memory_utilization)
+    gpu_memory_utilization: float = 0.5
     free_cache_engine: bool = True  # release the engine's memory after generation
     # SGLang's name. True: per-request seeds are honoured, so sampling is reproducible (and a
     # resumed run samples as the uninterrupted one) at the cost of batch-invariant kernels.
