@@ -389,15 +389,21 @@ def test_token_budgets_in_use_must_fit_the_longest_sequence(local):
             ["rollout.name=vllm", "data.max_prompt_length=100", "rollout.vllm.max_model_len=1024"],
             "rollout.vllm.max_model_len=1024 exceeds max_position_embeddings=512 of the model in",
         ),
-        (
-            ["rollout.name=vllm", "rollout.vllm.max_model_len=big"],
-            "rollout.vllm.max_model_len='big' must be a whole number of tokens",
-        ),
     ],
 )
 def test_the_engine_context_length_must_hold_prompt_and_response(local, overrides, message):
     """vLLM refuses a longer request (or cuts its response short) only after the workers started."""
     assert message in invalid(GRPO, local, *overrides)
+
+
+def test_an_engine_context_length_that_is_no_number_is_refused_when_the_recipe_loads(local):
+    """Checked against the kind of value vLLM's EngineArgs.max_model_len takes, with every other
+    rollout.vllm value (tests/rollout/test_vllm_engine_arg_kinds.py)."""
+    overrides = [*cpu_overrides(local), "rollout.name=vllm", "rollout.vllm.max_model_len=big"]
+    with pytest.raises(
+        ValueError, match=r"rollout\.vllm\.max_model_len='big' is a str, but vLLM \S+ EngineArgs"
+    ):
+        load_recipe(GRPO, overrides)
 
 
 def test_an_agent_loop_budget_is_named_in_the_context_length_refusal(local):
