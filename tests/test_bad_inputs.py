@@ -177,6 +177,7 @@ def files(tmp_path_factory):
     files["shapes"] = write_shapes_parquet(root / "shapes", ShapesConfig(num_train=8, num_test=4))["train"]
     files.update(write_arith_parquet(root / "data", ArithConfig(num_train=8, num_test=4, seed=3)))
     files.update(broken_models(files["tiny"], root))
+    files["tiny_moe"] = root / "tiny_moe"  # broken_models' mixture-of-experts model, as it was made
     files.update(broken_parquets(pq.read_table(files["train"]).to_pylist(), root / "bad_data"))
     files.update(broken_recipes_and_checkpoints(root))
     files["recipe"] = root / "recipe.yaml"
@@ -438,3 +439,47 @@ def test_a_staleness_bound_the_run_cannot_reach_is_warned_about_before_ray(
         "trainer.async_training.max_staleness=4 is beyond what this run reaches: it trains 2 steps, so no "
         "sample is more than 1 version(s) old" in caplog.text
     )
+
+
+MOE_TP1 = ["model.path=<tiny_moe>", "actor.megatron.tensor_model_parallel_size=1"]
+
+
+@pytest.mark.parametrize(
+    ("switched_off", "changed", "warning"),
+    [
+        (
+            [],
+            ["algorithm.distillation.task_coef=0.5", "teacher.n_gpus_per_node=1"],
+            "algorithm.distillation.task_coef=0.5, teacher.n_gpus_per_node=1 have no effect with "
+            "algorithm.distillation.enable=false: set algorithm.distillation.enable=true to distil from "
+            "teacher.path, or remove them",
+        ),
+        (
+            ["rollout.calculate_log_probs=false"],
+            ["trainer.mismatch_threshold=0.05"],
+            "trainer.mismatch_threshold=0.05 has no effect with rollout.calculate_log_probs=false: the "
+            "mismatch monitor compares the engine's log-probs, which are then not computed",
+        ),
+        (
+            MOE_TP1,
+            ["rollout.return_routed_experts=true"],
+            "rollout.return_routed_experts=true records each token's experts for routing replay, but "
+            "actor.megatron.moe_routing_replay=off: nothing reads them",
+        ),
+    ],
+    ids=["distillation_off", "mismatch_monitor_off", "routes_not_replayed"],
+)
+def test_settings_of_a_feature_switched_off_are_warned_about_before_ray(
+    switched_off, changed, warning, files, monkeypatch, capsys, caplog
+):
+    """Legal (a recipe turned off by its one switch keeps the rest of the feature's settings), but a
+    changed value there is meant to act: a warning naming the settings and the switch, and the run
+    goes on. The feature switched off alone (the control) gives none."""
+    argv = [str(files["recipe"]), *(resolve(o, files) for o in switched_off)]
+    with pytest.raises(RayStarted):
+        run_in_process(argv, monkeypatch, capsys)
+    assert "no effect with" not in caplog.text and "nothing reads them" not in caplog.text
+    with pytest.raises(RayStarted):
+        run_in_process([*argv, *changed], monkeypatch, capsys)
+    assert warning in caplog.text
+    (files["out"] / "config.yaml").unlink()

@@ -9,8 +9,10 @@ cross-field rules (devices, batch sizes, algorithm). Choice values are `Literal`
 schema, checked when the recipe loads.
 """
 
+import dataclasses
 import importlib.util
 import logging
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,6 +98,9 @@ def validate_recipe(cfg: RecipeConfig, cuda_available: bool | None = None) -> La
         )
     errors += _check_placement(cfg) + _check_async_training(cfg) + _check_lora_sync(cfg)
     errors += _check_distillation(cfg) + _check_top_k_requests(cfg)
+    errors += _check_settings_read(cfg) + _check_distillation_weights_finite(cfg)
+    errors += _check_not_a_number(cfg, errors)
+    warn_if_settings_unread(cfg)
     if errors:
         raise RecipeError(errors)
     return layout
@@ -670,6 +675,7 @@ def _check_models(cfg: RecipeConfig, path_errors: list[str], cuda_available: boo
             )
         if role == "actor":
             errors += _check_engine_context(cfg, hf_config.max_position_embeddings, path)
+            errors += _check_top_k_vocabulary(cfg, hf_config.vocab_size, path)
         if role == "actor" and cfg.rollout.name == "vllm" and not (cuda_available and cfg.trainer.use_gpu):
             errors += _check_vllm_on_cpu(cfg.rollout, hf_config, path)
     return errors
@@ -1058,3 +1064,170 @@ def _check_teacher_micro_batches(cfg: RecipeConfig, responses: int, teacher_dp: 
             f"responses each teacher data-parallel rank scores per step; pick a divisor"
         ]
     return []
+
+
+# ------------------------------------------------------------------ settings nothing reads, NaN
+def _check_settings_read(cfg: RecipeConfig) -> list[str]:
+    """Settings of a feature the recipe leaves off have no effect: refused, not ignored (as the
+    LoRA settings without adapters). Those a recipe keeps when one switch turns the feature off
+    are a warning instead (warn_if_settings_unread)."""
+    return _distillation_in_sft(cfg) + _agent_settings_unread(cfg)
+
+
+def warn_if_settings_unread(cfg: RecipeConfig) -> None:
+    """A warning for each feature switched off with settings of its own left: legal (a recipe
+    turned off by its one switch), but a changed value there is almost surely meant to act."""
+    for warning in _distillation_settings_unread(cfg) + _mismatch_settings_unread(cfg):
+        logger.warning(warning)
+    if cfg.rollout.return_routed_experts and cfg.actor.megatron.moe_routing_replay == "off":
+        logger.warning(
+            "rollout.return_routed_experts=true records each token's experts for routing replay, but "
+            "actor.megatron.moe_routing_replay=off: nothing reads them (the engine's router hooks and "
+            "(B, P+R, L, k) ids a step cost for nothing); set actor.megatron.moe_routing_replay=rollout, "
+            "or remove it"
+        )
+
+
+def _changed(value, default, key: str) -> list[str]:
+    """`key=value` for each field of the dataclass `value` that differs from `default`'s (nested
+    dataclasses field by field, by their full key)."""
+    if dataclasses.is_dataclass(value):
+        return [
+            change
+            for f in dataclasses.fields(value)
+            for change in _changed(getattr(value, f.name), getattr(default, f.name), f"{key}.{f.name}")
+        ]
+    if value == default:
+        return []
+    return [f"{key}={str(value).lower() if isinstance(value, bool) else value}"]
+
+
+def _changed_fields(value, key: str, names: tuple[str, ...]) -> list[str]:
+    """`_changed` of the fields `names` of `value` against its class's defaults."""
+    default = type(value)()
+    return [
+        c for name in names for c in _changed(getattr(value, name), getattr(default, name), f"{key}.{name}")
+    ]
+
+
+def _no_effect(changed: list[str], because: str, fix: str) -> list[str]:
+    """One message naming every setting in `changed`; `fix` may say {it} (one setting) or {them}."""
+    if not changed:
+        return []
+    verb, it = ("has", "it") if len(changed) == 1 else ("have", "them")
+    return [f"{', '.join(changed)} {verb} no effect with {because}{fix.format(it=it)}"]
+
+
+def _distillation_in_sft(cfg: RecipeConfig) -> list[str]:
+    """The switches that ask for distillation in an SFT run, which never distils (other RL-only
+    settings are ignored there, as the rest of the teacher's)."""
+    if cfg.trainer.mode != "sft":
+        return []
+    changed = _changed_fields(cfg.algorithm.distillation, "algorithm.distillation", ("enable",))
+    changed += _changed_fields(cfg.teacher, "teacher", ("path",))
+    return _no_effect(
+        changed, "trainer.mode=sft", ": on-policy distillation runs in trainer.mode=rl; remove {it}"
+    )
+
+
+def _distillation_settings_unread(cfg: RecipeConfig) -> list[str]:
+    """The teacher's and the distillation's settings in an RL run without distillation
+    (teacher.path has its own error, in _check_distillation)."""
+    if uses_teacher(cfg) or cfg.trainer.mode != "rl":
+        return []
+    distillation, teacher = cfg.algorithm.distillation, cfg.teacher
+    changed = _changed_fields(
+        distillation, "algorithm.distillation", ("kl_coef", "task_coef", "kl_estimator")
+    )
+    changed += _changed_fields(
+        teacher,
+        "teacher",
+        ("megatron", "n_gpus_per_node", "log_prob_micro_batch_size", "log_prob_max_token_len_per_gpu"),
+    )
+    return _no_effect(
+        changed,
+        "algorithm.distillation.enable=false",
+        ": set algorithm.distillation.enable=true to distil from teacher.path, or remove {it}",
+    )
+
+
+def _agent_settings_unread(cfg: RecipeConfig) -> list[str]:
+    """The tool loop's limits without loop=tool, the endpoint's settings without loop=openai."""
+    agent, loop = cfg.rollout.agent, cfg.rollout.agent.loop
+    errors = []
+    if loop != "tool":
+        changed = _changed_fields(agent, "rollout.agent", ("max_turns", "tool_timeout_s"))
+        errors += _no_effect(
+            changed,
+            f"rollout.agent.loop={loop}",
+            ": only loop=tool reads {it}; set rollout.agent.loop=tool, or remove {it}",
+        )
+    if loop != "openai":
+        changed = _changed_fields(cfg.rollout.server, "rollout.server", ("host", "port", "model_name"))
+        errors += _no_effect(
+            changed,
+            f"rollout.agent.loop={loop}",
+            ": only loop=openai serves an endpoint; set rollout.agent.loop=openai, or remove {it}",
+        )
+    return errors
+
+
+def _mismatch_settings_unread(cfg: RecipeConfig) -> list[str]:
+    """The mismatch monitor's thresholds without the engine's log-probs (mismatch_policy=stop has
+    its own error, in _check_mismatch_monitor)."""
+    if cfg.rollout.calculate_log_probs:
+        return []
+    changed = _changed_fields(cfg.trainer, "trainer", ("mismatch_threshold", "mismatch_token_threshold"))
+    return _no_effect(
+        changed,
+        "rollout.calculate_log_probs=false",
+        ": the mismatch monitor compares the engine's log-probs, which are then not computed; set "
+        "rollout.calculate_log_probs=true, or remove {it}",
+    )
+
+
+def _nan_keys(value, key: str) -> list[str]:
+    """The keys under `key` whose value is NaN (dataclass fields, dict entries, list items)."""
+    if dataclasses.is_dataclass(value):
+        return [
+            k for f in dataclasses.fields(value) for k in _nan_keys(getattr(value, f.name), f"{key}.{f.name}")
+        ]
+    if isinstance(value, dict):
+        return [k for name, item in value.items() for k in _nan_keys(item, f"{key}.{name}")]
+    if isinstance(value, list | tuple):
+        return [k for index, item in enumerate(value) for k in _nan_keys(item, f"{key}[{index}]")]
+    return [key] if isinstance(value, float) and math.isnan(value) else []
+
+
+def _check_not_a_number(cfg: RecipeConfig, errors: list[str]) -> list[str]:
+    """A NaN (YAML's .nan) passes every range check, since each comparison with it is false; one
+    error a key, unless another error already names that key."""
+    keys = [key for f in dataclasses.fields(cfg) for key in _nan_keys(getattr(cfg, f.name), f.name)]
+    return [
+        f"{key}=nan is not a number; set a finite value" for key in keys if not any(key in e for e in errors)
+    ]
+
+
+def _check_distillation_weights_finite(cfg: RecipeConfig) -> list[str]:
+    """An infinite weight passes the sign checks but makes every advantage infinite."""
+    if not uses_teacher(cfg):
+        return []
+    distillation = cfg.algorithm.distillation
+    return [
+        f"algorithm.distillation.{key}={value} must be finite: an infinite weight makes every advantage "
+        "infinite"
+        for key, value in (("kl_coef", distillation.kl_coef), ("task_coef", distillation.task_coef))
+        if math.isinf(value)
+    ]
+
+
+def _check_top_k_vocabulary(cfg: RecipeConfig, vocab_size: int, path: str) -> list[str]:
+    """The engine ranks the K most likely of the vocabulary's tokens: K beyond it fails in the
+    workers (torch.topk refuses it in the hf engine)."""
+    k = cfg.rollout.top_k_log_probs
+    if k <= vocab_size:
+        return []
+    return [
+        f"rollout.top_k_log_probs={k} exceeds the {vocab_size} tokens of the model in {path} (config.json "
+        f"vocab_size): there are no more to rank; lower it to at most {vocab_size}"
+    ]
