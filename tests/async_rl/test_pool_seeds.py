@@ -9,7 +9,6 @@ row as the vLLM and SGLang engines seed requests). The slow test runs the pool i
 worker processes on Ray, each an hf engine of the tiny model that received its weights over the
 transfer group from this process."""
 
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -110,17 +109,20 @@ class Sender:
 
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         self.tensors = [(name, t.detach().contiguous()) for name, t in checkpoint_tensors(model).items()]
-        self.sender = None
+        self.sender = self.store = None
 
     def transfer_address(self) -> tuple[str, int]:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            return "127.0.0.1", sock.getsockname()[1]
+        """The rendezvous store this process hosts from now on, as the actor's rank 0 does."""
+        from engines.weight_sync.transfer import sender_store
+
+        self.store = sender_store("127.0.0.1", timeout_s=300)
+        return "127.0.0.1", self.store.port
 
     def join_transfer(self, host: str, port: int, size: int) -> None:
         from engines.weight_sync.transfer import WeightSender, transfer_group
 
-        self.sender = WeightSender(transfer_group(host, port, 0, size, "gloo", timeout_s=300), bucket_mb=1)
+        group = transfer_group(host, port, 0, size, "gloo", timeout_s=300, store=self.store)
+        self.sender = WeightSender(group, bucket_mb=1)
 
     def send_weights(self, version: int) -> None:
         self.sender.send(iter(self.tensors), version)
