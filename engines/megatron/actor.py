@@ -28,12 +28,7 @@ from engines.megatron.training import (
     train_step,
     update_epochs,
 )
-from hybridflow.algorithms import (
-    agg_loss,
-    compute_policy_loss,
-    compute_policy_loss_gspo,
-    kl_penalty,
-)
+from hybridflow.algorithms import agg_loss, kl_penalty, policy_loss_fn
 from hybridflow.algorithms.offpolicy import importance_weight_metrics, off_policy_weights, rollout_mismatch_kl
 from hybridflow.algorithms.sampling import Truncation
 from hybridflow.protocol import DataProto
@@ -63,6 +58,7 @@ class MegatronActor:
         self.scheduler = scheduler
         self.cfg = update_cfg or ActorUpdateConfig()
         validate_actor_update_config(self.cfg)
+        self.policy_loss_fn = policy_loss_fn(self.cfg.policy_loss)  # registered, or a user's by path
         self.vocab_size = unwrap_model(chunks[0]).hf_config.vocab_size
 
     # ------------------------------------------------------------------ inference
@@ -147,18 +143,11 @@ class MegatronActor:
         log_prob, entropy_tokens = forward.response_log_probs(
             logits, micro_batch, temperature, self.vocab_size, entropy_grad, truncation
         )  # (b, R) each, of the distribution the rollout sampled from
-        ratio_inputs = (micro_batch["old_log_probs"], log_prob, micro_batch["advantages"], mask)
         is_weights = micro_batch.get("is_weights", None)  # (b, R): the off-policy correction's
-        if cfg.policy_loss == "gspo":
-            pg_loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss_gspo(
-                *ratio_inputs, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.loss_agg_mode, tokens, seqs,
-                is_weights,
-            )  # fmt: skip
-        else:
-            pg_loss, clipfrac, ppo_kl, clipfrac_lower = compute_policy_loss(
-                *ratio_inputs, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c, cfg.loss_agg_mode,
-                tokens, seqs, is_weights,
-            )  # fmt: skip
+        pg_loss, clipfrac, ppo_kl, clipfrac_lower = self.policy_loss_fn(
+            micro_batch["old_log_probs"], log_prob, micro_batch["advantages"], mask, cfg, cfg.loss_agg_mode,
+            tokens, seqs, is_weights,
+        )  # fmt: skip
         entropy = agg_loss(entropy_tokens, mask, cfg.loss_agg_mode, tokens, seqs)
         loss = pg_loss - cfg.entropy_coeff * entropy
         share = mask.sum() / tokens  # this micro-batch's share of the mini-batch's tokens

@@ -11,7 +11,7 @@ from engines.megatron.config import (
     OffPolicyCorrectionConfig,
     OptimConfig,
 )
-from hybridflow.algorithms import LOSS_AGG_MODES, POLICY_LOSSES
+from hybridflow.algorithms import LOSS_AGG_MODES, policy_loss_fn
 from hybridflow.algorithms.kl import KL_PENALTY_KINDS
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
@@ -85,9 +85,32 @@ def validate_actor_update_config(cfg: ActorUpdateConfig) -> None:
             "actor update needs 0 <= clip_ratio_low < 1, clip_ratio_high >= 0 and clip_ratio_c > 1; got "
             f"{cfg.clip_ratio_low}, {cfg.clip_ratio_high}, {cfg.clip_ratio_c}"
         )
-    if cfg.policy_loss not in POLICY_LOSSES:
-        raise ValueError(f"actor update policy_loss must be one of {POLICY_LOSSES}, got {cfg.policy_loss!r}")
+    policy_loss_fn(cfg.policy_loss)  # a registered name, or a user's loss of the right signature
+    validate_policy_loss_knobs(cfg)
     validate_off_policy_config(cfg.off_policy)
+
+
+def validate_policy_loss_knobs(cfg: ActorUpdateConfig) -> None:
+    """The registered losses' own settings (docs/algorithms.md), whichever loss is chosen."""
+    positive = ("tau_pos", "tau_neg", "clip_cov_ratio", "kl_cov_ratio")
+    for key in (key for key in positive if not getattr(cfg, key) > 0):
+        raise ValueError(f"actor update {key} must be > 0, got {getattr(cfg, key)}")
+    if cfg.clip_cov_ratio > 1 or cfg.kl_cov_ratio > 1:
+        raise ValueError(
+            "actor update clip_cov_ratio and kl_cov_ratio are shares of the tokens, at most 1; got "
+            f"{cfg.clip_cov_ratio}, {cfg.kl_cov_ratio}"
+        )
+    if not cfg.clip_cov_lb < cfg.clip_cov_ub:
+        raise ValueError(
+            f"actor update needs clip_cov_lb < clip_cov_ub, got {cfg.clip_cov_lb}, {cfg.clip_cov_ub}"
+        )
+    if cfg.ppo_kl_coef < 0:
+        raise ValueError(f"actor update ppo_kl_coef must be >= 0, got {cfg.ppo_kl_coef}")
+    if cfg.policy_loss == "dro" and not (cfg.dro_beta or 0) > 0:
+        raise ValueError(
+            "actor update policy_loss=dro needs dro_beta > 0 (the weight of its log-ratio penalty), "
+            f"got {cfg.dro_beta}"
+        )
 
 
 def validate_off_policy_config(cfg: OffPolicyCorrectionConfig) -> None:

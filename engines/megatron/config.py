@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from hybridflow.algorithms.kl import KL_PENALTY_KINDS
-from hybridflow.algorithms.losses import LOSS_AGG_MODES, POLICY_LOSSES
+from hybridflow.algorithms.losses import LOSS_AGG_MODES
 from hybridflow.algorithms.offpolicy import IS_LEVELS, OFF_POLICY_MODES
+from hybridflow.algorithms.policy_losses import POLICY_LOSSES
 
 # The valid values of each choice. model.DTYPES and checks.LR_DECAY_STYLES, which check values
 # given to the engine directly, must equal these (tests/test_config.py checks).
@@ -171,9 +172,10 @@ class ActorUpdateConfig:
     ppo_mini_batch_size: int = 8  # sequences per optimizer step, all data-parallel ranks together
     ppo_micro_batch_size: int = 2  # sequences per forward/backward, per data-parallel rank
     ppo_epochs: int = 1  # passes over each batch
-    clip_ratio_low: float = 0.2  # PPO's clip: ratios below 1 - clip_ratio_low are clipped
+    # PPO's clip: ratios below 1 - clip_ratio_low are clipped (cispo, gmpo, dppo_*: docs/algorithms.md)
+    clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2  # ratios above 1 + clip_ratio_high are clipped; > clip_ratio_low: DAPO
-    clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages
+    clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages (dppo_*: the weight's cap)
     # how token losses average into the batch loss (hybridflow/algorithms/losses.py);
     # "seq-mean-token-sum-norm": Dr. GRPO
     loss_agg_mode: LossAggMode = "token-mean"
@@ -185,9 +187,17 @@ class ActorUpdateConfig:
     kl_loss_type: KlPenaltyKind = "low_var_kl"
     shuffle: bool = False  # shuffle rows within this rank's shard before each epoch
     seed: int = 0  # seeds the shuffle
-    # "vanilla": token-level PPO ratio | "gspo": sequence-level ratio and clip (GSPO, Zheng et al.
-    # 2025; use clip ratios near 3e-4 / 4e-4 and loss_agg_mode "seq-mean-token-mean")
-    policy_loss: PolicyLoss = "vanilla"
+    # a registered loss (docs/algorithms.md: "vanilla" PPO, "gspo" with clip ratios near 3e-4 / 4e-4
+    # and loss_agg_mode "seq-mean-token-mean", ...) or 'package.module.function', a loss of your own
+    policy_loss: PolicyLoss | str = "vanilla"
+    tau_pos: float = 1.0  # sapo: the soft gate's temperature for tokens with positive advantage
+    tau_neg: float = 1.05  # sapo: the gate's temperature for the others (above tau_pos: the paper's)
+    clip_cov_ratio: float = 0.0002  # clip_cov: the share of valid tokens whose gradient is dropped
+    clip_cov_lb: float = 1.0  # clip_cov: only tokens whose covariance term exceeds this are candidates
+    clip_cov_ub: float = 5.0  # clip_cov: ... and lies below this
+    kl_cov_ratio: float = 0.0002  # kl_cov: the share of valid tokens (largest covariance) penalised
+    ppo_kl_coef: float = 0.1  # kl_cov: weight of the |log(pi / pi_old)| penalty on those tokens
+    dro_beta: float | None = None  # dro: weight of the (log(pi / pi_old))^2 / 2 penalty; required (> 0)
     off_policy: OffPolicyCorrectionConfig = field(default_factory=OffPolicyCorrectionConfig)
     # Sequence packing + token-budget micro-batches (docs/packing.md); also switches the actor's
     # log-prob and the reference's forward to packed micro-batches of their own budgets.

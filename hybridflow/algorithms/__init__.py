@@ -1,5 +1,6 @@
 """Pure RL math (tensors in, tensors out): advantage estimators, policy / value / KL losses,
-KL coefficient control, DAPO's group filter and overlong penalty. Imports only torch."""
+KL coefficient control, DAPO's group filter and overlong penalty. Imports only torch (and
+hybridflow.utils.imports, to load a user's policy loss by dotted path)."""
 
 from hybridflow.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
@@ -15,18 +16,19 @@ from hybridflow.algorithms.dapo import groups_with_reward_variance, overlong_pen
 from hybridflow.algorithms.kl import AdaptiveKLController, FixedKLController, apply_kl_penalty, kl_penalty
 from hybridflow.algorithms.losses import (
     LOSS_AGG_MODES,
-    POLICY_LOSSES,
     agg_loss,
     compute_policy_loss,
     compute_policy_loss_gspo,
     compute_value_loss,
 )
 from hybridflow.algorithms.masked import compute_response_mask, masked_mean, masked_sum, masked_whiten
+from hybridflow.algorithms.policy_losses import POLICY_LOSS_FNS, POLICY_LOSSES, policy_loss_fn
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
+    "POLICY_LOSS_FNS",
     "AdaptiveKLController",
     "FixedKLController",
     "agg_loss",
@@ -44,6 +46,7 @@ __all__ = [
     "masked_sum",
     "masked_whiten",
     "overlong_penalty",
+    "policy_loss_fn",
     "reinforce_plus_plus",
     "reinforce_plus_plus_baseline",
     "remax",

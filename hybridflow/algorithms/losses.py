@@ -10,8 +10,13 @@ import torch
 
 from hybridflow.algorithms.masked import masked_mean
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-POLICY_LOSSES = ("vanilla", "gspo")
+LOSS_AGG_MODES = (
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
 
 
 def agg_loss(
@@ -24,6 +29,8 @@ def agg_loss(
     """Aggregate a (B, T) loss matrix over its valid tokens into a scalar.
 
     - "token-mean": sum of token losses / number of valid tokens (DAPO, Yu et al. 2025).
+    - "token-sum": sum of token losses, undivided: the loss (and gradient) grows with the
+      mini-batch's token count, so the learning rate must be scaled down to match.
     - "seq-mean-token-sum": per-sequence token sum, averaged over sequences (Dr. GRPO,
       Liu et al. 2025).
     - "seq-mean-token-mean": per-sequence token mean, averaged over sequences (GRPO,
@@ -40,6 +47,8 @@ def agg_loss(
         raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {loss_agg_mode!r}")
     mask = loss_mask.to(loss_mat.dtype)
     token_sums = (loss_mat * mask).sum(dim=-1)  # (B,)
+    if loss_agg_mode == "token-sum":
+        return token_sums.sum()
     if loss_agg_mode == "token-mean":
         count = mask.sum() if global_token_count is None else global_token_count
         return token_sums.sum() / max(float(count), 1.0)
