@@ -44,10 +44,15 @@ class Roles:
     def shutdown(self) -> None:
         """Stops every group's processes, then frees their slots, so that a restart of the run
         (trainer.restart_on_failure) can place new ones."""
-        for group in self.groups:
-            group.shutdown()
-        for pool in self.resource_pools:
-            pool.release()
+        stop_and_release(self.groups, self.resource_pools)
+
+
+def stop_and_release(groups: list[WorkerGroup], pools: list) -> None:
+    """Stops the groups' processes, then removes their pools' placement groups."""
+    for group in groups:
+        group.shutdown()
+    for pool in pools:
+        pool.release()
 
 
 def uses_reference(cfg: RecipeConfig) -> bool:
@@ -104,12 +109,25 @@ def resource_pool_manager(cfg: RecipeConfig):
 
 
 def start_roles(cfg: RecipeConfig) -> Roles:
-    """Starts every worker process and builds every model (a Ray cluster must be connected)."""
-    from hybridflow.single_controller import RayWorkerGroup
-
+    """Starts every worker process and builds every model (a Ray cluster must be connected). A
+    failure on the way stops what started and frees its slots before it is raised: the cluster
+    outlives a driver that called `main` in process, and its next run needs those slots."""
     manager = resource_pool_manager(cfg)
     manager.create_resource_pool()
-    views, groups = {}, []
+    pools, groups = list(manager.resource_pool_dict.values()), []
+    try:
+        views = spawn_groups(cfg, manager, groups)
+        return handles(cfg, views, groups, pools)
+    except BaseException:
+        stop_and_release(groups, pools)
+        raise
+
+
+def spawn_groups(cfg: RecipeConfig, manager, groups: list[WorkerGroup]) -> dict[str, WorkerGroup]:
+    """One worker group per pool (appended to `groups` as each starts); role -> its view."""
+    from hybridflow.single_controller import RayWorkerGroup
+
+    views = {}
     for pool_name, classes in role_classes(cfg).items():
         pool = manager.resource_pool_dict[pool_name]
         if len(classes) == 1:
@@ -120,6 +138,11 @@ def start_roles(cfg: RecipeConfig) -> Roles:
             group = RayWorkerGroup(pool, create_colocated_worker_cls(classes))
             views.update(group.spawn(prefix_set=list(classes)))
         groups.append(group)
+    return views
+
+
+def handles(cfg: RecipeConfig, views: dict, groups: list[WorkerGroup], pools: list) -> Roles:
+    """Builds every role's models and the driver's handles over them."""
     # The rollout pool last: its vLLM engines pick free ports of their own, which must not be the
     # ones the other groups were given for their process groups but have not bound yet.
     for role in ("critic", "reward_model", "teacher", "policy", "rollout"):
@@ -130,6 +153,5 @@ def start_roles(cfg: RecipeConfig) -> Roles:
     if "rollout" in views:
         connect_transfer(policy, views["rollout"])
         rollout = PoolRollout(views["rollout"], cfg.trainer.output_dir, cfg.rollout)
-    pools = list(manager.resource_pool_dict.values())
     critic, reward_model, teacher = views.get("critic"), views.get("reward_model"), views.get("teacher")
     return Roles(Policy(policy), rollout, critic, reward_model, groups, teacher, resource_pools=pools)
