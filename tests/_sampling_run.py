@@ -2,7 +2,8 @@
 the Megatron actor, the colocated rollout engine, PPOTrainer.fit), for the tests that compare the
 engine's log-probs with the actor's under a sampling setting (tests/test_sampling_mismatch.py).
 The engine's top-4 tokens come back too (rollout.top_k_log_probs), so the step's metrics hold both
-mismatch checks; they land in WORKDIR/out/metrics.jsonl.
+mismatch checks, and the KL loss to the reference (the initial policy); they land in
+WORKDIR/out/metrics.jsonl.
 
     python tests/_sampling_run.py WORKDIR ENGINE [OVERRIDE ...]
 """
@@ -44,6 +45,7 @@ def overrides(workdir: Path, engine: str) -> list[str]:
         "trainer.val_before_train=false",
         "trainer.logger=[console]",
         "actor.megatron.tensor_model_parallel_size=1",
+        "actor.update.use_kl_loss=true",  # a reference, filtered as the policy is
         "actor.update.ppo_mini_batch_size=8",
         "actor.update.ppo_micro_batch_size=8",
         "actor.log_prob_micro_batch_size=8",

@@ -3,7 +3,8 @@ distribution (the truncated one the engine sampled from, docs/sampling.md): one 
 quickstart recipe on each engine (tests/_sampling_run.py, the one-process path, fp32 on both
 sides, the same weights) logs both mismatch checks near 0. A log-prob over the whole vocabulary
 on one side and over the kept tokens on the other would differ by log Z on every token (Z the
-kept mass: about log 0.9 at top_p 0.9 on the tiny model's flat distribution, k3 about 5e-3)."""
+kept mass: about log 0.9 at top_p 0.9 on the tiny model's flat distribution, k3 about 5e-3). The
+reference is filtered too: its KL to the policy is 0 before the first update."""
 
 import json
 import os
@@ -41,3 +42,6 @@ def test_engine_and_actor_log_probs_agree_under_truncated_sampling(tmp_path, eng
     # the engine's top-4 (tokens outside the kept set at -inf on both sides) against the actor's
     assert record["mismatch/top_k_kl_mean"] == pytest.approx(0.0, abs=1e-3), seen
     assert record["mismatch/top1_agreement"] > 0.9, seen
+    # the reference is the initial policy, filtered alike: no KL before the first update
+    assert record["kl/mean"] == pytest.approx(0.0, abs=1e-6), record["kl/mean"]
+    assert record["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6), record["actor/kl_loss"]
