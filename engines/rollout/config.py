@@ -111,13 +111,6 @@ class AgentConfig:
     """How each prompt's trajectory is produced (docs/agents.md)."""
 
     loop: AgentLoopName = "single_turn"  # how a trajectory is generated
-    def filters(self) -> dict[str, Any]:
-        """`top_k` and `top_p` as the engines sample with them (off for greedy decoding): what the
-        actor needs to compute log-probs of the same distribution (docs/sampling.md)."""
-        if not self.do_sample:
-            return {"top_k": -1, "top_p": 1.0}
-        return {"top_k": self.top_k, "top_p": self.top_p}
-
     # for loop: tool, each a dotted path of a Tool, or {path: <dotted path>, kwargs: {<its arguments>}}
     tools: list[Any] = field(default_factory=list)
     max_turns: int = 4  # sampled turns per trajectory (tool responses between them)
