@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 import pytest
 
 from engines.rollout.config import AgentConfig
+from hybridflow.agents.rollout import tool_runner
 from hybridflow.agents.tools import PythonSandbox
 from hybridflow.agents.tools import python_sandbox as sandbox_module
 
@@ -49,8 +50,6 @@ async def wait_for(condition, what: str) -> None:
 
 
 def test_concurrent_tool_calls_over_all_rows_stay_within_the_setting():
-    from hybridflow.agents.rollout import tool_runner
-
     agent = AgentConfig(loop="tool", tools=["tests.hold"], max_concurrent_tool_calls=3, tool_timeout_s=5)
 
     async def main():
