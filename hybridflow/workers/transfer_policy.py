@@ -56,10 +56,11 @@ class TransferPolicyWorker(PolicyWorker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def leave_transfer(self) -> None:
-        """Rank 0 closes its transfer group (its connections close); `join_transfer` builds a new one."""
+        """Rank 0 closes its transfer group (its connections close) and a store it still holds from
+        `transfer_address`; `join_transfer` builds a new one."""
         if self.sender is not None:
             self.sender.group.close()
-        self.sender = None
+        self.sender = self.transfer_store = None
 
     def teardown(self) -> None:
         """Close the transfer group (TransferGroup.close: not left to the process's exit)."""
