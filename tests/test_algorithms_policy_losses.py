@@ -76,9 +76,7 @@ def test_sapo_gates_the_advantage_softly_with_a_temperature_per_sign():
     # d/dlog pi of -f(r) A = -A f'(r) r with f'(r) = 4 s (1 - s), s = sigmoid(tau (r - 1));
     # on-policy (r = 1) f'(1) = 1: the plain policy gradient -A
     s0, s1 = sigmoid(0.5), sigmoid(1.05 * -0.4)
-    assert_grad(grad, 
-        [[-4 * s0 * (1 - s0) * 1.5 / 3, 2.0 * 4 * s1 * (1 - s1) * 0.6 / 3, -0.5 / 3]]
-    )
+    assert_grad(grad, [[-4 * s0 * (1 - s0) * 1.5 / 3, 2.0 * 4 * s1 * (1 - s1) * 0.6 / 3, -0.5 / 3]])
     assert (clipfrac, lower) == (0.0, 0.0)
 
 
@@ -294,7 +292,10 @@ def test_a_users_loss_of_another_signature_is_refused_naming_key_function_and_pa
 
 
 def test_an_unknown_name_or_module_is_refused_naming_the_key():
-    with pytest.raises(ValueError, match=r"actor.update.policy_loss='cispo2' is neither a registered loss"):
+    with pytest.raises(
+        ValueError,
+        match=r"actor.update.policy_loss='cispo2' is neither a registered loss.*did you mean 'cispo'",
+    ):
         policy_loss_fn("cispo2")
     with pytest.raises(
         DottedPathError, match=r"actor.update.policy_loss='no_such_module.fn' cannot be imported"

@@ -15,6 +15,7 @@ The losses below are written as (B, R) token losses (`PolicyLossTerms`); the reg
 `is_weights` and aggregates them with `loss_agg_mode`, as for PPO.
 """
 
+import difflib
 import inspect
 from collections.abc import Callable
 from typing import NamedTuple
@@ -181,7 +182,7 @@ def clip_cov_losses(
     valid = response_mask.bool()
     candidates = torch.nonzero(valid & ~ppo_clipped & (cov > clip_cov_lb) & (cov < clip_cov_ub))  # (n, 2)
     count = max(int(clip_cov_ratio * int(valid.sum())), 1)
-    order = torch.randperm(len(candidates), generator=generator)[:count]
+    order = torch.randperm(len(candidates), generator=generator)[:count].to(candidates.device)
     drop = torch.zeros_like(valid)
     drop[candidates[order, 0], candidates[order, 1]] = True
     return PolicyLossTerms(losses * ~drop, masked_mean(drop.float(), response_mask), _none(losses))
@@ -294,9 +295,11 @@ def policy_loss_fn(name: str) -> PolicyLossFn:
     if name in POLICY_LOSS_FNS:
         return POLICY_LOSS_FNS[name]
     if "." not in name and ":" not in name:
+        nearest = difflib.get_close_matches(name, POLICY_LOSSES, n=1)
         raise ValueError(
             f"{KEY}={name!r} is neither a registered loss {list(POLICY_LOSSES)} nor a dotted path "
             "'package.module.function' to a loss of your own"
+            + (f"; did you mean {nearest[0]!r}?" if nearest else "")
         )
     fn = import_by_path(name, KEY, "package.module.function")
     check_policy_loss_signature(fn, name)
