@@ -1156,7 +1156,8 @@ def _agent_settings_unread(cfg: RecipeConfig) -> list[str]:
     agent, loop = cfg.rollout.agent, cfg.rollout.agent.loop
     errors = []
     if loop != "tool":
-        changed = _changed_fields(agent, "rollout.agent", ("max_turns", "tool_timeout_s"))
+        tool_loop = ("max_turns", "tool_timeout_s", "max_concurrent_tool_calls")
+        changed = _changed_fields(agent, "rollout.agent", tool_loop)
         errors += _no_effect(
             changed,
             f"rollout.agent.loop={loop}",

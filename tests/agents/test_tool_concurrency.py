@@ -76,6 +76,18 @@ def test_the_default_bound_is_the_machines_cores():
         AgentConfig(max_concurrent_tool_calls=-1)
 
 
+def test_the_bound_without_the_tool_loop_is_refused_as_unread():
+    from hybridflow.config.schema import RecipeConfig
+    from hybridflow.config.validate import _agent_settings_unread
+
+    cfg = RecipeConfig()
+    cfg.rollout.agent = AgentConfig(max_concurrent_tool_calls=4)
+    assert _agent_settings_unread(cfg) == [
+        "rollout.agent.max_concurrent_tool_calls=4 has no effect with rollout.agent.loop=single_turn: "
+        "only loop=tool reads it; set rollout.agent.loop=tool, or remove it"
+    ]
+
+
 def test_the_sandbox_starts_reaps_and_cleans_up_off_the_event_loop(monkeypatch):
     """Popen, wait and the directory's removal each wait inside until the event loop has run
     another coroutine: done on the loop's own thread, they would wait for nothing and be named."""
