@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from filelock import FileLock
+from gsm8k_tiny import gsm8k_inputs
 from learning_runs import RUN_TIMEOUT_S, run_sft_warm_start, warm_start_overrides
 from process_group import run_recipe_script
 from working_tree import build_quickstart_working_tree
@@ -47,6 +48,13 @@ def ray_cluster():
         start_local_ray(num_cpus=16, address="local", log_to_driver=True)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def gsm8k_local(tmp_path_factory, ray_cluster) -> dict:
+    """A test module's tiny GSM8K inputs (tests/gsm8k_tiny.py); its recipe runs go in process on this
+    worker's Ray cluster (tests/recipe_runs.py)."""
+    return gsm8k_inputs(tmp_path_factory.mktemp("gsm8k_local"))
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""A GRPO run with an off-policy correction goes through `scripts/run_recipe.sh` for 2 steps and
+"""A GRPO run with an off-policy correction runs in process (tests/recipe_runs.py) for 2 steps and
 logs the importance weights and the rollout-vs-actor mismatch every step. The hf engine samples in
 bfloat16 while the actor trains in float32, so the engine's log-probs really differ from the
 actor's (as kernels and precision make them differ on GPUs)."""
@@ -6,7 +6,8 @@ actor's (as kernels and precision make them differ on GPUs)."""
 import json
 
 import pytest
-from test_recipes import cpu_overrides, local, run_recipe  # noqa: F401 (local is a fixture)
+from gsm8k_tiny import cpu_overrides
+from recipe_runs import run_recipe_in_process
 
 OFF_POLICY_KEYS = (
     "actor/is_weight_mean",
@@ -18,10 +19,10 @@ OFF_POLICY_KEYS = (
 
 
 @pytest.mark.slow
-def test_grpo_with_truncated_importance_sampling_logs_the_weights(local, tmp_path):  # noqa: F811
+def test_grpo_with_truncated_importance_sampling_logs_the_weights(gsm8k_local, tmp_path):
     out = tmp_path / "tis"
     overrides = [
-        *cpu_overrides(local, out, tp=1),
+        *cpu_overrides(gsm8k_local, out, tp=1),
         "trainer.n_gpus_per_node=1",
         "trainer.test_freq=0",
         "trainer.save_freq=0",
@@ -32,7 +33,7 @@ def test_grpo_with_truncated_importance_sampling_logs_the_weights(local, tmp_pat
         "actor.update.off_policy.mode=truncated_is",
         "actor.update.off_policy.upper=1.001",  # tight: a tiny run's ratios stay within 1.005
     ]
-    result = run_recipe("recipes/gsm8k_grpo.yaml", overrides, pythonpath=local["root"])
+    result = run_recipe_in_process("recipes/gsm8k_grpo.yaml", overrides, pythonpath=gsm8k_local["root"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "reward/mean" in r]

@@ -1,14 +1,10 @@
-"""Both GSM8K recipes run end to end for 2 steps on CPU: the real recipe files with overrides
-pointing at a tiny local model, the hf rollout (vLLM's CPU build in the GRPO run) and real GSM8K
-rows (prepared into a tmp dir),
-through `scripts/run_recipe.sh` in a subprocess that starts its own local Ray.
-
-A random tiny model never answers GSM8K, so every reward would be 0 and no update would move the
-policy; the runs use a custom reward (the share of digits in the response, loaded by dotted path)
-so that advantages, gradients and the policy-reference KL after the first update are nonzero."""
+"""The GSM8K recipes run end to end for 2 steps on CPU: the real recipe files with overrides
+pointing at a tiny local model, the hf rollout (vLLM's CPU build in the LoRA run), real GSM8K rows
+and a digit-share reward (tests/gsm8k_tiny.py), in this test process on the pytest worker's shared
+Ray cluster (tests/recipe_runs.py); the refused recipe's exit status and `error:` line go through
+`scripts/run_recipe.sh` itself."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,9 +13,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import yaml
+from gsm8k_tiny import cpu_overrides
 from process_group import run_recipe_script
+from recipe_runs import run_recipe_in_process
 from safetensors.torch import load_file
-from shared_data import gsm8k_dir
 from torch.distributed.checkpoint import FileSystemReader
 from transformers import AutoModelForCausalLM
 
@@ -45,73 +42,6 @@ STEP_KEYS = (
 )
 
 
-DIGIT_REWARD = """
-def digit_share(data_source, solution_str, ground_truth, extra_info):
-    return sum(c.isdigit() for c in solution_str) / max(len(solution_str), 1)
-
-
-def seven(data_source, solution_str, ground_truth, extra_info):
-    return 7.0
-"""
-
-
-@pytest.fixture(scope="module")
-def local(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("recipes")
-    subprocess.run(
-        [
-            sys.executable,
-            ROOT / "scripts/prepare_gsm8k.py",
-            "--local_dir",
-            gsm8k_dir(),
-            "--out",
-            root / "gsm8k",
-        ],
-        check=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    (root / "digit_reward.py").write_text(DIGIT_REWARD)
-    return {"model": str(make_tiny_model(root / "tiny")), "data": root / "gsm8k", "root": root}
-
-
-def cpu_overrides(local: dict, output_dir: Path, tp: int) -> list[str]:
-    """The GPU recipe made tiny: 2 CPU processes, batch 4, 16-token responses, 2 steps."""
-    return [
-        f"model.path={local['model']}",
-        f"data.train_files=[{local['data'] / 'train.parquet'}]",
-        f"data.val_files=[{local['data'] / 'test.parquet'}]",
-        "data.max_prompt_length=400",
-        "data.train_batch_size=4",
-        "data.train_max_samples=64",
-        "data.val_max_samples=6",
-        "reward.custom_fn=digit_reward.digit_share",
-        "actor.optim.lr=1e-3",
-        f"actor.megatron.tensor_model_parallel_size={tp}",
-        "actor.megatron.params_dtype=float32",
-        "actor.update.ppo_micro_batch_size=2",
-        "actor.log_prob_micro_batch_size=2",
-        "ref.log_prob_micro_batch_size=2",
-        "rollout.name=hf",
-        "rollout.tensor_model_parallel_size=1",
-        "rollout.dtype=float32",
-        "rollout.response_length=16",
-        "trainer.use_gpu=false",
-        "trainer.n_gpus_per_node=2",
-        "trainer.total_training_steps=2",
-        "trainer.test_freq=2",
-        "trainer.save_freq=2",
-        "trainer.logger=[console]",
-        f"trainer.output_dir={output_dir}",
-    ]
-
-
-def run_recipe(
-    recipe: str, overrides: list[str], pythonpath: Path | None = None
-) -> subprocess.CompletedProcess:
-    """`pythonpath` holds the runs' custom reward modules."""
-    return run_recipe_script(recipe, overrides, timeout=600, env={"PYTHONPATH": str(pythonpath or "")})
-
-
 def check_run(out: Path, extra_keys: tuple[str, ...]) -> list[dict]:
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r["step"] in (1, 2) and "reward/mean" in r]
@@ -132,13 +62,13 @@ def check_run(out: Path, extra_keys: tuple[str, ...]) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_grpo_lora_recipe_runs_two_steps_with_tensor_parallel_2_and_vllm_adapter_sync(local, tmp_path):
+def test_grpo_lora_recipe_runs_two_steps_with_tensor_parallel_2_and_vllm_adapter_sync(gsm8k_local, tmp_path):
     """The real vLLM engine (CPU build) in each of the two Ray workers, fed by the TP-2 actor's
     LoRA adapters alone (actor.lora.sync=adapters), each sync checked against the actor's
     log-probs (rollout.verify_weight_sync); the engine's top-4 against the TP-2 actor's
     vocabulary-parallel view of them (rollout.top_k_log_probs)."""
     overrides = [
-        *cpu_overrides(local, tmp_path / "grpo", tp=2),
+        *cpu_overrides(gsm8k_local, tmp_path / "grpo", tp=2),
         "rollout.name=vllm",
         "actor.lora.sync=adapters",
         "rollout.verify_weight_sync=true",
@@ -147,7 +77,7 @@ def test_grpo_lora_recipe_runs_two_steps_with_tensor_parallel_2_and_vllm_adapter
         "actor.update.ppo_mini_batch_size=4",
         "trainer.export_hf=true",
     ]
-    result = run_recipe("recipes/gsm8k_grpo_lora.yaml", overrides, pythonpath=local["root"])
+    result = run_recipe_in_process("recipes/gsm8k_grpo_lora.yaml", overrides, pythonpath=gsm8k_local["root"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     steps = check_run(
         tmp_path / "grpo", extra_keys=("kl/mean", "actor/kl_loss", "timing/ref", "actor/trainable_params")
@@ -157,7 +87,7 @@ def test_grpo_lora_recipe_runs_two_steps_with_tensor_parallel_2_and_vllm_adapter
     # the exported actor (adapters merged, gathered from its two tensor-parallel shards) moved
     # where the adapters are and nowhere else
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "grpo" / "hf")
-    initial = AutoModelForCausalLM.from_pretrained(local["model"])
+    initial = AutoModelForCausalLM.from_pretrained(gsm8k_local["model"])
     for (name, param), (_, start) in zip(
         exported.named_parameters(), initial.named_parameters(), strict=True
     ):
@@ -168,16 +98,16 @@ def test_grpo_lora_recipe_runs_two_steps_with_tensor_parallel_2_and_vllm_adapter
 
 
 @pytest.mark.slow
-def test_ppo_recipe_runs_two_steps_with_a_critic(local, tmp_path):
+def test_ppo_recipe_runs_two_steps_with_a_critic(gsm8k_local, tmp_path):
     overrides = [
-        *cpu_overrides(local, tmp_path / "ppo", tp=1),
+        *cpu_overrides(gsm8k_local, tmp_path / "ppo", tp=1),
         "actor.update.ppo_mini_batch_size=4",
         "critic.megatron.tensor_model_parallel_size=1",
         "critic.megatron.params_dtype=float32",
         "critic.update.ppo_mini_batch_size=2",
         "critic.update.ppo_micro_batch_size=1",
     ]
-    result = run_recipe("recipes/gsm8k_ppo.yaml", overrides, pythonpath=local["root"])
+    result = run_recipe_in_process("recipes/gsm8k_ppo.yaml", overrides, pythonpath=gsm8k_local["root"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     own_seconds = ("timing/update_actor_worker", "timing/update_critic_worker")
     steps = check_run(
@@ -190,14 +120,14 @@ def test_ppo_recipe_runs_two_steps_with_a_critic(local, tmp_path):
 
 
 @pytest.mark.slow
-def test_remax_with_a_reward_model_on_one_process_then_resume(local, tmp_path):
+def test_remax_with_a_reward_model_on_one_process_then_resume(gsm8k_local, tmp_path):
     """ReMax's greedy baseline in the loop, scored (like the samples) by a learned reward model;
     a second launch with a higher step budget resumes from the step-1 checkpoint."""
     overrides = [
-        *cpu_overrides(local, tmp_path / "remax", tp=1),
+        *cpu_overrides(gsm8k_local, tmp_path / "remax", tp=1),
         "algorithm.adv_estimator=remax",
         "reward_model.enable=true",
-        f"reward_model.path={local['model']}",
+        f"reward_model.path={gsm8k_local['model']}",
         "reward_model.megatron.params_dtype=float32",
         "reward_model.micro_batch_size=2",
         "reward_model.use_dynamic_bsz=true",  # packed scoring (the actor packs too: the recipe's default)
@@ -211,7 +141,7 @@ def test_remax_with_a_reward_model_on_one_process_then_resume(local, tmp_path):
         "trainer.save_freq=1",
         "reward.custom_fn=digit_reward.seven",
     ]
-    result = run_recipe("recipes/gsm8k_grpo.yaml", overrides, pythonpath=local["root"])
+    result = run_recipe_in_process("recipes/gsm8k_grpo.yaml", overrides, pythonpath=gsm8k_local["root"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     metrics_file = tmp_path / "remax" / "metrics.jsonl"
     (record,) = [json.loads(line) for line in metrics_file.read_text().splitlines()]
@@ -220,9 +150,8 @@ def test_remax_with_a_reward_model_on_one_process_then_resume(local, tmp_path):
     # the scores are the reward model's values, not the rule (which would give 7.0 everywhere)
     assert record["reward/max"] != 7.0 and record["reward/min"] != 7.0
 
-    result = run_recipe(
-        "recipes/gsm8k_grpo.yaml", [*overrides, "trainer.total_training_steps=2"], local["root"]
-    )
+    more_steps = [*overrides, "trainer.total_training_steps=2"]
+    result = run_recipe_in_process("recipes/gsm8k_grpo.yaml", more_steps, pythonpath=gsm8k_local["root"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     first, second = [json.loads(line) for line in metrics_file.read_text().splitlines()]
     assert first == record and second["step"] == 2  # step 1 kept, not rerun
@@ -232,18 +161,18 @@ def test_remax_with_a_reward_model_on_one_process_then_resume(local, tmp_path):
 
 
 @pytest.mark.slow
-def test_dapo_recipe_runs_two_steps_with_dynamic_sampling_and_overlong_shaping(local, tmp_path):
+def test_dapo_recipe_runs_two_steps_with_dynamic_sampling_and_overlong_shaping(gsm8k_local, tmp_path):
     """The DAPO recipe on the quickstart-sized model: groups whose two responses got the same digit
     share are dropped and refilled from more prompts; responses reaching the 16-token limit lose up
     to 1 through the 4-token overlong zone."""
     overrides = [
-        *cpu_overrides(local, tmp_path / "dapo", tp=1),
+        *cpu_overrides(gsm8k_local, tmp_path / "dapo", tp=1),
         "rollout.sampling.n=2",
         "actor.update.ppo_mini_batch_size=4",
         "algorithm.filter_groups.max_num_gen_batches=8",
         "algorithm.overlong_buffer.length=4",
     ]
-    result = run_recipe("recipes/gsm8k_dapo.yaml", overrides, pythonpath=local["root"])
+    result = run_recipe_in_process("recipes/gsm8k_dapo.yaml", overrides, pythonpath=gsm8k_local["root"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     out = tmp_path / "dapo"
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -270,7 +199,7 @@ def test_dapo_recipe_runs_two_steps_with_dynamic_sampling_and_overlong_shaping(l
 
 
 @pytest.mark.slow
-def test_distill_recipe_runs_two_steps_with_a_tp1_teacher_pool_beside_a_tp2_student(local, tmp_path):
+def test_distill_recipe_runs_two_steps_with_a_tp1_teacher_pool_beside_a_tp2_student(gsm8k_local, tmp_path):
     """recipes/gsm8k_distill.yaml with a tiny Llama teacher (another model, the same tokenizer) on
     a pool of its own at TP 1 and the Qwen2 student at TP 2 (3 CPU processes), packed
     micro-batches (the recipe's use_dynamic_bsz) for both, and a LoRA student (the signal trains its
@@ -278,7 +207,7 @@ def test_distill_recipe_runs_two_steps_with_a_tp1_teacher_pool_beside_a_tp2_stud
     TP 1, is tests/test_resume.py's distillation case."""
     teacher = make_tiny_model(tmp_path / "teacher", arch="llama", num_layers=2, seed=7, init_std=0.1)
     overrides = [
-        *cpu_overrides(local, tmp_path / "distill", tp=2),
+        *cpu_overrides(gsm8k_local, tmp_path / "distill", tp=2),
         f"teacher.path={teacher}",
         "teacher.n_gpus_per_node=1",
         "teacher.megatron.tensor_model_parallel_size=1",
@@ -289,8 +218,7 @@ def test_distill_recipe_runs_two_steps_with_a_tp1_teacher_pool_beside_a_tp2_stud
         "rollout.sampling.n=2",
         "actor.update.ppo_mini_batch_size=8",
     ]
-    env = {"PYTHONPATH": str(local["root"])}  # 3 processes: connect_ray gives each a logical CPU
-    result = run_recipe_script("recipes/gsm8k_distill.yaml", overrides, timeout=600, env=env)
+    result = run_recipe_in_process("recipes/gsm8k_distill.yaml", overrides, pythonpath=gsm8k_local["root"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     records = [json.loads(line) for line in (tmp_path / "distill" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "reward/mean" in r]
@@ -313,7 +241,7 @@ def test_distill_recipe_runs_two_steps_with_a_tp1_teacher_pool_beside_a_tp2_stud
     embedding = actor_checkpoint_tensors(
         tmp_path / "distill/checkpoints/global_step_2/actor", "word_embeddings"
     )
-    student = load_file(Path(local["model"]) / "model.safetensors")["model.embed_tokens.weight"]
+    student = load_file(Path(gsm8k_local["model"]) / "model.safetensors")["model.embed_tokens.weight"]
     assert torch.equal(next(iter(embedding.values()))[: len(student)], student)  # the base stays frozen
 
 
@@ -337,14 +265,14 @@ DISTILL_KEYS = (
 
 @pytest.mark.usefixtures("in_quickstart_working_tree")
 @pytest.mark.parametrize("recipe", ["recipes/gsm8k_dapo.yaml", "recipes/gsm8k_gspo.yaml"])
-def test_dapo_and_gspo_recipes_validate_with_their_algorithm_settings(local, tmp_path, recipe):
+def test_dapo_and_gspo_recipes_validate_with_their_algorithm_settings(gsm8k_local, tmp_path, recipe):
     from hybridflow.config.loader import load_recipe
     from hybridflow.config.validate import validate_recipe
 
     tiny = ["rollout.sampling.n=2", "actor.update.ppo_mini_batch_size=4", "reward.custom_fn=null"]
     if "dapo" in recipe:
         tiny.append("algorithm.overlong_buffer.length=4")  # within the 16-token responses
-    cfg = load_recipe(ROOT / recipe, [*cpu_overrides(local, tmp_path, tp=1), *tiny])
+    cfg = load_recipe(ROOT / recipe, [*cpu_overrides(gsm8k_local, tmp_path, tp=1), *tiny])
     validate_recipe(cfg, cuda_available=False)
     if "gspo" in recipe:
         update = cfg.actor.update
@@ -355,9 +283,10 @@ def test_dapo_and_gspo_recipes_validate_with_their_algorithm_settings(local, tmp
 
 
 def test_invalid_recipe_exits_non_zero_with_the_error(tmp_path):
-    result = run_recipe(
+    result = run_recipe_script(
         "recipes/gsm8k_grpo.yaml",
         ["trainer.use_gpu=false", "rollout.name=hf", "rollout.tensor_model_parallel_size=1"],
+        timeout=600,
     )
     assert result.returncode == 2
     # the recipe's local directory is absent, and as a Hub id it is not cached (tests run offline)
@@ -377,13 +306,13 @@ def test_invalid_recipe_exits_non_zero_with_the_error(tmp_path):
 
 
 @pytest.mark.slow
-def test_qwen3_moe_grpo_recipe_runs_two_steps_with_expert_parallel_2(local, tmp_path):
+def test_qwen3_moe_grpo_recipe_runs_two_steps_with_expert_parallel_2(gsm8k_local, tmp_path):
     """A tiny Qwen3-MoE (4 experts, top-2) on 2 CPU processes, experts split EP 2 (TP 1, DP 2):
     the router's load-balancing loss is in the actor's loss and logged, and the trained actor
     exports per expert in a form transformers loads."""
     moe_model = make_tiny_model(tmp_path / "tiny_moe", arch="qwen3_moe", num_experts=4, num_layers=2)
     overrides = [
-        *cpu_overrides({**local, "model": str(moe_model)}, tmp_path / "moe", tp=1),
+        *cpu_overrides({**gsm8k_local, "model": str(moe_model)}, tmp_path / "moe", tp=1),
         "actor.megatron.expert_model_parallel_size=2",
         "actor.megatron.param_offload=false",
         "actor.megatron.grad_offload=false",
@@ -392,7 +321,7 @@ def test_qwen3_moe_grpo_recipe_runs_two_steps_with_expert_parallel_2(local, tmp_
         "actor.update.ppo_mini_batch_size=4",
         "trainer.export_hf=true",
     ]
-    result = run_recipe("recipes/qwen3_moe_grpo.yaml", overrides, pythonpath=local["root"])
+    result = run_recipe_in_process("recipes/qwen3_moe_grpo.yaml", overrides, pythonpath=gsm8k_local["root"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     steps = check_run(tmp_path / "moe", extra_keys=("actor/moe_aux_loss", "kl/mean", "actor/kl_loss"))
     # Switch-Transformer loss: E * sum_i f_i P_i, 1 when perfectly balanced, at most E = 4

@@ -1,4 +1,4 @@
-"""The VLM quickstart's two recipes end to end through scripts/run_recipe.sh, shrunk to a few steps
+"""The VLM quickstart's two recipes end to end, run in process (tests/recipe_runs.py), shrunk to a few steps
 on the tiny LLaVA-shaped model and the shape-counting images (2 CPU processes, actor TP 2):
 
 - recipes/vlm_quickstart_sft.yaml: supervised steps on the image rows' reference answers lower the
@@ -15,13 +15,13 @@ on the tiny LLaVA-shaped model and the shape-counting images (2 CPU processes, a
 import pytest
 import torch
 from hf_weights import load_hf_tensors
-from process_group import run_recipe_script
+from recipe_runs import run_recipe_in_process
 
 from hybridflow.data.shapes import ShapesConfig, write_shapes_parquet
 from hybridflow.utils.tiny_vlm import make_tiny_vlm
 from hybridflow.utils.tracking import read_metrics
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
 
 # A few warm-start steps do not make the tiny model count, so the rule reward would give every
 # sample 0 and GRPO no gradient: a reward that varies with the response's length gives the update
@@ -39,7 +39,7 @@ def run(recipe: str, tmp_path, model, out, *overrides: str) -> str:
         "data.train_batch_size=4", "actor.update.ppo_micro_batch_size=4", "trainer.logger=[console]",
         f"trainer.output_dir={out}",
     ]  # fmt: skip
-    done = run_recipe_script(recipe, [*common, *overrides], timeout=900, env={"PYTHONPATH": str(tmp_path)})
+    done = run_recipe_in_process(recipe, [*common, *overrides], pythonpath=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout + done.stderr
 

@@ -1,4 +1,4 @@
-"""one_step and async modes through `scripts/run_recipe.sh`: GRPO for 4 steps, actor 1 process,
+"""one_step and async modes, run in process (tests/recipe_runs.py): GRPO for 4 steps, actor 1 process,
 vLLM rollout 1 process. The versions each trained sample was generated with are read back from
 the run's policy_versions.jsonl: the first batch is fresh, later ones as stale as the mode allows
 (their generation overlapped earlier steps' training), never staler."""
@@ -6,7 +6,8 @@ the run's policy_versions.jsonl: the first batch is fresh, later ones as stale a
 import json
 
 import pytest
-from test_recipes import cpu_overrides, local, run_recipe  # noqa: F401 (local is a fixture)
+from gsm8k_tiny import cpu_overrides
+from recipe_runs import run_recipe_in_process
 
 
 @pytest.mark.slow
@@ -19,9 +20,9 @@ from test_recipes import cpu_overrides, local, run_recipe  # noqa: F401 (local i
     ],
     ids=["one_step", "async-max_staleness-1", "async-max_staleness-2"],
 )
-def test_generation_ahead_trains_on_samples_no_staler_than_allowed(local, tmp_path, mode, staleness):  # noqa: F811
+def test_generation_ahead_trains_on_samples_no_staler_than_allowed(gsm8k_local, tmp_path, mode, staleness):
     out = tmp_path / "ahead"
-    steps, versions = run_ahead(local, out, mode)
+    steps, versions = run_ahead(gsm8k_local, out, mode)
     assert [{v["trained_on"] - s for s in v["sample_versions"]} for v in versions] == [{s} for s in staleness]
     # the same staleness in the step metrics, and the weight transfers timed
     assert [r["async/staleness_max"] for r in steps] == staleness
@@ -36,7 +37,9 @@ def test_generation_ahead_trains_on_samples_no_staler_than_allowed(local, tmp_pa
 
 
 @pytest.mark.slow
-def test_partial_rollouts_train_on_samples_whose_oldest_token_is_no_staler_than_allowed(local, tmp_path):  # noqa: F811
+def test_partial_rollouts_train_on_samples_whose_oldest_token_is_no_staler_than_allowed(
+    gsm8k_local, tmp_path
+):
     """With partial rollouts the launched batches generate side by side and a transfer lands between
     two decoding steps: a sample's version is its oldest token's. Where the transfers land depends
     on timing, so the share of samples of two versions is reported, not asserted."""
@@ -45,14 +48,14 @@ def test_partial_rollouts_train_on_samples_whose_oldest_token_is_no_staler_than_
         "trainer.async_training.max_staleness=2",
         "trainer.async_training.partial_rollout=true",
     ]
-    steps, versions = run_ahead(local, tmp_path / "partial", partial)
+    steps, versions = run_ahead(gsm8k_local, tmp_path / "partial", partial)
     staleness = [{v["trained_on"] - s for s in v["sample_versions"]} for v in versions]
     assert staleness[0] == {0} and all(s <= {0, 1, 2} for s in staleness), staleness
     assert all(0 <= r["async/mixed_version_share"] <= 1 for r in steps)
     assert all(r["async/staleness_max"] == max(s) for r, s in zip(steps, staleness, strict=True))
 
 
-def run_ahead(local, out, mode: list[str]) -> tuple[list[dict], list[dict]]:  # noqa: F811
+def run_ahead(local: dict, out, mode: list[str]) -> tuple[list[dict], list[dict]]:
     """A 4-step GRPO run in `mode`; its step metrics and recorded policy versions."""
     overrides = [
         *cpu_overrides(local, out, tp=1),
@@ -69,7 +72,7 @@ def run_ahead(local, out, mode: list[str]) -> tuple[list[dict], list[dict]]:  # 
         "actor.update.ppo_mini_batch_size=4",
         "actor.update.off_policy.mode=decoupled_ppo",
     ]
-    result = run_recipe("recipes/gsm8k_grpo.yaml", overrides, pythonpath=local["root"])
+    result = run_recipe_in_process("recipes/gsm8k_grpo.yaml", overrides, pythonpath=local["root"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "reward/mean" in r]

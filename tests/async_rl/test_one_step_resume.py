@@ -4,8 +4,9 @@ rollout engine's sampling position and the policy version come back, and steps 2
 numbers and end with bit-identical weights. Actor 1 process, vLLM rollout 1 process."""
 
 import pytest
+from gsm8k_tiny import cpu_overrides
+from recipe_runs import run_recipe_in_process
 from run_outputs import exported, trained_steps
-from test_recipes import cpu_overrides, local, run_recipe  # noqa: F401 (local is a fixture)
 
 
 def one_step_run(files: dict, out, *extra: str) -> None:
@@ -24,17 +25,17 @@ def one_step_run(files: dict, out, *extra: str) -> None:
         "actor.update.ppo_mini_batch_size=4",
         *extra,
     ]
-    result = run_recipe("recipes/gsm8k_grpo.yaml", overrides, pythonpath=files["root"])
+    result = run_recipe_in_process("recipes/gsm8k_grpo.yaml", overrides, pythonpath=files["root"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
 
 
 @pytest.mark.slow
-def test_resumed_one_step_run_equals_the_uninterrupted_one(local, tmp_path):  # noqa: F811
+def test_resumed_one_step_run_equals_the_uninterrupted_one(gsm8k_local, tmp_path):
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    one_step_run(local, whole)
+    one_step_run(gsm8k_local, whole)
     checkpoint = whole / "checkpoints" / "global_step_1"
     assert (checkpoint / "rollout" / "generation_ahead.pt").is_file()
-    one_step_run(local, resumed, f"trainer.resume_from_path={checkpoint}")
+    one_step_run(gsm8k_local, resumed, f"trainer.resume_from_path={checkpoint}")
     whole_steps, resumed_steps = ({r["step"]: r for r in trained_steps(out)} for out in (whole, resumed))
     assert sorted(resumed_steps) == [2, 3]
     assert resumed_steps == {step: whole_steps[step] for step in (2, 3)}

@@ -1,13 +1,14 @@
 """GRPO with the rollout on its own pool (trainer.placement=disaggregated: actor 1 process, vLLM
-rollout 1 process, 2 steps through `scripts/run_recipe.sh`): the synchronous run trains every
+rollout 1 process, 2 steps in process, tests/recipe_runs.py): the synchronous run trains every
 sample at the version that generated it, and async mode with max_staleness 0 is that run bit for
 bit (verl#6780 reports theirs is not): the same numbers, sample versions and exported weights."""
 
 import json
 
 import pytest
+from gsm8k_tiny import cpu_overrides
+from recipe_runs import run_recipe_in_process
 from run_outputs import exported, trained_steps
-from test_recipes import cpu_overrides, local, run_recipe  # noqa: F401 (local is a fixture)
 
 
 def run(files: dict, out, *mode: str) -> None:
@@ -24,15 +25,15 @@ def run(files: dict, out, *mode: str) -> None:
         "rollout.sampling.n=2",
         "actor.update.ppo_mini_batch_size=4",
     ]
-    result = run_recipe("recipes/gsm8k_grpo.yaml", overrides, pythonpath=files["root"])
+    result = run_recipe_in_process("recipes/gsm8k_grpo.yaml", overrides, pythonpath=files["root"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
 
 
 @pytest.mark.slow
-def test_async_with_max_staleness_zero_equals_sync_bit_for_bit(local, tmp_path):  # noqa: F811
+def test_async_with_max_staleness_zero_equals_sync_bit_for_bit(gsm8k_local, tmp_path):
     sync, zero = tmp_path / "sync", tmp_path / "async0"
-    run(local, sync)
-    run(local, zero, "trainer.async_training.mode=async", "trainer.async_training.max_staleness=0")
+    run(gsm8k_local, sync)
+    run(gsm8k_local, zero, "trainer.async_training.mode=async", "trainer.async_training.max_staleness=0")
     steps = trained_steps(sync)
     assert [r["step"] for r in steps] == [1, 2]
     assert steps[1]["kl/mean"] != 0  # step 2 sampled from the updated policy, moved off the reference

@@ -11,8 +11,9 @@ from itertools import pairwise
 
 import pytest
 import torch
+from gsm8k_tiny import cpu_overrides
 from process_group import recipe_command, recipe_environment, run_and_kill_at_step
-from test_recipes import cpu_overrides, local, run_recipe  # noqa: F401 (local is a fixture)
+from recipe_runs import run_recipe_in_process
 
 from hybridflow.trainer.rollout.stream import STREAM_FILE
 
@@ -63,10 +64,10 @@ def check_within_bound(steps: list[dict], versions: list[dict]) -> None:
 
 
 @pytest.mark.slow
-def test_streaming_grpo_killed_after_a_checkpoint_resumes_within_the_staleness_bound(local, tmp_path):  # noqa: F811
+def test_streaming_grpo_killed_after_a_checkpoint_resumes_within_the_staleness_bound(gsm8k_local, tmp_path):
     out = tmp_path / "run"
-    overrides = stream_overrides(local, out)
-    env = recipe_environment({"PYTHONPATH": str(local["root"])})
+    overrides = stream_overrides(gsm8k_local, out)
+    env = recipe_environment({"PYTHONPATH": str(gsm8k_local["root"])})
     command = recipe_command(RECIPE, overrides)
     run_and_kill_at_step(command, env, out / "metrics.jsonl", 4, tmp_path / "killed.log")
     # the kill lands after step 4 is recorded; on a starved machine it may land after step 6's save
@@ -76,7 +77,7 @@ def test_streaming_grpo_killed_after_a_checkpoint_resumes_within_the_staleness_b
     # after the step's take, GROUPS groups were kept outstanding for the next (finished or generating)
     assert len(saved["finished"]) + len(saved["unsent"]) >= GROUPS
 
-    result = run_recipe(RECIPE, overrides, pythonpath=local["root"])  # the same command again
+    result = run_recipe_in_process(RECIPE, overrides, pythonpath=gsm8k_local["root"])  # the same run again
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     resume_step = int(latest.removeprefix("global_step_"))
     assert f"resumed from {out / 'checkpoints' / latest} at step {resume_step}" in result.stdout
