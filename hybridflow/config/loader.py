@@ -8,6 +8,7 @@ messages that name the key path and the fix, and writes the resolved recipe.
 
 import dataclasses
 import difflib
+import re
 import typing
 from pathlib import Path
 
@@ -33,7 +34,23 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> RecipeConfig:
             f"{path}: {err.full_key} is required; set it in the recipe or pass {err.full_key}=<value>"
         ) from None
     except ValueError as err:  # an engine config's own __post_init__ check
-        raise ValueError(f"{path}{' with the command-line overrides' if overrides else ''}: {err}") from None
+        where = f"{path}{' with the command-line overrides' if overrides else ''}"
+        raise ValueError(f"{where}: {_with_role(merged, str(err))}") from None
+
+
+# A Megatron pass-through error names its key from `megatron.` on (MegatronConfig knows no role)
+MEGATRON_KEY = re.compile(r"megatron\.(transformer|ddp|optimizer)\.(\w+)")
+MEGATRON_ROLES = ("actor", "critic", "reward_model", "teacher")
+
+
+def _with_role(merged: DictConfig, message: str) -> str:
+    """`message` with the role in front of a `megatron.<section>.<name>` it starts with, when one
+    role of the recipe sets that key."""
+    key = MEGATRON_KEY.match(message)
+    if key is None:
+        return message
+    roles = [r for r in MEGATRON_ROLES if OmegaConf.select(merged, f"{r}.{key[0]}", default=None) is not None]
+    return f"{roles[0]}.{message}" if len(roles) == 1 else message
 
 
 def _yaml_problem(err: yaml.YAMLError) -> str:
