@@ -363,3 +363,24 @@ def test_a_wrong_signature_is_refused_before_ray(user_losses, tiny_recipe_args, 
 def test_dro_without_its_beta_is_refused_before_ray(tiny_recipe_args, monkeypatch, capsys):
     code, err = run_entry_point([*tiny_recipe_args, "actor.update.policy_loss=dro"], monkeypatch, capsys)
     assert code == 2 and "policy_loss=dro needs dro_beta > 0" in err, err
+
+
+@pytest.mark.parametrize(
+    ("overrides", "warned"),
+    [
+        (["actor.update.tau_pos=2.0", "actor.update.dro_beta=0.1"], True),
+        (["actor.update.policy_loss=sapo", "actor.update.tau_pos=2.0"], False),
+    ],
+    ids=["unread", "read"],
+)
+def test_a_knob_the_chosen_loss_does_not_read_is_warned_about(
+    overrides, warned, tiny_recipe_args, monkeypatch, capsys, caplog
+):
+    with pytest.raises(RayStarted):
+        run_entry_point([*tiny_recipe_args, *overrides], monkeypatch, capsys)
+    warning = (
+        "actor.update.tau_pos=2.0, actor.update.dro_beta=0.1 have no effect with "
+        "actor.update.policy_loss=vanilla: docs/algorithms.md lists the losses that read them"
+    )
+    assert (warning in caplog.text) == warned, caplog.text
+    assert ("has no effect with actor.update.policy_loss" in caplog.text) is False

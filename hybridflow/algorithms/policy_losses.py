@@ -272,19 +272,29 @@ def gspo(
 
 
 CLIP = ("clip_ratio_low", "clip_ratio_high")
+# name -> (its token losses, the `config` fields they take after the tensors, in order)
+TOKEN_LOSSES: dict[str, tuple[Callable[..., PolicyLossTerms], tuple[str, ...]]] = {
+    "cispo": (cispo_losses, CLIP),
+    "sapo": (sapo_losses, ("tau_pos", "tau_neg")),
+    "gmpo": (gmpo_losses, CLIP),
+    "dppo_tv": (dppo_tv_losses, (*CLIP, "clip_ratio_c")),
+    "dppo_kl": (dppo_kl_losses, (*CLIP, "clip_ratio_c")),
+    "clip_cov": (clip_cov_losses, (*CLIP, "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub")),
+    "kl_cov": (kl_cov_losses, ("kl_cov_ratio", "ppo_kl_coef")),
+    "gpg": (gpg_losses, ()),
+    "dro": (dro_losses, ("dro_beta",)),
+    "reinforce": (reinforce_losses, ()),
+}
 POLICY_LOSS_FNS: dict[str, PolicyLossFn] = {
     "vanilla": vanilla,
     "gspo": gspo,
-    "cispo": registered(cispo_losses, *CLIP),
-    "sapo": registered(sapo_losses, "tau_pos", "tau_neg"),
-    "gmpo": registered(gmpo_losses, *CLIP),
-    "dppo_tv": registered(dppo_tv_losses, *CLIP, "clip_ratio_c"),
-    "dppo_kl": registered(dppo_kl_losses, *CLIP, "clip_ratio_c"),
-    "clip_cov": registered(clip_cov_losses, *CLIP, "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"),
-    "kl_cov": registered(kl_cov_losses, "kl_cov_ratio", "ppo_kl_coef"),
-    "gpg": registered(gpg_losses),
-    "dro": registered(dro_losses, "dro_beta"),
-    "reinforce": registered(reinforce_losses),
+    **{name: registered(fn, *knobs) for name, (fn, knobs) in TOKEN_LOSSES.items()},
+}
+# the `config` fields each registered loss reads
+POLICY_LOSS_KNOBS: dict[str, tuple[str, ...]] = {
+    "vanilla": (*CLIP, "clip_ratio_c"),
+    "gspo": CLIP,
+    **{name: knobs for name, (_, knobs) in TOKEN_LOSSES.items()},
 }
 POLICY_LOSSES = tuple(POLICY_LOSS_FNS)
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engines.megatron.config import LoraConfig
+from hybridflow.algorithms.policy_losses import POLICY_LOSS_KNOBS
 from hybridflow.config.schema import RecipeConfig
 from hybridflow.config.vlm_checks import vision_language_problems
 from hybridflow.reward.registry import load_reward_fn
@@ -1077,7 +1078,8 @@ def _check_settings_read(cfg: RecipeConfig) -> list[str]:
 def warn_if_settings_unread(cfg: RecipeConfig) -> None:
     """A warning for each feature switched off with settings of its own left: legal (a recipe
     turned off by its one switch), but a changed value there is almost surely meant to act."""
-    for warning in _distillation_settings_unread(cfg) + _mismatch_settings_unread(cfg):
+    unread = _distillation_settings_unread(cfg) + _mismatch_settings_unread(cfg)
+    for warning in unread + _policy_loss_settings_unread(cfg):
         logger.warning(warning)
     if cfg.rollout.return_routed_experts and cfg.actor.megatron.moe_routing_replay == "off":
         logger.warning(
@@ -1184,6 +1186,22 @@ def _mismatch_settings_unread(cfg: RecipeConfig) -> list[str]:
         "rollout.calculate_log_probs=false",
         ": the mismatch monitor compares the engine's log-probs, which are then not computed; set "
         "rollout.calculate_log_probs=true, or remove {it}",
+    )
+
+
+def _policy_loss_settings_unread(cfg: RecipeConfig) -> list[str]:
+    """The registered losses' own knobs (tau_pos, dro_beta, ...) that the chosen registered loss
+    does not read (a user's loss may read any of them)."""
+    name = cfg.actor.update.policy_loss
+    if name not in POLICY_LOSS_KNOBS:
+        return []
+    shared = POLICY_LOSS_KNOBS["vanilla"]  # PPO's clip, which several losses read in their own way
+    own = dict.fromkeys(k for knobs in POLICY_LOSS_KNOBS.values() for k in knobs if k not in shared)
+    unread = tuple(k for k in own if k not in POLICY_LOSS_KNOBS[name])
+    return _no_effect(
+        _changed_fields(cfg.actor.update, "actor.update", unread),
+        f"actor.update.policy_loss={name}",
+        ": docs/algorithms.md lists the losses that read {it}; choose one of them, or remove {it}",
     )
 
 
