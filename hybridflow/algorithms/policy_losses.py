@@ -62,7 +62,7 @@ def _none(like: torch.Tensor) -> torch.Tensor:
 
 def cispo_losses(old_log_prob, log_prob, advantages, response_mask, clip_ratio_low, clip_ratio_high):
     """CISPO (MiniMax 2025, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning
-    Attention", arXiv:2506.13585, eq. 4): REINFORCE with a clipped importance weight that carries no
+    Attention", arXiv:2506.13585): REINFORCE with a clipped importance weight that carries no
     gradient, -sg(clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high)) * A * log pi. Unlike PPO's clip,
     no token's gradient is dropped: the weight only bounds it. The paper sets no lower bound (a large
     eps_low) and tunes eps_high. clipfrac: the share of tokens whose weight was clipped."""
@@ -86,7 +86,7 @@ def sapo_losses(old_log_prob, log_prob, advantages, response_mask, tau_pos, tau_
 
 
 def gmpo_losses(old_log_prob, log_prob, advantages, response_mask, clip_ratio_low, clip_ratio_high):
-    """GMPO (Zhao et al. 2025, "Geometric-Mean Policy Optimization", arXiv:2507.20673, eq. 4): the
+    """GMPO (Zhao et al. 2025, "Geometric-Mean Policy Optimization", arXiv:2507.20673): the
     sequence's ratio is the geometric mean of its token ratios, each clipped in log space to
     [-clip_ratio_low, clip_ratio_high] the PPO way (the clip binds only where it lowers the
     objective): loss_i = -A_i * exp(mean_t sgn(A) * min(sgn(A) log r_t, sgn(A) clip(log r_t))).
@@ -126,7 +126,7 @@ def dppo_tv_losses(
     the loss where the update would take it further out: p - p_old > clip_ratio_high for A > 0, or
     p - p_old < -clip_ratio_low for A <= 0. The ratio weight is truncated at clip_ratio_c (the
     paper's TIS; use a large value, e.g. 10000). clipfrac: tokens outside; clipfrac_lower: tokens
-    inside whose weight was truncated. The paper's thresholds: 0.15."""
+    inside whose weight was truncated. verl's DPPO example uses thresholds of 0.15."""
     change = torch.exp(log_prob) - torch.exp(old_log_prob)  # (B, R)
     inside = torch.where(advantages > 0, change <= clip_ratio_high, change >= -clip_ratio_low)
     return _dppo_losses(old_log_prob, log_prob, advantages, response_mask, inside, clip_ratio_c)
@@ -138,7 +138,7 @@ def dppo_kl_losses(
     """DPPO-Binary-KL (the paper of `dppo_tv_losses`): the trust region is the KL(old || new) of the
     sampled token's binary distribution, p_old log(p_old / p) + (1 - p_old) log((1 - p_old) / (1 - p)).
     A token leaves the loss where that exceeds clip_ratio_high while p rises with A > 0, or
-    clip_ratio_low while p falls with A <= 0; otherwise as DPPO-TV. The paper's thresholds: 0.05."""
+    clip_ratio_low while p falls with A <= 0; otherwise as DPPO-TV. verl's example: 0.05."""
     prob, old_prob = torch.exp(log_prob), torch.exp(old_log_prob)  # (B, R)
     eps = 1e-8  # p = 1 (a certain token) would give log(0)
     binary_kl = old_prob * (old_log_prob - log_prob) + (1.0 - old_prob) * (
@@ -160,7 +160,7 @@ def _ppo_clip(old_log_prob, log_prob, advantages, clip_ratio_low, clip_ratio_hig
 
 def token_covariance(advantages: torch.Tensor, log_prob: torch.Tensor, response_mask: torch.Tensor):
     """(A_t - mean A) * (log pi_t - mean log pi) per token (B, R), the means over the valid tokens:
-    each token's term of the covariance that drives the entropy change (Cui et al. 2025, eq. 11)."""
+    each token's term of the covariance that drives the entropy change (Cui et al. 2025)."""
     log_prob = log_prob.detach()
     return (advantages - masked_mean(advantages, response_mask)) * (
         log_prob - masked_mean(log_prob, response_mask)
@@ -172,10 +172,10 @@ def clip_cov_losses(
     clip_cov_lb, clip_cov_ub, generator: torch.Generator | None = None,
 ):  # fmt: skip
     """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning
-    Language Models", arXiv:2505.22617, eq. 12): PPO's clipped loss, except that
+    Language Models", arXiv:2505.22617): PPO's clipped loss, except that
     max(1, int(clip_cov_ratio * N)) tokens, drawn at random among the N valid tokens whose covariance
     term lies in (clip_cov_lb, clip_cov_ub) and that PPO's clip leaves alone, lose their loss and
-    gradient. The paper: ratio 2e-4, bounds 1 and 5. clipfrac: the share of tokens dropped so
+    gradient. clipfrac: the share of tokens dropped so
     (PPO's own clip is not counted). The draw uses `generator` (torch's default when None)."""
     losses, ppo_clipped = _ppo_clip(old_log_prob, log_prob, advantages, clip_ratio_low, clip_ratio_high)
     cov = token_covariance(advantages, log_prob, response_mask)  # (B, R)
@@ -189,9 +189,9 @@ def clip_cov_losses(
 
 
 def kl_cov_losses(old_log_prob, log_prob, advantages, response_mask, kl_cov_ratio, ppo_kl_coef):
-    """KL-Cov (the paper of `clip_cov_losses`, eq. 13): the unclipped surrogate -A * r, plus
+    """KL-Cov (the paper of `clip_cov_losses`): the unclipped surrogate -A * r, plus
     ppo_kl_coef * |log r| on the max(1, int(kl_cov_ratio * N)) valid tokens of largest covariance
-    term. The paper: ratio 2e-3 (7B) or 2e-4 (32B). clipfrac: the share of tokens penalised."""
+    term. clipfrac: the share of tokens penalised."""
     log_ratio = (log_prob - old_log_prob).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)  # (B, R)
     valid = response_mask.bool()
     cov = token_covariance(advantages, log_prob, response_mask).masked_fill(~valid, -torch.inf)
@@ -214,7 +214,7 @@ def reinforce_losses(old_log_prob, log_prob, advantages, response_mask):
 
 def gpg_losses(old_log_prob, log_prob, advantages, response_mask):
     """GPG (Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning Baseline for Model
-    Reasoning", arXiv:2504.02546, eq. 5): the policy gradient -A * log pi without ratio, clip or KL,
+    Reasoning", arXiv:2504.02546): the policy gradient -A * log pi without ratio, clip or KL,
     on group-relative advantages; the same token loss as `reinforce_losses`."""
     return reinforce_losses(old_log_prob, log_prob, advantages, response_mask)
 
