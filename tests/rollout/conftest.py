@@ -1,5 +1,6 @@
 """The SGLang contract double (tests/doubles/sglang) importable as `sglang` for one test, and a
-tiny checkpoint for it.
+tiny checkpoint for it; the hf engine tests' tiny Qwen2 (`checkpoint`) and its transformers model
+(`reference_model`), which tests/rollout/test_vllm_rollout.py replaces with a wider model of its own.
 
 Outside the `sglang_double` fixture `sglang` must stay missing in the test process (the
 availability check expects it). Building an engine changes process-wide state as SGLang does (the
@@ -12,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 TESTS = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(TESTS / "megatron"))
@@ -40,3 +42,17 @@ def sglang_double(monkeypatch):
 @pytest.fixture(scope="module")
 def sglang_checkpoint(tmp_path_factory) -> Path:
     return make_tiny_hf_checkpoint(tmp_path_factory.mktemp("sglang_tiny"), vocab_size=ascii_vocab_size())
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    # Every id decodes to one character or one special token, so stop strings map to token positions.
+    vocab_size = ascii_vocab_size()
+    return make_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny_qwen2"), arch="qwen2", vocab_size=vocab_size)
+
+
+@pytest.fixture(scope="module")
+def reference_model(checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()

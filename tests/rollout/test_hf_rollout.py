@@ -13,7 +13,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "megatron"))
-from tiny_hf import ascii_vocab_size, make_tiny_hf_checkpoint
+from tiny_hf import make_tiny_hf_checkpoint
 
 from engines.rollout.config import RolloutConfig, SamplingConfig
 from engines.rollout.hf_rollout import HFRolloutEngine
@@ -25,20 +25,6 @@ PROMPT_LENGTHS = [3, 6, 1, 5]
 PROMPT_WIDTH = 6
 RESPONSE_LENGTH = 12
 MAX_NEW = 9
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    # Every id decodes to one character or one special token, so stop strings map to token positions.
-    vocab_size = ascii_vocab_size()
-    return make_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny_qwen2"), arch="qwen2", vocab_size=vocab_size)
-
-
-@pytest.fixture(scope="module")
-def reference_model(checkpoint):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
 
 
 def make_cfg(**overrides) -> RolloutConfig:

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from test_hf_rollout import PROMPT_WIDTH, checkpoint, make_cfg, make_prompts, reference_model  # noqa: F401
+from test_hf_rollout import PROMPT_WIDTH, make_cfg, make_prompts
 
 from engines.rollout.config import SamplingConfig
 from engines.rollout.hf_rollout import HFRolloutEngine
@@ -36,7 +36,7 @@ def warped_log_probs(model, out, temperature: float, top_k: int = -1, top_p: flo
 
 
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
-def test_log_probs_and_top_k_are_of_the_truncated_distribution(checkpoint, reference_model, setting):  # noqa: F811
+def test_log_probs_and_top_k_are_of_the_truncated_distribution(checkpoint, reference_model, setting):
     temperature, k = 0.7, 4
     sampling = SamplingConfig(max_new_tokens=MAX_NEW, temperature=temperature, **SETTINGS[setting])
     engine = HFRolloutEngine(checkpoint, make_cfg(sampling=sampling, top_k_log_probs=k))
