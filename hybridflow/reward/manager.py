@@ -1,5 +1,11 @@
 """Scores a batch of responses: decode each response, score it, put the score on its last token.
 
+The text a reward function reads is the model's own tokens only (`response_mask` 1): an agent
+loop's response also holds the tool responses appended between its turns (mask 0), and a rule
+reward that read them would pay the model for an answer a tool printed. Each sampled turn is
+decoded on its own and the turns are joined with a newline, so a GSM8K rule sees the model's last
+`#### <answer>` of the episode (its final answer).
+
 A reward function that raises, or returns something other than a number, stops the run with a
 `RewardFunctionError` naming the function, the response and its data_source (and what it returned
 or raised, with the function's own traceback); a NaN / inf score is a `NonFiniteError`, which
@@ -68,11 +74,7 @@ def score_one(reward_fn: RewardFn, row: int, source: str, text: str, ground_trut
 def sequence_scores(batch: DataProto, tokenizer, reward_fn: RewardFn) -> torch.Tensor:
     """One float per response: `reward_fn(data_source, decoded response, ground truth, extra_info)`;
     a NaN / inf score raises `NonFiniteError` naming the function and the data_source."""
-    responses = batch.batch["responses"]  # (B, R)
-    lengths = last_token_lengths(batch.batch["response_mask"])  # (B,): tool responses inside included
-    texts = tokenizer.batch_decode(
-        [row[:n].tolist() for row, n in zip(responses, lengths, strict=True)], skip_special_tokens=True
-    )
+    texts = model_texts(batch.batch["responses"], batch.batch["response_mask"], tokenizer)
     non_tensor = batch.non_tensor_batch
     extra_infos = non_tensor.get("extra_info", [{}] * len(texts))
     scores = [
@@ -82,6 +84,26 @@ def sequence_scores(batch: DataProto, tokenizer, reward_fn: RewardFn) -> torch.T
         )
     ]
     return torch.tensor(scores, dtype=torch.float32)  # (B,)
+
+
+def sampled_runs(ids: list[int], mask: list[int]) -> list[list[int]]:
+    """The runs of consecutive ids whose mask is 1 (a trajectory's sampled turns), in order."""
+    runs: list[list[int]] = []
+    for position, (token, sampled) in enumerate(zip(ids, mask, strict=True)):
+        if sampled:
+            if position == 0 or not mask[position - 1]:
+                runs.append([])
+            runs[-1].append(token)
+    return runs
+
+
+def model_texts(responses: torch.Tensor, response_mask: torch.Tensor, tokenizer) -> list[str]:
+    """(B, R) ids and mask -> each row's sampled turns, each decoded alone, joined by newlines."""
+    texts = []
+    for ids, mask in zip(responses.tolist(), response_mask.tolist(), strict=True):
+        turns = tokenizer.batch_decode(sampled_runs(ids, mask), skip_special_tokens=True)
+        texts.append("\n".join(turns))
+    return texts
 
 
 def place_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

@@ -127,7 +127,7 @@ def test_trajectories_become_the_rollout_batch():
     assert batch.non_tensor_batch["agent_tool_tokens"].tolist() == [3]
 
 
-def test_rewards_see_the_whole_trajectory_and_land_on_its_last_sampled_token():
+def test_rewards_see_the_sampled_turns_and_land_on_the_last_sampled_token():
     from hybridflow.algorithms.masked import last_token_lengths
     from hybridflow.reward.manager import place_on_last_token, sequence_scores
 
@@ -146,4 +146,4 @@ def test_rewards_see_the_whole_trajectory_and_land_on_its_last_sampled_token():
     )
     seen = []
     sequence_scores(batch, tokenizer, lambda source, solution, truth, extra: seen.append(solution) or 1.0)
-    assert seen == [text]  # the tool output between the turns is part of what the reward reads
+    assert seen == ["ab\ncd"]  # the model's turns, not the tool output between them
