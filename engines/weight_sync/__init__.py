@@ -37,6 +37,8 @@ What is checked, and when:
 - per bucket: the hf and vLLM engines refuse a name or shape they do not hold
   (`common.check_named_shapes`); SGLang refuses an update outside a weight-update session. Either
   becomes a `WeightSyncError` naming the bucket, raised on every rank after the stream is consumed.
+  So does any other error of an engine's load on one rank (out of memory ...): the rank keeps
+  consuming the stream, so that no peer is left waiting for it in the stream's collectives.
 - after the sync, with `rollout.verify_weight_sync`: each tensor's checksum (cast to the rollout
   dtype, `common.tensor_checksum`) against the engine's copy; the first differing name stops every
   rank. vLLM repacks its weights (no exact read-back): there the engine's log-probs of fixed tokens

@@ -118,6 +118,8 @@ class ColocatedWeightSync:
             getattr(self.engine, method)()
         except WeightSyncError as err:
             return str(err)
+        except Exception as err:  # e.g. out of memory: reported to every rank, see `_load_bucket`
+            return f"{method}: {type(err).__name__}: {err}"
         return None
 
     def _load_bucket(self, index: int, bucket: list[tuple[str, torch.Tensor]]) -> str | None:
@@ -131,6 +133,11 @@ class ColocatedWeightSync:
             self.engine.update_weights(bucket)
         except (ValueError, WeightSyncError) as err:
             return f"{where}: {err}"
+        except Exception as err:
+            # Any error (out of memory ...) is this rank's outcome, raised on every rank once the stream
+            # is consumed: raised here, it would leave the other ranks waiting in the stream's
+            # collectives for this one.
+            return f"{where}: {type(err).__name__}: {err}"
         return None
 
     def _load_bucket_in_group(self, where: str, bucket: list[tuple[str, torch.Tensor]]) -> str | None:
@@ -147,6 +154,8 @@ class ColocatedWeightSync:
                 self.engine.update_weights_from_rank_payloads(payloads)
             except WeightSyncError as err:
                 outcome[0] = f"{where}: {err}"
+            except Exception as err:  # see `_load_bucket`
+                outcome[0] = f"{where}: {type(err).__name__}: {err}"
         # The handles point into this rank's bucket: keep it alive until the engine has loaded it.
         dist.broadcast_object_list(outcome, src=leader, group=group)
         return outcome[0]
