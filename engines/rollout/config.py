@@ -117,6 +117,8 @@ class AgentConfig:
     tool_timeout_s: float = 30.0  # per tool call; a call that takes longer answers with an error
     # tool calls running at once in a rollout worker, over all its trajectories; 0: its CPU count
     max_concurrent_tool_calls: int = 0
+    # tokens of a tool response the model reads (longer ones are cut, marked "...(truncated)"); None: all
+    max_tool_response_length: int | None = 256
     # for loop: openai, `package.module:function`: async def run(client, model, messages, **row)
     openai_agent: str = ""
 
@@ -132,6 +134,11 @@ class AgentConfig:
             raise ValueError(
                 "rollout.agent.max_concurrent_tool_calls must be >= 0 (0: the worker's CPU count), "
                 f"got {self.max_concurrent_tool_calls}"
+            )
+        if self.max_tool_response_length is not None and self.max_tool_response_length < 1:
+            raise ValueError(
+                "rollout.agent.max_tool_response_length must be >= 1 token, or null for no limit, "
+                f"got {self.max_tool_response_length}"
             )
         if self.loop == "tool" and not self.tools:
             raise ValueError("rollout.agent.loop=tool needs rollout.agent.tools (dotted paths of tools)")

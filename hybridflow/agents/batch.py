@@ -10,7 +10,8 @@ what only trajectories have:
 | `rollout_log_probs` | (B, R) | log-probs of sampled ids; 0 elsewhere |
 | `rollout_versions` | (B, R) | policy version of each sampled id; -1 elsewhere |
 
-non-tensor keys per row: `agent_turns`, `agent_tool_calls`, `agent_tool_errors`, `agent_tool_tokens`.
+non-tensor keys per row: `agent_turns`, `agent_tool_calls`, `agent_tool_errors`, `agent_tool_tokens`,
+`agent_tool_responses_truncated`.
 """
 
 import numpy as np
@@ -20,7 +21,7 @@ from engines.rollout.base import unpadded_prompts
 from hybridflow.agents.loop import TOOL_VERSION, Trajectory
 from hybridflow.protocol import DataProto
 
-TRAJECTORY_METRICS = ("turns", "tool_calls", "tool_errors", "tool_tokens")
+TRAJECTORY_METRICS = ("turns", "tool_calls", "tool_errors", "tool_tokens", "tool_responses_truncated")
 
 
 def trajectories_to_batch(

@@ -39,6 +39,7 @@ class Trajectory:
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
+    tool_responses_truncated: int = 0  # tool responses cut at rollout.agent.max_tool_response_length
 
     def add_sampled(self, completion: Completion) -> None:
         self.response_ids += completion.token_ids
@@ -80,6 +81,7 @@ class ToolTurnResult:
     responses: list[str]
     errors: int
     names: list[str]  # the tool each response answers (its tool message's `name`)
+    truncated: int = 0  # responses cut at rollout.agent.max_tool_response_length
 
 
 RunTools = Callable[[str], Awaitable[ToolTurnResult | None]]  # turn text -> None when no tool call
@@ -118,6 +120,7 @@ class ToolAgentLoop:
                 return trajectory  # a final answer
             trajectory.tool_calls += len(tools.responses)
             trajectory.tool_errors += tools.errors
+            trajectory.tool_responses_truncated += tools.truncated
             # a turn a stop string ended (`</tool_call>`) did not sample the template's end of turn
             closed = bool(completion.token_ids) and completion.token_ids[-1] in self.end_of_turn_ids
             ids = self.render_tool_responses(tools, closed, trajectory.turns - 1)

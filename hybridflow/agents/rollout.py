@@ -9,6 +9,7 @@ from engines.rollout.base import SamplingPosition, SeededGenerationMixin, row_se
 from engines.rollout.config import AgentConfig
 from hybridflow.agents.batch import trajectories_to_batch
 from hybridflow.agents.loop import RunTools, ToolTurnResult, Trajectory
+from hybridflow.agents.tool_output import Truncate, tool_response_truncator
 from hybridflow.protocol import DataProto
 
 MALFORMED_CALL_NAME = "invalid_tool_call"  # the tool message `name` answering a call that did not parse
@@ -19,11 +20,12 @@ async def run_loops(loop, prompt_ids: list[list[int]], seed: int) -> list[Trajec
     return await asyncio.gather(*(loop.run(ids, row_seed(seed, row)) for row, ids in enumerate(prompt_ids)))
 
 
-def tool_runner(tools: list, agent: AgentConfig) -> RunTools:
+def tool_runner(tools: list, agent: AgentConfig, truncate: Truncate | None = None) -> RunTools:
     """`run_tools(turn text)`: the turn's tool calls run, each under `agent.tool_timeout_s`, at most
     `agent.tool_call_limit()` at once over every caller (every row's loop): a sandboxed call starts
-    two interpreters, and hundreds of rows calling at once would crowd out the engine. Create one
-    per event loop (per generation call)."""
+    two interpreters, and hundreds of rows calling at once would crowd out the engine. Each
+    response passes through `truncate` (`tool_output.tool_response_truncator`; None: as it is).
+    Create one per event loop (per generation call)."""
     from hybridflow.agents.tool_parser import ToolCall, parse_tool_calls, run_tool_calls
 
     limit = asyncio.Semaphore(agent.tool_call_limit())
@@ -34,7 +36,10 @@ def tool_runner(tools: list, agent: AgentConfig) -> RunTools:
             return None
         results = await run_tool_calls(calls, tools, agent.tool_timeout_s, limit)
         names = [call.name if isinstance(call, ToolCall) else MALFORMED_CALL_NAME for call in calls]
-        return ToolTurnResult([r.text for r in results], sum(not r.ok for r in results), names)
+        texts = [truncate(r.text) if truncate else (r.text, False) for r in results]
+        return ToolTurnResult(
+            [text for text, _ in texts], sum(not r.ok for r in results), names, sum(cut for _, cut in texts)
+        )
 
     return run_tools
 
@@ -71,6 +76,7 @@ def build_agent_rollout(engine, cfg, tokenizer_dir: str) -> AgentRollout:
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     tools = [load_tool(path) for path in cfg.agent.tools]
     render = tool_response_renderer(tokenizer, tool_schemas(tools))
+    truncate = tool_response_truncator(tokenizer, cfg.agent.max_tool_response_length)
     ends = end_of_turn_ids(tokenizer, engine.eos_token_ids)
     # a turn ends at the template's end of turn even where the model's EOS is another token (a
     # base model's <|endoftext|>): what it would write after it is an invented next turn
@@ -80,7 +86,8 @@ def build_agent_rollout(engine, cfg, tokenizer_dir: str) -> AgentRollout:
         async def generate(ids: list[int], seed: int, max_new_tokens: int):
             return await requests.generate(ids, sampling, seed, max_new_tokens)
 
-        run_tools = tool_runner(tools, cfg.agent)  # its bound is this call's: one event loop each
+        # its bound is this call's: one event loop each
+        run_tools = tool_runner(tools, cfg.agent, truncate)
         return ToolAgentLoop(
             generate, run_tools, tokenizer.decode, render, cfg.response_length, cfg.agent.max_turns, ends
         )

@@ -1158,7 +1158,7 @@ def _agent_settings_unread(cfg: RecipeConfig) -> list[str]:
     agent, loop = cfg.rollout.agent, cfg.rollout.agent.loop
     errors = []
     if loop != "tool":
-        tool_loop = ("max_turns", "tool_timeout_s", "max_concurrent_tool_calls")
+        tool_loop = ("max_turns", "tool_timeout_s", "max_concurrent_tool_calls", "max_tool_response_length")
         changed = _changed_fields(agent, "rollout.agent", tool_loop)
         errors += _no_effect(
             changed,
