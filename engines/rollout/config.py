@@ -160,6 +160,14 @@ class AgentConfig:
         return self.max_concurrent_tool_calls or os.cpu_count() or 1
 
 
+# apply_chat_template's own arguments, which each render sets: not template variables
+TEMPLATE_CALL_ARGUMENTS = frozenset(
+    {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+     "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+)  # fmt: skip
+
+
 @dataclass
 class ServerConfig:
     """The OpenAI-compatible endpoint agents of `rollout.agent.loop=openai` call (docs/agents.md);
@@ -226,6 +234,8 @@ class RolloutConfig:
     # sync loads them in place, about 5x faster; generation about 0.7x). docs/engines.md
     vllm_cpu_weights: VLLMCPUWeights = "packed"
     agent: AgentConfig = field(default_factory=AgentConfig)
+    # extra variables of every chat-template render (prompts, agent turns), e.g. {enable_thinking: false}
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     server: ServerConfig = field(default_factory=ServerConfig)  # for rollout.agent.loop=openai
     # trainer.placement=disaggregated: a rollout process that dies is restarted with the current
     # weights (checked) and its lost calls generated again, this many times in a run; one more death
@@ -261,6 +271,17 @@ class RolloutConfig:
             raise ValueError(
                 f"rollout.max_engine_restarts must be >= 0 (0: a dead rollout process ends the run), "
                 f"got {self.max_engine_restarts}"
+            )
+        if not isinstance(self.chat_template_kwargs, dict):
+            raise ValueError(
+                "rollout.chat_template_kwargs must be a mapping of template variables, e.g. "
+                f"{{enable_thinking: false}}, got {self.chat_template_kwargs!r}"
+            )
+        owned = sorted(set(self.chat_template_kwargs) & TEMPLATE_CALL_ARGUMENTS)
+        if owned:
+            raise ValueError(
+                f"rollout.chat_template_kwargs sets {owned}, which the renders set themselves; "
+                "keep only the template's own variables (e.g. enable_thinking)"
             )
         if self.weight_sync_bucket_mb <= 0:
             raise ValueError(f"rollout.weight_sync_bucket_mb must be > 0, got {self.weight_sync_bucket_mb}")

@@ -129,11 +129,14 @@ class ToolAgentLoop:
             trajectory.add_tool_response(ids)
 
 
-def tool_response_renderer(tokenizer, tools: list[dict] | None = None) -> RenderTools:
+def tool_response_renderer(
+    tokenizer, tools: list[dict] | None = None, template_kwargs: dict | None = None
+) -> RenderTools:
     """`render(result, closed, turn)`: ids of a turn's tool responses as the chat template renders
     them after the assistant turn that called them, up to and including the next assistant prompt
-    (`message_delta_renderer`; each tool message names its tool and carries its call's id)."""
-    render = message_delta_renderer(tokenizer)
+    (`message_delta_renderer`, with `template_kwargs`; each tool message names its tool and
+    carries its call's id)."""
+    render = message_delta_renderer(tokenizer, template_kwargs)
 
     def render_tools(result: ToolTurnResult, closed: bool, turn: int) -> list[int]:
         return render(tool_messages(result.names, result.responses, turn), tools=tools, closed=closed)

@@ -77,7 +77,7 @@ class OpenAIAgentRollout(SeededGenerationMixin):
     def __init__(self, agent: Callable, engine, tokenizer, cfg, pad_token_id: int, eos_token_ids):
         self.agent, self.engine, self.tokenizer, self.cfg = agent, engine, tokenizer, cfg
         self.pad_token_id, self.eos_token_ids = pad_token_id, end_of_turn_ids(tokenizer, eos_token_ids)
-        self.render_delta = message_delta_renderer(tokenizer)
+        self.render_delta = message_delta_renderer(tokenizer, cfg.chat_template_kwargs)
         self.position = SamplingPosition()
 
     def generate_sequences(self, prompts: DataProto) -> DataProto:
@@ -108,7 +108,7 @@ class OpenAIAgentRollout(SeededGenerationMixin):
         def render_full(messages: list[dict], tools: list[dict] | None) -> list[int]:
             from hybridflow.data.prompt_dataset import tokenize_chat
 
-            return tokenize_chat(self.tokenizer, messages, tools)
+            return tokenize_chat(self.tokenizer, messages, tools, self.cfg.chat_template_kwargs)
 
         return ChatSession(
             name,

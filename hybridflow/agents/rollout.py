@@ -75,7 +75,7 @@ def build_agent_rollout(engine, cfg, tokenizer_dir: str) -> AgentRollout:
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     tools = [load_tool(path) for path in cfg.agent.tools]
-    render = tool_response_renderer(tokenizer, tool_schemas(tools))
+    render = tool_response_renderer(tokenizer, tool_schemas(tools), cfg.chat_template_kwargs)
     truncate = tool_response_truncator(tokenizer, cfg.agent.max_tool_response_length)
     ends = end_of_turn_ids(tokenizer, engine.eos_token_ids)
     # a turn ends at the template's end of turn even where the model's EOS is another token (a

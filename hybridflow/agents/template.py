@@ -40,15 +40,17 @@ def call_id(turn: int, index: int) -> str:
     return f"c{turn % 10000:04d}{index % 10000:04d}"
 
 
-def _render(tokenizer, messages: list[dict], tools, generation_prompt: bool) -> str:
+def _render(tokenizer, messages: list[dict], tools, generation_prompt: bool, template_kwargs=None) -> str:
+    extra = template_kwargs or {}
     return tokenizer.apply_chat_template(
-        messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt
+        messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt, **extra
     )
 
 
-def template_end_of_turn(tokenizer) -> tuple[str, int]:
+def template_end_of_turn(tokenizer, template_kwargs: dict | None = None) -> tuple[str, int]:
     """(text, id) of the special token the template writes right after an assistant's content."""
-    text = _render(tokenizer, [STAND_IN_USER, {"role": "assistant", "content": MARK}], None, False)
+    turn = [STAND_IN_USER, {"role": "assistant", "content": MARK}]
+    text = _render(tokenizer, turn, None, False, template_kwargs)
     after = text[text.rindex(MARK) + len(MARK) :]
     ids = tokenizer(after, add_special_tokens=False)["input_ids"]
     if not ids or ids[0] not in tokenizer.added_tokens_decoder:
@@ -87,17 +89,18 @@ def stand_in_assistant(messages: list[dict[str, Any]]) -> dict[str, Any]:
 RenderDelta = Callable[..., list[int]]  # (messages, tools=None, closed=True, after=None) -> ids
 
 
-def message_delta_renderer(tokenizer) -> RenderDelta:
+def message_delta_renderer(tokenizer, template_kwargs: dict | None = None) -> RenderDelta:
     """`render(messages, tools=None, closed=True, after=None)`: ids of `messages` as the template
     renders them after the assistant turn `after` (a message; default: a stand-in that the
     messages can follow), up to and including the next assistant prompt. `closed`: the turn
-    ended on the end-of-turn token, and the ids start after it; otherwise they start with it."""
-    end_text = template_end_of_turn(tokenizer)[0]
+    ended on the end-of-turn token, and the ids start after it; otherwise they start with it.
+    `template_kwargs`: extra variables of every render (rollout.chat_template_kwargs)."""
+    end_text = template_end_of_turn(tokenizer, template_kwargs)[0]
 
     def render(messages: list[dict], tools=None, closed: bool = True, after: dict | None = None) -> list[int]:
         head = [STAND_IN_USER, after or stand_in_assistant(messages)]
-        before = _render(tokenizer, head[:1], tools, False)
-        text = _render(tokenizer, head + messages, tools, True)
+        before = _render(tokenizer, head[:1], tools, False, template_kwargs)
+        text = _render(tokenizer, head + messages, tools, True, template_kwargs)
         if not text.startswith(before):
             raise TemplateNotIncremental(
                 f"the chat template renders the conversation before an assistant turn differently "

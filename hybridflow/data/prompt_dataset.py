@@ -76,8 +76,10 @@ class PromptDataset(torch.utils.data.Dataset):
         max_samples: int | None = None,
         tools: list[dict] | None = None,
         processor=None,
+        template_kwargs: dict | None = None,
     ):
-        """`tools`: function schemas the chat template renders into every prompt (agent loops)."""
+        """`tools`: function schemas the chat template renders into every prompt (agent loops);
+        `template_kwargs`: extra variables of the chat template (rollout.chat_template_kwargs)."""
         images_column = (IMAGES_KEY,) if processor is not None else ()
         located = read_located_rows(files, (prompt_key, *REQUIRED_COLUMNS, *images_column))
         if max_samples is not None:
@@ -89,7 +91,7 @@ class PromptDataset(torch.utils.data.Dataset):
         for where, row in located:
             check_chat_prompt(row[prompt_key], where, prompt_key)
             if processor is None:
-                ids = tokenize_chat(tokenizer, row[prompt_key], tools)
+                ids = tokenize_chat(tokenizer, row[prompt_key], tools, template_kwargs)
             else:
                 images = decode_images(row[IMAGES_KEY], where)
                 ids, _ = image_prompt_inputs(processor, row[prompt_key], images, where, tools)
@@ -134,10 +136,15 @@ class PromptDataset(torch.utils.data.Dataset):
         return item
 
 
-def tokenize_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+def tokenize_chat(
+    tokenizer, messages: list[dict], tools: list[dict] | None = None, template_kwargs: dict | None = None
+) -> list[int]:
     """Token ids of `messages` rendered by the tokenizer's chat template (with the `tools`' schemas,
-    when given), ending with the assistant prefix (where the response starts)."""
-    text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    when given, and the template's extra variables `template_kwargs`), ending with the assistant
+    prefix (where the response starts)."""
+    text = tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
+    )
     # The template already wrote any BOS/role tokens; adding special tokens again would double them.
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 

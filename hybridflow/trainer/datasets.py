@@ -23,5 +23,6 @@ def recipe_prompt_dataset(cfg: RecipeConfig, tokenizer, files: list[str], max_sa
     data = cfg.data
     tools = prompt_tools(cfg.rollout.agent)
     return PromptDataset(
-        files, tokenizer, data.max_prompt_length, data.prompt_key, max_samples, tools, processor=processor
-    )
+        files, tokenizer, data.max_prompt_length, data.prompt_key, max_samples, tools, processor=processor,
+        template_kwargs=cfg.rollout.chat_template_kwargs,
+    )  # fmt: skip
