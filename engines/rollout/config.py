@@ -241,6 +241,14 @@ class RolloutConfig:
     # weights (checked) and its lost calls generated again, this many times in a run; one more death
     # stops the run (0: the first one does). docs/async.md "Engine restarts"
     max_engine_restarts: int = 3
+    # trainer.placement=disaggregated: a generation call still running after this many seconds gets
+    # its engine health-checked; one that fails the check is hung and restarted like a dead one,
+    # one that passes is busy and waited for up to trainer.worker_call_timeout_s
+    engine_call_timeout_s: float = 600.0
+    # the health check's own deadline (the engine's loop answers it between two decoding steps)
+    engine_health_check_timeout_s: float = 60.0
+    # trainer.placement=disaggregated: seconds a weight transfer to the rollout pool may take
+    weight_transfer_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         if self.name not in ROLLOUT_ENGINES:
@@ -283,6 +291,9 @@ class RolloutConfig:
                 f"rollout.chat_template_kwargs sets {owned}, which the renders set themselves; "
                 "keep only the template's own variables (e.g. enable_thinking)"
             )
+        for key in ("engine_call_timeout_s", "engine_health_check_timeout_s", "weight_transfer_timeout_s"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"rollout.{key} must be > 0 seconds, got {getattr(self, key)}")
         if self.weight_sync_bucket_mb <= 0:
             raise ValueError(f"rollout.weight_sync_bucket_mb must be > 0, got {self.weight_sync_bucket_mb}")
         if not 0.0 < self.gpu_memory_utilization < 1.0:

@@ -60,6 +60,10 @@ class RequestBatches:
 
         return asyncio.run_coroutine_threadsafe(update(), self.loop)
 
+    def ping(self) -> Future:
+        """Done once the loop runs it, between two decoding steps (a hung step never lets it)."""
+        return asyncio.run_coroutine_threadsafe(asyncio.sleep(0), self.loop)
+
     def shutdown(self) -> None:
         """Stop the loop's thread (before the engine's own shutdown)."""
         self.loop.call_soon_threadsafe(self.loop.stop)

@@ -282,6 +282,9 @@ class TrainerConfig:
     # group, starts them again and resumes from the newest complete checkpoint, up to this many
     # times a run (hybridflow/trainer/restart.py); 0: the run stops with one error line
     restart_on_failure: int = 0
+    # seconds a call on the workers (an update, a log-prob pass, a checkpoint) may run before the
+    # run stops with an error naming the rank and the call: a hung worker never blocks forever
+    worker_call_timeout_s: float = 3600.0
     placement: Placement = "colocated"  # where the rollout engines run
     rollout_pool: RolloutPoolConfig = field(default_factory=RolloutPoolConfig)
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)

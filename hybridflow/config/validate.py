@@ -334,6 +334,7 @@ def _check_ranges(cfg: RecipeConfig) -> list[str]:
         "trainer.nnodes",
         "trainer.n_gpus_per_node",
         "trainer.total_epochs",
+        "trainer.worker_call_timeout_s",
         "actor.log_prob_micro_batch_size",
         "ref.log_prob_micro_batch_size",
         *(["reward_model.micro_batch_size"] if cfg.reward_model.enable else []),

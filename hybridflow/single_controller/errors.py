@@ -4,9 +4,13 @@ A worker that raises `ValueError("bad")` in `compute_values` on rank 3 surfaces 
 `WorkerError` that is *also* a `ValueError`, so `except ValueError` still works, with a message
 that names the rank and the method and keeps the worker's traceback. A worker process that dies
 surfaces the same way as a `WorkerError` that is also Ray's `ActorDiedError`.
+A call that passes its deadline (`CallDeadline`: the seconds and the recipe setting that gives
+them) surfaces as a `CallTimeout` naming the rank, the method and that setting.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 
 class WorkerError(Exception):
@@ -75,3 +79,33 @@ def _delegate_to_cause(self: WorkerError, name: str):
     if name in ("cause", "rank", "method") or name.startswith("__"):
         raise AttributeError(name)
     return getattr(self.cause, name)
+
+
+@dataclass(frozen=True)
+class CallDeadline:
+    """How long a blocking worker-group call may run, and the recipe setting that says so."""
+
+    seconds: float
+    setting: str  # named in the CallTimeout, e.g. "trainer.worker_call_timeout_s"
+
+
+# A group built without one (tests, tools): the default of trainer.worker_call_timeout_s.
+DEFAULT_DEADLINE = CallDeadline(3600.0, "trainer.worker_call_timeout_s")
+
+
+class CallTimeout(TimeoutError):
+    """A worker-group call found a rank still running at its deadline (`rank`, `method`)."""
+
+    def __init__(self, message: str, rank: int, method: str):
+        super().__init__(message)
+        self.rank, self.method = rank, method
+
+
+def call_timeout(worker: str, rank: int, method: str, deadline: CallDeadline, what: str = "") -> CallTimeout:
+    """The one-line error of a call still running on `rank` at its deadline."""
+    return CallTimeout(
+        f"{worker} rank {rank} did not answer `{method}` within {deadline.seconds:g}s{what} "
+        f"({deadline.setting}: raise it if the call is only slow)",
+        rank,
+        method,
+    )

@@ -22,12 +22,21 @@ A rank whose process died can be replaced alone (`restart_rank`: a fresh actor o
 arguments and environment in the same slot) and then driven alone (`call_rank`): the rollout pool
 restarts a dead engine this way (hybridflow/trainer/rollout/pool.py) while the other ranks keep
 theirs. `dead_ranks` says which ranks' processes are gone.
+
+Every blocking call has a deadline (`call_deadline`, a `CallDeadline`: the seconds and the recipe
+setting that gives them; `with group.deadline(...)` for the calls of a block): a call that passes
+it raises `CallTimeout` naming the rank, the worker class, the method and the setting to raise.
+The hung process is left as it is: the caller decides (the rollout pool kills and restarts a hung
+engine, hybridflow/trainer/rollout/pool.py; a run stopping kills every actor in `shutdown`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import time
+from collections.abc import Iterator
 
 import numpy as np
 import ray
@@ -39,7 +48,12 @@ from hybridflow.parallel_ranks import ParallelRanks
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller.decorator import registered_methods
 from hybridflow.single_controller.dispatch import Dispatched
-from hybridflow.single_controller.errors import worker_error
+from hybridflow.single_controller.errors import (
+    DEFAULT_DEADLINE,
+    CallDeadline,
+    call_timeout,
+    worker_error,
+)
 from hybridflow.single_controller.resource_pool import RayResourcePool
 from hybridflow.single_controller.worker import (
     RENDEZVOUS_ATTR,
@@ -61,6 +75,8 @@ DEATH_CHECK_S = 2.0
 # How long a rank other than 0 waits in its start for rank 0's `__init__` to return and publish the
 # store's address.
 RENDEZVOUS_WAIT_S = 600.0
+# The least time a worker's start (`__init__`) gets: more than a rank's wait for rank 0's.
+START_WAIT_S = RENDEZVOUS_WAIT_S + 60.0
 
 
 class RayWorkerGroup(WorkerGroup):
@@ -76,7 +92,12 @@ class RayWorkerGroup(WorkerGroup):
     `shutdown()` runs each rank's `Worker.teardown`, then kills the actors.
     """
 
-    def __init__(self, resource_pool: RayResourcePool, ray_cls_with_init: RayClassWithInitArgs):
+    def __init__(
+        self,
+        resource_pool: RayResourcePool,
+        ray_cls_with_init: RayClassWithInitArgs,
+        call_deadline: CallDeadline = DEFAULT_DEADLINE,
+    ):
         if not isinstance(resource_pool, RayResourcePool):
             raise TypeError(f"resource_pool must be a RayResourcePool, got {type(resource_pool).__name__}")
         if not isinstance(ray_cls_with_init, RayClassWithInitArgs):
@@ -85,6 +106,7 @@ class RayWorkerGroup(WorkerGroup):
             )
         super().__init__(ray_cls_with_init.cls)
         self._pool, self._cls_with_init = resource_pool, ray_cls_with_init
+        self.call_deadline = call_deadline
         self._slots = _slots(resource_pool)
         self._envs = spmd_envs(resource_pool.slot_nodes())
         self._remote_cls = ray.remote(_with_spmd_env(ray_cls_with_init.cls))
@@ -92,8 +114,8 @@ class RayWorkerGroup(WorkerGroup):
         self._rendezvous = self._published_by_rank_zero()
         self._actors += [self._start_actor(rank) for rank in range(1, len(self._slots))]
         try:  # rank 0 first: the other ranks' starts wait on it, so its failure is the cause of theirs
-            self._wait([self._actors[0].__ray_ready__.remote()], [0], "__init__")
-            self._wait([actor.__ray_ready__.remote() for actor in self._actors], self._ranks(), "__init__")
+            self._wait_started([self._actors[0].__ray_ready__.remote()], [0])
+            self._wait_started([actor.__ray_ready__.remote() for actor in self._actors], self._ranks())
         except BaseException:
             self._kill_actors()  # nothing started yet that a teardown would stop
             raise
@@ -102,6 +124,7 @@ class RayWorkerGroup(WorkerGroup):
     def _view(cls, actors: list, worker_cls: type, prefix: str | None) -> RayWorkerGroup:
         view = cls.__new__(cls)
         view._actors = actors
+        view.call_deadline = DEFAULT_DEADLINE
         WorkerGroup.__init__(view, worker_cls, prefix)
         return view
 
@@ -140,7 +163,7 @@ class RayWorkerGroup(WorkerGroup):
         self._actors[rank] = self._start_actor(rank)  # in place: the views hold the same list
         if rank == 0:  # a fresh store: ranks restarted later meet this one
             self._rendezvous = self._published_by_rank_zero()
-        self._wait([self._actors[rank].__ray_ready__.remote()], [rank], "__init__")
+        self._wait_started([self._actors[rank].__ray_ready__.remote()], [rank])
 
     def call_rank(self, rank: int, method: str, *args, **kwargs):
         """`method` of the worker class on one rank alone, blocking; its result. Raises like a group
@@ -173,7 +196,19 @@ class RayWorkerGroup(WorkerGroup):
 
         Views share this group's actors (one process per slot for all roles).
         """
-        return {prefix: self._view(self._actors, self._worker_cls, prefix) for prefix in prefix_set}
+        views = {prefix: self._view(self._actors, self._worker_cls, prefix) for prefix in prefix_set}
+        for view in views.values():
+            view.call_deadline = self.call_deadline
+        return views
+
+    @contextlib.contextmanager
+    def deadline(self, call_deadline: CallDeadline) -> Iterator[None]:
+        """The calls of the block under `call_deadline` instead of the group's."""
+        kept, self.call_deadline = self.call_deadline, call_deadline
+        try:
+            yield
+        finally:
+            self.call_deadline = kept
 
     def shutdown(self, teardown_timeout_s: float = TEARDOWN_TIMEOUT_S) -> None:
         """Run every rank's `Worker.teardown` (e.g. a rollout engine's `shutdown`), then kill every
@@ -229,12 +264,24 @@ class RayWorkerGroup(WorkerGroup):
             for i, rank in enumerate(ranks)
         ]
 
+    def _wait_started(self, handles: list, ranks: list[int]) -> None:
+        """Wait for the actors' `__init__`: a process start (imports, placement) gets at least
+        START_WAIT_S, however short the group's call deadline."""
+        deadline = self.call_deadline
+        with self.deadline(CallDeadline(max(deadline.seconds, START_WAIT_S), deadline.setting)):
+            self._wait(handles, ranks, "__init__")
+
     def _wait(self, handles: list, ranks: list[int], method: str) -> list:
         position = {ref: i for i, ref in enumerate(handles)}
         values = [None] * len(handles)
         pending = list(handles)
+        deadline = self.call_deadline
+        end = time.monotonic() + deadline.seconds
         while pending:
-            ready, pending = ray.wait(pending, num_returns=1)
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, end - time.monotonic()))
+            if not ready:
+                rank = ranks[position[pending[0]]]
+                raise call_timeout(self._who(), rank, method, deadline)
             for ref in ready:
                 i = position[ref]
                 try:
@@ -242,6 +289,11 @@ class RayWorkerGroup(WorkerGroup):
                 except ray.exceptions.RayError as err:  # task errors and dead actors alike
                     raise worker_error(err, ranks[i], method) from err
         return values
+
+    def _who(self) -> str:
+        """The worker class, and the role of a colocated class's view."""
+        name = self._worker_cls.__name__
+        return f"{name} ({self._prefix})" if self._prefix else name
 
     def _query_parallel_ranks(self, role: str | None) -> list[ParallelRanks | None]:
         refs = [actor._hf_parallel_ranks.remote(role) for actor in self._actors]

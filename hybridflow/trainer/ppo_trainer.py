@@ -40,7 +40,7 @@ from hybridflow.trainer.prompts import PromptBatches
 from hybridflow.trainer.resume import ResumePlan, plan_resume
 from hybridflow.trainer.roles import Roles, uses_reference
 from hybridflow.trainer.rollout.ahead import GeneratingAhead, generation_depth
-from hybridflow.trainer.rollout.stream import RayGroupCalls, StreamingRollout, StreamSettings
+from hybridflow.trainer.rollout.stream import EngineDeadlines, RayGroupCalls, StreamingRollout, StreamSettings
 from hybridflow.trainer.validation import run_validation
 from hybridflow.utils.nonfinite import (
     NonFiniteError,
@@ -77,7 +77,9 @@ class PPOTrainer:
         self.rollout = roles.rollout
         if cfg.trainer.async_training.mode == "stream":  # groups generate on as steps take them
             settings = StreamSettings.of(cfg, self.tokenizer.pad_token_id)
-            self.rollout = StreamingRollout(roles.rollout, RayGroupCalls(roles.rollout.group), settings)
+            self.rollout = StreamingRollout(
+                roles.rollout, RayGroupCalls(roles.rollout.group, EngineDeadlines.of(cfg)), settings
+            )
         elif generation_depth(cfg) > 0:  # one_step / async: the next batches generate during the update
             self.rollout = GeneratingAhead(roles.rollout, generation_depth(cfg), self.prompts)
         self.kl_ctrl = core.make_kl_controller(cfg.algorithm.kl_ctrl)

@@ -126,16 +126,18 @@ def start_roles(cfg: RecipeConfig) -> Roles:
 def spawn_groups(cfg: RecipeConfig, manager, groups: list[WorkerGroup]) -> dict[str, WorkerGroup]:
     """One worker group per pool (appended to `groups` as each starts); role -> its view."""
     from hybridflow.single_controller import RayWorkerGroup
+    from hybridflow.single_controller.errors import CallDeadline
 
+    deadline = CallDeadline(cfg.trainer.worker_call_timeout_s, "trainer.worker_call_timeout_s")
     views = {}
     for pool_name, classes in role_classes(cfg).items():
         pool = manager.resource_pool_dict[pool_name]
         if len(classes) == 1:
             ((role, cls_with_init),) = classes.items()
-            group = RayWorkerGroup(pool, cls_with_init)
+            group = RayWorkerGroup(pool, cls_with_init, deadline)
             views[role] = group
         else:
-            group = RayWorkerGroup(pool, create_colocated_worker_cls(classes))
+            group = RayWorkerGroup(pool, create_colocated_worker_cls(classes), deadline)
             views.update(group.spawn(prefix_set=list(classes)))
         groups.append(group)
     return views

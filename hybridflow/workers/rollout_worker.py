@@ -180,6 +180,14 @@ class RolloutWorker(Worker):
         """Answers at once while the process lives (the driver's check after a failed transfer)."""
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def health_check(self) -> None:
+        """Answers once the engine's event loop runs it, between two decoding steps (stream mode and
+        partial rollouts): a busy engine answers soon, a hung one (a step or a load that never
+        returns) never does. Elsewhere calls run one at a time, so it answers after the call."""
+        if self.batches is not None:
+            self.batches.ping().result()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def score_log_probs(self, sequences: list[list[int]]) -> torch.Tensor | None:
         """The engine's log-probs of each sequence's tokens after the first (B, T-1), or None for an
         engine that cannot score (the hf engine)."""

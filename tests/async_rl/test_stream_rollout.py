@@ -116,7 +116,7 @@ class RolloutGroup:
 class RecoveringPool(PoolRollout):
     """A pool whose dead processes restart (`recover()`, the restarted ranks)."""
 
-    def recover(self) -> list[int]:
+    def recover(self, cause: BaseException | None = None) -> list[int]:
         restarted = sorted(self.group.engines.dead)
         self.group.engines.dead.clear()
         return restarted

@@ -41,6 +41,7 @@ One death more than the limit (any, with `max_engine_restarts: 0`) ends the run 
 `RolloutProcessDied` naming the process and the call; the last complete checkpoint stays.
 """
 
+import contextlib
 import functools
 import itertools
 import json
@@ -59,7 +60,7 @@ from engines.rollout.base import ROW_KEY, SamplingPosition, is_validation
 from engines.rollout.config import RolloutConfig
 from engines.weight_sync.common import WeightSyncError
 from hybridflow.protocol import DataProto, DataProtoFuture
-from hybridflow.single_controller.errors import WorkerError
+from hybridflow.single_controller.errors import CallDeadline, CallTimeout, WorkerError
 from hybridflow.trainer.policy import Policy
 from hybridflow.trainer.prompts import PromptBatches, StepPrompts
 from hybridflow.trainer.rollout.unread import report_unread
@@ -77,10 +78,11 @@ class RolloutProcessDied(RuntimeError):
 
 def process_died(err: BaseException) -> bool:
     """Whether an error is Ray's word that a worker process died (a worker-group call's WorkerError
-    or a launched call's own error)."""
+    or a launched call's own error), or a call's deadline passing: a hung process is killed and
+    restarted as a dead one is (`kill_hung`)."""
     import ray.exceptions
 
-    return isinstance(err, ray.exceptions.RayActorError)
+    return isinstance(err, ray.exceptions.RayActorError | CallTimeout)
 
 
 def died_error(err: BaseException, note: str = "", dead: list[int] | None = None) -> RolloutProcessDied:
@@ -90,8 +92,9 @@ def died_error(err: BaseException, note: str = "", dead: list[int] | None = None
     rank = rank if rank is not None else (dead or ["?"])[0]
     method = getattr(err, "method", None) or "a launched generation"
     cause = err.cause if isinstance(err, WorkerError) else err
+    how = "hung in" if isinstance(err, CallTimeout) else "died during"
     return RolloutProcessDied(
-        f"rollout pool process {rank} died during `{method}` (trainer.rollout_pool): "
+        f"rollout pool process {rank} {how} `{method}` (trainer.rollout_pool): "
         f"{first_line(cause)}; {note}rerun the same command to resume from the last checkpoint"
     )
 
@@ -101,10 +104,17 @@ def naming_dead_processes() -> Iterator[None]:
     """A rollout process's death, met by any call in the block, as one RolloutProcessDied."""
     try:
         yield
-    except WorkerError as err:
+    except (WorkerError, CallTimeout) as err:
         if not process_died(err):
             raise
         raise died_error(err) from err
+
+
+@contextmanager
+def under_deadline(group, deadline: CallDeadline) -> Iterator[None]:
+    """The group's calls in the block under `deadline` (groups run in process have none)."""
+    with group.deadline(deadline) if hasattr(group, "deadline") else contextlib.nullcontext():
+        yield
 
 
 def staleness_metrics(trained_on: int, sample_versions: list[int]) -> dict[str, float]:
@@ -173,6 +183,9 @@ class PoolRollout:
         self.policy: Policy | None = None  # the policy last synced: a restarted engine gets its weights
         self.restarts = EngineRestarts(cfg.max_engine_restarts)
         self.seed, self.dtype = cfg.seed, cfg.dtype
+        self.transfer_deadline = CallDeadline(
+            cfg.weight_transfer_timeout_s, "rollout.weight_transfer_timeout_s"
+        )
         self.position = SamplingPosition()  # generation calls sent to the pool (each engine's)
 
     def sync_weights(self, policy: Policy) -> None:
@@ -186,8 +199,10 @@ class PoolRollout:
             return
         self.served = None  # a failed transfer leaves the engines serving no known version
         self.group.start_receive_weights()
-        self.send(policy)
-        served = set(self.group.finish_transfer())
+        with under_deadline(policy.group, self.transfer_deadline):
+            self.send(policy)
+        with under_deadline(self.group, self.transfer_deadline):
+            served = set(self.group.finish_transfer())
         if served != {policy.version}:
             raise RuntimeError(
                 f"rollout engines serve {sorted(served)}, not the version sent ({policy.version})"
@@ -201,6 +216,8 @@ class PoolRollout:
         except WorkerError:
             self.group.ping()  # raises for a dead rollout process (the sender's error is its echo)
             raise
+        except CallTimeout as err:  # the actor's, not a rollout process to restart: the run stops
+            raise RuntimeError(f"weight transfer to the rollout pool: {err}") from err
 
     def responses(self, prompts: PromptBatches, steps_left: int) -> tuple[StepPrompts, DataProto]:
         step = prompts.next()
@@ -241,6 +258,7 @@ class PoolRollout:
                 if not process_died(err):
                     raise
                 died = err
+                self.kill_hung(err)
             else:
                 if isinstance(result, DataProto):
                     result.meta_info.pop("seed", None)  # the call's, not the batch's
@@ -271,6 +289,15 @@ class PoolRollout:
             f"rollout pool: restarted process(es) {dead}, {self.restarts.count} restart(s) so far", flush=True
         )
         return dead
+
+    def kill_hung(self, err: BaseException) -> None:
+        """A rollout process whose call passed its deadline (CallTimeout) killed: `recover` then
+        restarts it as a dead one."""
+        if isinstance(err, CallTimeout):
+            import ray
+
+            print(f"rollout pool: {err}; killing it as hung", flush=True)
+            ray.kill(self.group.actors[err.rank], no_restart=True)
 
     def _check_limit(self, cause: BaseException | None, dead: list[int]) -> None:
         limit, done = self.restarts.limit, self.restarts.count

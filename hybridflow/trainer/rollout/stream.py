@@ -45,6 +45,7 @@ from typing import Any, Literal, Protocol
 import torch
 
 from hybridflow.protocol import DataProto
+from hybridflow.single_controller.errors import CallDeadline, call_timeout
 from hybridflow.trainer.dynamic_sampling import PROMPT_SIDE, concat_rounds
 from hybridflow.trainer.policy import Policy
 from hybridflow.trainer.prompts import PromptBatches, StepPrompts
@@ -109,13 +110,44 @@ class GroupCalls(Protocol):
         """A finished call's responses (WorkerError naming the rank when it failed)."""
 
 
+@dataclass(frozen=True)
+class EngineDeadlines:
+    """When a group call's engine is health-checked, how long the check may take, and the hard bound
+    of a call whose engine answers it (rollout.engine_call_timeout_s,
+    rollout.engine_health_check_timeout_s, trainer.worker_call_timeout_s)."""
+
+    check_after_s: float = 600.0
+    check_s: float = 60.0
+    bound_s: float = 3600.0
+
+    @classmethod
+    def of(cls, cfg) -> "EngineDeadlines":
+        rollout = cfg.rollout
+        return cls(
+            rollout.engine_call_timeout_s,
+            rollout.engine_health_check_timeout_s,
+            cfg.trainer.worker_call_timeout_s,
+        )
+
+
 class RayGroupCalls:
     """`GroupCalls` on the rollout workers' Ray actors: each group goes to the process with the
-    fewest calls in flight, as a direct call of `generate_sequences` on that actor."""
+    fewest calls in flight, as a direct call of `generate_sequences` on that actor.
 
-    def __init__(self, group):
+    A call still running `check_after_s` after it started gets its engine health-checked (the
+    worker's `health_check`, which its engine's loop answers between two decoding steps): an engine
+    that does not answer within `check_s` is hung; one whose call passes `bound_s` is too. A hung
+    engine's process is killed, so that its calls fail as a dead process's do and the pool
+    restarts it (`result` raises the CallTimeout naming the rank and the call it hung in)."""
+
+    def __init__(self, group, deadlines: EngineDeadlines | None = None, clock=time.monotonic):
         self.group = group  # the rollout worker group (actors read at each call: one may restart)
+        self.deadlines = deadlines or EngineDeadlines()
+        self.clock = clock
         self.rank_of: dict = {}  # in-flight call -> rank
+        self.started: dict = {}  # in-flight call -> when it was submitted (clock)
+        self.checked: dict[int, float] = {}  # rank -> when its engine last answered a health check
+        self.hung: dict = {}  # call on a process killed as hung -> the CallTimeout to raise
 
     @property
     def ranks(self) -> int:
@@ -127,15 +159,73 @@ class RayGroupCalls:
             busy[rank] += 1
         rank = busy.index(min(busy))
         handle = self.group.actors[rank].generate_sequences.remote(rows)
-        self.rank_of[handle] = rank
+        self.rank_of[handle], self.started[handle] = rank, self.clock()
         return handle, rank
 
     def wait(self, handles: list, block: bool = True) -> list:
         import ray
 
         if block:
-            ray.wait(handles, num_returns=1)
+            while not ray.wait(handles, num_returns=1, timeout=self.until_next_check(handles))[0]:
+                self.check_engines(handles)
         return ray.wait(handles, num_returns=len(handles), timeout=0)[0]
+
+    def until_next_check(self, handles: list) -> float | None:
+        """Seconds until the oldest of `handles` is due for its engine's health check (None: all are
+        on processes killed as hung, whose calls fail at once)."""
+        dues = [self.due(handle) for handle in handles if handle not in self.hung]
+        return max(0.0, min(dues) - self.clock()) if dues else None
+
+    def due(self, handle) -> float:
+        """When the call's engine is next checked: `check_after_s` after the call started or after
+        its engine last answered a check (`bound_s` after the call started at the latest)."""
+        since = max(self.started.get(handle, 0.0), self.checked.get(self.rank_of.get(handle, -1), 0.0))
+        return min(
+            since + self.deadlines.check_after_s, self.started.get(handle, 0.0) + self.deadlines.bound_s
+        )
+
+    def check_engines(self, handles: list) -> None:
+        """Every engine with a call due: answers the health check (busy: the call goes on), or is
+        killed as hung."""
+        now = self.clock()
+        due = {
+            self.rank_of[h]
+            for h in handles
+            if h in self.rank_of and h not in self.hung and self.due(h) <= now
+        }
+        for rank in sorted(due):
+            oldest = min((h for h in handles if self.rank_of.get(h) == rank), key=self.started.get)
+            if now - self.started[oldest] >= self.deadlines.bound_s:
+                self.kill_hung(rank, self.deadlines.bound_s, "trainer.worker_call_timeout_s", "")
+            elif self.answers_health_check(rank):
+                self.checked[rank] = self.clock()
+            else:
+                what = f" nor its health check within {self.deadlines.check_s:g}s"
+                self.kill_hung(rank, self.deadlines.check_after_s, "rollout.engine_call_timeout_s", what)
+
+    def answers_health_check(self, rank: int) -> bool:
+        import ray
+
+        ref = self.group.actors[rank].health_check.remote()
+        done, _ = ray.wait([ref], timeout=self.deadlines.check_s)
+        try:
+            return bool(done) and ray.get(done[0]) is None
+        except ray.exceptions.RayError:
+            return False  # dead or failing: its calls fail on their own, or are killed with it
+
+    def kill_hung(self, rank: int, seconds: float, setting: str, what: str) -> None:
+        """The hung process killed: its calls fail now, each with the CallTimeout naming it."""
+        import ray
+
+        error = call_timeout(
+            "rollout engine", rank, "generate_sequences", CallDeadline(seconds, setting), what
+        )
+        print(f"rollout pool: {error}; killing it as hung", flush=True)
+        for handle, on in self.rank_of.items():
+            if on == rank:
+                self.hung[handle] = error
+        self.checked.pop(rank, None)
+        ray.kill(self.group.actors[rank], no_restart=True)
 
     def result(self, handle) -> DataProto:
         import ray
@@ -143,6 +233,9 @@ class RayGroupCalls:
         from hybridflow.single_controller.errors import worker_error
 
         rank = self.rank_of.pop(handle)
+        self.started.pop(handle, None)
+        if handle in self.hung:
+            raise self.hung.pop(handle)
         try:
             return ray.get(handle)
         except ray.exceptions.RayError as err:
@@ -150,6 +243,8 @@ class RayGroupCalls:
 
     def forget(self, handle) -> None:
         self.rank_of.pop(handle, None)
+        self.started.pop(handle, None)
+        self.hung.pop(handle, None)
 
 
 def split_groups(step: StepPrompts, n: int) -> list[Group]:
@@ -290,7 +385,7 @@ class StreamingRollout:
         recovery restarted this one already; RolloutProcessDied beyond rollout.max_engine_restarts,
         which stops the run), then that call and every group on a restarted rank are submitted again
         from their prompts."""
-        restarted = set(self.pool.recover())
+        restarted = set(self.pool.recover(died.__cause__))
         lost = [handle for handle, group in self.in_flight.items() if group.rank in restarted]
         if failed not in lost:
             lost.append(failed)

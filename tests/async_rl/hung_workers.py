@@ -1,0 +1,108 @@
+"""Rollout-worker stand-ins for test_hung_engines.py, whose engines can hang (test code only).
+
+`SteppingRollout`'s "engine loop" is one lock: a generation call takes its steps holding it, and
+`health_check` answers once it gets it, between two steps, as the real rollout worker's does on
+its engine's event loop (hybridflow/workers/rollout_worker.py). A call's rows say how it runs
+(`meta_info["steps"]`: that many steps; `HANG`: its first step never returns), and a call with
+`meta_info["hang_once"]` hangs in the first process of the run that takes it (the marker file in
+`folder` records it), so the call generated again on a restarted process finishes. The transfer
+methods take part in a pool's transfers as no-ops serving version 0.
+
+Ray workers cannot import tests/ modules: this module's classes travel by value (cloudpickle).
+"""
+
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import ray
+import torch
+
+from hybridflow.protocol import DataProto
+from hybridflow.single_controller import Dispatch, Worker, register
+
+HANG = -1
+STEP_S = 0.05  # one simulated decoding step
+
+
+class SteppingRollout(Worker):
+    def __init__(self, folder: str):
+        self.folder = Path(folder)
+        self.loop = threading.Lock()
+        self.never = threading.Event()  # a hung step waits for it: nothing sets it
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def pid(self) -> int:
+        return os.getpid()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        pass
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def generate_sequences(self, rows: DataProto) -> DataProto:
+        start = time.time()
+        steps = rows.meta_info.get("steps", 1)
+        if rows.meta_info.get("hang_once") and self._first_to_hang():
+            steps = HANG
+        for _ in range(max(steps, 1)):
+            with self.loop:
+                self.never.wait(None if steps == HANG else STEP_S)
+        out = DataProto.from_dict({"x": rows.batch["x"].clone()})
+        out.batch["policy_version"] = torch.zeros(len(out), dtype=torch.long)  # (B,)
+        out.batch["generation_window"] = torch.tensor([[start, time.time()]]).expand(len(out), 2).clone()
+        return out
+
+    def _first_to_hang(self) -> bool:
+        try:
+            (self.folder / "hung").touch(exist_ok=False)
+        except FileExistsError:
+            return False
+        return True
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def health_check(self) -> None:
+        with self.loop:
+            pass
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def start_join_transfer(self, host: str, port: int, size: int) -> None:
+        pass
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def start_receive_weights(self) -> None:
+        pass
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def finish_transfer(self) -> int:
+        return 0
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def leave_transfer(self) -> None:
+        pass
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def ping(self) -> None:
+        pass
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def score_log_probs(self, sequences: list[list[int]]) -> None:
+        return None  # an engine that cannot score, as the hf engine
+
+
+class HangingWorker(Worker):
+    """A trainer-side worker whose `hang_on(rank)` never returns on that rank."""
+
+    def __init__(self):
+        self.never = threading.Event()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def hang_on(self, rank: int) -> int:
+        if self.rank == rank:
+            self.never.wait()
+        return self.rank
+
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
