@@ -466,8 +466,21 @@ MOE_TP1 = ["model.path=<tiny_moe>", "actor.megatron.tensor_model_parallel_size=1
             "rollout.return_routed_experts=true records each token's experts for routing replay, but "
             "actor.megatron.moe_routing_replay=off: nothing reads them",
         ),
+        (
+            [],
+            ["rollout.agent.max_turns=8", "rollout.agent.tool_timeout_s=5"],
+            "rollout.agent.max_turns=8, rollout.agent.tool_timeout_s=5.0 have no effect with "
+            "rollout.agent.loop=single_turn: only loop=tool reads them; set rollout.agent.loop=tool, or "
+            "remove them",
+        ),
+        (
+            [],
+            ["rollout.server.port=8000"],
+            "rollout.server.port=8000 has no effect with rollout.agent.loop=single_turn: only loop=openai "
+            "serves an endpoint",
+        ),
     ],
-    ids=["distillation_off", "mismatch_monitor_off", "routes_not_replayed"],
+    ids=["distillation_off", "mismatch_monitor_off", "routes_not_replayed", "tool_loop_off", "endpoint_off"],
 )
 def test_settings_of_a_feature_switched_off_are_warned_about_before_ray(
     switched_off, changed, warning, files, monkeypatch, capsys, caplog

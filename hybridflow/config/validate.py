@@ -1072,14 +1072,14 @@ def _check_teacher_micro_batches(cfg: RecipeConfig, responses: int, teacher_dp: 
 def _check_settings_read(cfg: RecipeConfig) -> list[str]:
     """Settings of a feature the recipe leaves off have no effect: refused, not ignored (as the
     LoRA settings without adapters). Those a recipe keeps when one switch turns the feature off
-    are a warning instead (warn_if_settings_unread)."""
-    return _distillation_in_sft(cfg) + _agent_settings_unread(cfg)
+    (distillation's enable, the agent loop) are a warning instead (warn_if_settings_unread)."""
+    return _distillation_in_sft(cfg)
 
 
 def warn_if_settings_unread(cfg: RecipeConfig) -> None:
     """A warning for each feature switched off with settings of its own left: legal (a recipe
     turned off by its one switch), but a changed value there is almost surely meant to act."""
-    unread = _distillation_settings_unread(cfg) + _mismatch_settings_unread(cfg)
+    unread = _distillation_settings_unread(cfg) + _mismatch_settings_unread(cfg) + _agent_settings_unread(cfg)
     for warning in unread + _policy_loss_settings_unread(cfg):
         logger.warning(warning)
     if cfg.rollout.return_routed_experts and cfg.actor.megatron.moe_routing_replay == "off":

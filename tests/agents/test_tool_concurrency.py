@@ -76,7 +76,7 @@ def test_the_default_bound_is_the_machines_cores():
         AgentConfig(max_concurrent_tool_calls=-1)
 
 
-def test_the_bound_without_the_tool_loop_is_refused_as_unread():
+def test_the_bound_without_the_tool_loop_is_named_as_unread():
     from hybridflow.config.schema import RecipeConfig
     from hybridflow.config.validate import _agent_settings_unread
 
