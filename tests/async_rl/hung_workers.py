@@ -6,7 +6,8 @@ its engine's event loop (hybridflow/workers/rollout_worker.py). A call's rows sa
 (`meta_info["steps"]`: that many steps; `HANG`: its first step never returns), and a call with
 `meta_info["hang_once"]` hangs in the first process of the run that takes it (the marker file in
 `folder` records it), so the call generated again on a restarted process finishes. The transfer
-methods take part in a pool's transfers as no-ops serving version 0.
+methods take part in a pool's transfers as no-ops serving version 0 (`finish_transfer` never
+returns once `folder`/hang_transfer exists).
 
 Ray workers cannot import tests/ modules: this module's classes travel by value (cloudpickle).
 """
@@ -77,6 +78,8 @@ class SteppingRollout(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def finish_transfer(self) -> int:
+        if (self.folder / "hang_transfer").exists():  # a load that never returns
+            self.never.wait()
         return 0
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

@@ -9,7 +9,8 @@ forever) never block the driver past their deadline:
   its group generated again; with none left the run's error is one line naming the process, the
   call it hung in and the setting, and the hung process is gone;
 - a hung generation through the pool's group call (the modes without streaming) is restarted the
-  same way once its call's deadline passes.
+  same way once its call's deadline passes;
+- a weight transfer whose receiver never finishes ends at rollout.weight_transfer_timeout_s.
 
 The settings are seconds; each test's own bound is far longer (BOUND_S).
 """
@@ -160,3 +161,21 @@ def test_a_hung_generation_through_the_pool_is_restarted_and_generated_again(gro
     out = pool.generate(group_of(5, hang_once=True).rows)
     assert time.monotonic() - start < BOUND_S
     assert out.batch["x"].tolist() == [5] and pool.restarts.count == 1
+
+
+def test_a_weight_transfer_that_never_finishes_ends_at_its_deadline_naming_the_process(groups, tmp_path):
+    group = rollout_group(groups, tmp_path, 1)
+    pool = PoolRollout(
+        group, str(tmp_path), RolloutConfig(max_engine_restarts=0, weight_transfer_timeout_s=CALL_S)
+    )
+    (tmp_path / "hang_transfer").touch()
+    start = time.monotonic()
+    with pytest.raises(RolloutProcessDied) as err:
+        pool.sync_weights(Policy(PolicyGroup()))
+    assert time.monotonic() - start < BOUND_S
+    assert str(err.value) == (
+        "rollout pool process 0 hung in `finish_transfer` (trainer.rollout_pool): CallTimeout: "
+        "SteppingRollout rank 0 did not answer `finish_transfer` within 3s "
+        "(rollout.weight_transfer_timeout_s: raise it if the call is only slow); rerun the same "
+        "command to resume from the last checkpoint"
+    )
