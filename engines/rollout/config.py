@@ -27,6 +27,7 @@ RolloutDtype = Literal["float32", "bfloat16", "float16"]
 # single_turn: the engine's batch generation | tool: multi-turn tool use (hybridflow/agents/loop.py)
 # openai: a user function written against the openai client (hybridflow/agents/openai_loop.py)
 AgentLoopName = Literal["single_turn", "tool", "openai"]
+ToolCallFormatName = Literal["auto", "hermes", "qwen3_coder", "llama3_json", "mistral", "deepseek_v3"]
 LoadFormat = Literal["dummy", "auto"]  # dummy: random init, weights arrive with the first sync
 # vLLM's CPU build: packed (oneDNN, vLLM's default) | plain (engines/rollout/vllm_cpu_weights.py)
 VLLMCPUWeights = Literal["packed", "plain"]
@@ -119,6 +120,8 @@ class AgentConfig:
     max_concurrent_tool_calls: int = 0
     # tokens of a tool response the model reads (longer ones are cut, marked "...(truncated)"); None: all
     max_tool_response_length: int | None = 256
+    # how the model writes tool calls (hybridflow/agents/tool_formats.py); auto: read from the chat template
+    tool_call_format: ToolCallFormatName = "auto"
     # for loop: openai, `package.module:function`: async def run(client, model, messages, **row)
     openai_agent: str = ""
 
@@ -134,6 +137,11 @@ class AgentConfig:
             raise ValueError(
                 "rollout.agent.max_concurrent_tool_calls must be >= 0 (0: the worker's CPU count), "
                 f"got {self.max_concurrent_tool_calls}"
+            )
+        formats = get_args(ToolCallFormatName)
+        if self.tool_call_format not in formats:
+            raise ValueError(
+                f"rollout.agent.tool_call_format must be one of {formats}, got {self.tool_call_format!r}"
             )
         if self.max_tool_response_length is not None and self.max_tool_response_length < 1:
             raise ValueError(

@@ -29,6 +29,7 @@ from engines.rollout.requests import Completion
 from hybridflow.agents.loop import Trajectory
 from hybridflow.agents.openai_api import ApiError, AssistantTurn, ChatRequest, assistant_message, message_text
 from hybridflow.agents.template import RenderDelta, TemplateNotIncremental
+from hybridflow.agents.tool_formats import Parse, parse_hermes
 
 RenderFull = Callable[[list[dict], list[dict] | None], list[int]]  # (messages, tools) -> prompt ids
 # (prompt ids, request, seed, max_new_tokens) -> what the engine sampled
@@ -111,6 +112,7 @@ class ChatSession:
     segments: list[Segment] = field(default_factory=list)
     requests: int = 0
     errors: list[BaseException] = field(default_factory=list)  # server-side failures, first first
+    parse_calls: Parse = parse_hermes  # the tool-call format of rollout.agent.tool_call_format
     # one request at a time: a request planned while another is being sampled would be recorded as
     # continuing it, a trajectory the engine never sampled (an agent's asyncio.gather)
     _serving: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
@@ -172,7 +174,7 @@ class ChatSession:
         ids = list(completion.token_ids)
         while ids and ids[-1] in self.eos_token_ids:
             ids.pop()
-        return assistant_message(self.decode(ids), completion.finish_reason, self.requests)
+        return assistant_message(self.decode(ids), completion.finish_reason, self.requests, self.parse_calls)
 
     def _record(
         self, planned: PlannedTurn, request: ChatRequest, completion: Completion, turn: AssistantTurn

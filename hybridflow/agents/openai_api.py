@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridflow.agents.template import call_id
-from hybridflow.agents.tool_parser import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, MalformedToolCall, parse_tool_calls
+from hybridflow.agents.tool_formats import Parse, parse_hermes
+from hybridflow.agents.tool_parser import MalformedToolCall
 
 ROLES = ("system", "developer", "user", "assistant", "tool")  # developer: a system message for templates
 # parameters accepted at these values only (the OpenAI defaults, or what the endpoint does anyway)
@@ -229,13 +230,15 @@ class AssistantTurn:
     malformed_calls: int
 
 
-def assistant_message(text: str, engine_finish: str, turn: int) -> AssistantTurn:
-    """The assistant message of a sampled `text` (EOS removed). Its `<tool_call>` blocks become
-    `tool_calls` (ids `template.call_id(turn, index)`: 9 letters and digits, as Mistral's
-    templates require) and content is the text around them (null when
-    empty). When any block is malformed, or the turn was cut at the length limit, no call is
-    extracted and the whole text is the content (as vLLM's Hermes parser does)."""
-    calls = parse_tool_calls(text) if engine_finish == "stop" else []
+def assistant_message(text: str, engine_finish: str, turn: int, parse: Parse = parse_hermes) -> AssistantTurn:
+    """The assistant message of a sampled `text` (EOS removed). Its tool calls, as `parse` reads
+    them (`tool_formats`: Hermes `<tool_call>` blocks by default), become `tool_calls` (ids
+    `template.call_id(turn, index)`: 9 letters and digits, as Mistral's templates require) and
+    content is the rest of the text (null when empty). When any call is malformed, or the turn was
+    cut at the length limit, no call is extracted and the whole text is the content (as vLLM's
+    Hermes parser does)."""
+    parsed = parse(text) if engine_finish == "stop" else None
+    calls = parsed.calls if parsed else []
     malformed = sum(isinstance(call, MalformedToolCall) for call in calls)
     if not calls or malformed:
         message = {"role": "assistant", "content": text, "tool_calls": None}
@@ -248,16 +251,9 @@ def assistant_message(text: str, engine_finish: str, turn: int) -> AssistantTurn
         }
         for index, call in enumerate(calls)
     ]
-    content = _text_around_calls(text)
+    content = parsed.content
     message = {"role": "assistant", "content": content or None, "tool_calls": tool_calls}
     return AssistantTurn(message, "tool_calls", len(tool_calls), 0)
-
-
-def _text_around_calls(text: str) -> str:
-    pieces = [text.split(TOOL_CALL_OPEN, 1)[0]]
-    for segment in text.split(TOOL_CALL_OPEN)[1:]:
-        pieces.append(segment.partition(TOOL_CALL_CLOSE)[2])
-    return "".join(pieces).strip()
 
 
 def _finish_reason(engine_finish: str) -> str:

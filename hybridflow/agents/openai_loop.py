@@ -25,6 +25,7 @@ from hybridflow.agents.chat_session import ChatSession
 from hybridflow.agents.openai_api import ChatRequest, check_recipe_sampling
 from hybridflow.agents.server import ChatServer
 from hybridflow.agents.template import end_of_turn_ids, message_delta_renderer
+from hybridflow.agents.tool_formats import resolve_format
 from hybridflow.protocol import DataProto
 from hybridflow.utils.imports import import_by_path
 
@@ -118,6 +119,7 @@ class OpenAIAgentRollout(SeededGenerationMixin):
             self.eos_token_ids,
             self.cfg.response_length,
             seed,
+            parse_calls=resolve_format(self.cfg.agent.tool_call_format, self.tokenizer).parse,
         )
 
     async def run_agent(

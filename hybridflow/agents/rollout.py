@@ -9,6 +9,7 @@ from engines.rollout.base import SamplingPosition, SeededGenerationMixin, row_se
 from engines.rollout.config import AgentConfig
 from hybridflow.agents.batch import trajectories_to_batch
 from hybridflow.agents.loop import RunTools, ToolTurnResult, Trajectory
+from hybridflow.agents.tool_formats import Parse, resolve_format
 from hybridflow.agents.tool_output import Truncate, tool_response_truncator
 from hybridflow.protocol import DataProto
 
@@ -20,18 +21,24 @@ async def run_loops(loop, prompt_ids: list[list[int]], seed: int) -> list[Trajec
     return await asyncio.gather(*(loop.run(ids, row_seed(seed, row)) for row, ids in enumerate(prompt_ids)))
 
 
-def tool_runner(tools: list, agent: AgentConfig, truncate: Truncate | None = None) -> RunTools:
+def tool_runner(
+    tools: list, agent: AgentConfig, truncate: Truncate | None = None, parse: Parse | None = None
+) -> RunTools:
     """`run_tools(turn text)`: the turn's tool calls run, each under `agent.tool_timeout_s`, at most
     `agent.tool_call_limit()` at once over every caller (every row's loop): a sandboxed call starts
     two interpreters, and hundreds of rows calling at once would crowd out the engine. Each
     response passes through `truncate` (`tool_output.tool_response_truncator`; None: as it is).
-    Create one per event loop (per generation call)."""
-    from hybridflow.agents.tool_parser import ToolCall, parse_tool_calls, run_tool_calls
+    Calls are read by `parse` (`tool_formats`; None: Hermes `<tool_call>` JSON). Create one per
+    event loop (per generation call)."""
+    from hybridflow.agents.tool_formats import parse_hermes
+    from hybridflow.agents.tool_parser import ToolCall, run_tool_calls
+
+    parse = parse or parse_hermes
 
     limit = asyncio.Semaphore(agent.tool_call_limit())
 
     async def run_tools(text: str) -> ToolTurnResult | None:
-        calls = parse_tool_calls(text)
+        calls = parse(text).calls
         if not calls:
             return None
         results = await run_tool_calls(calls, tools, agent.tool_timeout_s, limit)
@@ -77,6 +84,7 @@ def build_agent_rollout(engine, cfg, tokenizer_dir: str) -> AgentRollout:
     tools = [load_tool(path) for path in cfg.agent.tools]
     render = tool_response_renderer(tokenizer, tool_schemas(tools), cfg.chat_template_kwargs)
     truncate = tool_response_truncator(tokenizer, cfg.agent.max_tool_response_length)
+    calls_format = resolve_format(cfg.agent.tool_call_format, tokenizer)
     ends = end_of_turn_ids(tokenizer, engine.eos_token_ids)
     # a turn ends at the template's end of turn even where the model's EOS is another token (a
     # base model's <|endoftext|>): what it would write after it is an invented next turn
@@ -87,7 +95,7 @@ def build_agent_rollout(engine, cfg, tokenizer_dir: str) -> AgentRollout:
             return await requests.generate(ids, sampling, seed, max_new_tokens)
 
         # its bound is this call's: one event loop each
-        run_tools = tool_runner(tools, cfg.agent, truncate)
+        run_tools = tool_runner(tools, cfg.agent, truncate, calls_format.parse)
         return ToolAgentLoop(
             generate, run_tools, tokenizer.decode, render, cfg.response_length, cfg.agent.max_turns, ends
         )

@@ -76,17 +76,26 @@ def _parse_body(body: str) -> ToolCall | MalformedToolCall:
         payload = json.loads(body)
     except json.JSONDecodeError as err:
         return MalformedToolCall("bad_json", f"the tool call is not valid JSON ({err})", body)
+    return call_from_payload(payload, body)
+
+
+def call_from_payload(
+    payload: Any, body: str, arguments_key: str = "arguments"
+) -> ToolCall | MalformedToolCall:
+    """The call a decoded JSON `payload` {"name": ..., <arguments_key>: {...}} names (Llama 3's
+    calls name their arguments "parameters"; "arguments" is read there too); `body`: its text."""
     if not isinstance(payload, dict):
         return MalformedToolCall(
-            "bad_json", 'a tool call must be a JSON object {"name": ..., "arguments": {...}}', body
+            "bad_json", f'a tool call must be a JSON object {{"name": ..., "{arguments_key}": {{...}}}}', body
         )
-    name, arguments = payload.get("name"), payload.get("arguments")
+    key = arguments_key if arguments_key in payload or "arguments" not in payload else "arguments"
+    name, arguments = payload.get("name"), payload.get(key)
     if not isinstance(name, str) or not name:
         return MalformedToolCall("missing_name", 'the tool call has no "name" string', body)
     if not isinstance(arguments, dict):
-        found = "no" if "arguments" not in payload else f"a {type(arguments).__name__} as"
+        found = "no" if key not in payload else f"a {type(arguments).__name__} as"
         return MalformedToolCall(
-            "bad_arguments", f'the call of {name!r} has {found} "arguments", not a JSON object', body
+            "bad_arguments", f'the call of {name!r} has {found} "{key}", not a JSON object', body
         )
     return ToolCall(name, arguments)
 

@@ -12,6 +12,7 @@ costs minutes.
 
 import json
 import logging
+import os
 from pathlib import Path
 
 import pyarrow as pa
@@ -20,7 +21,8 @@ from safetensors import SafetensorError, safe_open
 
 from engines.megatron.routing_replay import check_replay_model
 from hybridflow.agents.template import check_incremental_template
-from hybridflow.agents.tool_parser import ToolCall, parse_tool_calls
+from hybridflow.agents.tool_formats import FORMATS, ToolCallFormat, resolve_format
+from hybridflow.agents.tool_parser import ToolCall
 from hybridflow.agents.tools.base import prompt_tools
 from hybridflow.config.schema import RecipeConfig
 from hybridflow.config.validate import model_dirs, uses_teacher
@@ -178,10 +180,11 @@ PROBE_RESPONSE = "§tool response§"  # a text no template writes by itself
 
 def check_chat_template(cfg: RecipeConfig, tokenizer) -> None:
     """An agent loop's template must take the tool role (the loop appends tool responses as such
-    messages) and write tool calls, if it writes them, as the <tool_call> JSON that
-    agents/tool_parser.py reads (the model learned its calls in that format); ValueError naming the
-    tokenizer's key. A template that ignores `tools=` or drops calls is a warning: the model can still
-    call tools it was fine-tuned on (the tool demo's warm start), but it sees no schema."""
+    messages) and write tool calls, if it writes them, in the tool-call format the loop reads
+    (rollout.agent.tool_call_format, agents/tool_formats.py; the model learned its calls in that
+    format); ValueError naming the tokenizer's key. A template that ignores `tools=` or drops calls
+    is a warning: the model can still call tools it was fine-tuned on (the tool demo's warm start),
+    but it sees no schema."""
     loop = cfg.rollout.agent.loop
     if loop == "single_turn":
         return
@@ -201,7 +204,11 @@ def check_chat_template(cfg: RecipeConfig, tokenizer) -> None:
             f"{key}: the chat template renders a tool message without its content, so the model never reads "
             f"what its tools return; {TEMPLATE_FIX}"
         )
-    _check_tool_call_format(rendered[: rendered.index(PROBE_RESPONSE)], name, key, loop)
+    prompt = render(PROBE_QUESTION, schemas, "tools=")
+    call_format = resolve_format(cfg.rollout.agent.tool_call_format, tokenizer)
+    _check_tool_call_format(
+        _after(prompt, rendered[: rendered.index(PROBE_RESPONSE)]), name, key, loop, call_format
+    )
     check_incremental_template(tokenizer, key)  # tool responses append to the sampled ids (issue 35)
 
 
@@ -239,23 +246,40 @@ def template_renderer(tokenizer, key: str):
     return render
 
 
-def _check_tool_call_format(rendered: str, name: str, key: str, loop: str) -> None:
-    """A call the template writes must parse back as the same call (name, arguments). A template
-    that writes none matters to loop=openai only, whose agents send their conversations back."""
-    written = rendered[rendered.rfind(PROBE_QUESTION[0]["content"]) :]
-    if f'"{name}"' not in written:
+def _after(prompt: str, rendered: str) -> str:
+    """`rendered` from where it stops agreeing with `prompt` (the question with the assistant
+    prompt): the assistant turn as the template writes it."""
+    return rendered[len(os.path.commonprefix([prompt, rendered])) :]  # noqa: RUF071 (text, not paths)
+
+
+def _check_tool_call_format(
+    written: str, name: str, key: str, loop: str, call_format: ToolCallFormat
+) -> None:
+    """A call the template writes (`written`: the assistant turn) must parse back as the same call
+    (name, arguments) in `call_format`. A template that writes none matters to loop=openai only,
+    whose agents send their conversations back."""
+    expected = [ToolCall(name, {})]
+    if call_format.parse(written).calls == expected:
+        return
+    readers = [fmt.name for fmt in FORMATS.values() if fmt.parse(written).calls == expected]
+    if readers:
+        raise ValueError(
+            f"{key}: the chat template writes tool calls in the {readers[0]} format, not the "
+            f"{call_format.name} format the tool loop would read; set rollout.agent.tool_call_format: "
+            f"{readers[0]} (or auto)"
+        )
+    if name not in written:
         if loop == "openai":
             logger.warning(
                 "%s: the chat template writes no tool call of an assistant message: the calls of a "
                 "conversation an OpenAI-style agent sends back are lost when it is rendered", key,
             )  # fmt: skip
         return
-    if parse_tool_calls(written) != [ToolCall(name, {})]:
-        raise ValueError(
-            f"{key}: the chat template writes a tool call as {_written_call(written, name)!r}, which the "
-            "tool parser (Qwen / Hermes <tool_call> JSON) does not read: a model trained on this template "
-            f"would call tools no loop runs; {TEMPLATE_FIX}"
-        )
+    raise ValueError(
+        f"{key}: the chat template writes a tool call as {_written_call(written, name)!r}, which no "
+        f"tool-call format reads (known: {', '.join(FORMATS)}): a model trained on this template would "
+        f"call tools no loop runs; {TEMPLATE_FIX}"
+    )
 
 
 def _written_call(text: str, name: str) -> str:
