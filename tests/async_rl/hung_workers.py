@@ -56,6 +56,10 @@ class SteppingRollout(Worker):
         out.batch["generation_window"] = torch.tensor([[start, time.time()]]).expand(len(out), 2).clone()
         return out
 
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    def generate_sequences_async(self, rows: DataProto) -> DataProto:
+        return self.generate_sequences(rows)
+
     def _first_to_hang(self) -> bool:
         try:
             (self.folder / "hung").touch(exist_ok=False)

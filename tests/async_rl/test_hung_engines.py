@@ -8,8 +8,8 @@ forever) never block the driver past their deadline:
   hung one (its step never returns) is killed and, with a restart left, restarted by the pool with
   its group generated again; with none left the run's error is one line naming the process, the
   call it hung in and the setting, and the hung process is gone;
-- a hung generation through the pool's group call (the modes without streaming) is restarted the
-  same way once its call's deadline passes;
+- a hung generation through the pool's group call, or launched ahead (the modes without
+  streaming), is restarted the same way once its call's deadline passes;
 - a weight transfer whose receiver never finishes ends at rollout.weight_transfer_timeout_s.
 
 The settings are seconds; each test's own bound is far longer (BOUND_S).
@@ -179,3 +179,13 @@ def test_a_weight_transfer_that_never_finishes_ends_at_its_deadline_naming_the_p
         "(rollout.weight_transfer_timeout_s: raise it if the call is only slow); rerun the same "
         "command to resume from the last checkpoint"
     )
+
+
+def test_a_hung_generation_launched_ahead_is_restarted_and_generated_again(groups, tmp_path):
+    group = rollout_group(groups, tmp_path, 1, call_s=CALL_S)
+    pool = PoolRollout(group, str(tmp_path), RolloutConfig(max_engine_restarts=1))
+    pool.sync_weights(Policy(PolicyGroup()))
+    start = time.monotonic()
+    out = pool.collect(pool.launch(group_of(6, hang_once=True).rows))
+    assert time.monotonic() - start < BOUND_S
+    assert out.batch["x"].tolist() == [6] and pool.restarts.count == 1

@@ -60,7 +60,7 @@ from engines.rollout.base import ROW_KEY, SamplingPosition, is_validation
 from engines.rollout.config import RolloutConfig
 from engines.weight_sync.common import WeightSyncError
 from hybridflow.protocol import DataProto, DataProtoFuture
-from hybridflow.single_controller.errors import CallDeadline, CallTimeout, WorkerError
+from hybridflow.single_controller.errors import CallDeadline, CallTimeout, WorkerError, call_timeout
 from hybridflow.trainer.policy import Policy
 from hybridflow.trainer.prompts import PromptBatches, StepPrompts
 from hybridflow.trainer.rollout.unread import report_unread
@@ -236,7 +236,23 @@ class PoolRollout:
         """A launched generation's responses, once finished (generated again if a process died)."""
         if isinstance(launched, DataProto):
             return launched
-        return self._retrying(launched.future.get, lambda: self.group.generate_sequences(launched.rows))
+        return self._retrying(
+            lambda: self.finished(launched), lambda: self.group.generate_sequences(launched.rows)
+        )
+
+    def finished(self, launched: LaunchedCall) -> DataProto:
+        """The launched call's responses, waited for up to the rollout group's call deadline (a
+        CallTimeout naming the first rank still running after it); groups run in process have none."""
+        deadline = getattr(self.group, "call_deadline", None)
+        if deadline is not None:
+            import ray
+
+            refs = launched.future.futures  # one per rank, in rank order
+            _, running = ray.wait(refs, num_returns=len(refs), timeout=deadline.seconds)
+            if running:
+                rank = refs.index(running[0])
+                raise call_timeout("rollout pool process", rank, "generate_sequences_async", deadline)
+        return launched.future.get()
 
     def seeded(self, rows: DataProto) -> DataProto:
         """The rows (views) with this call's seed, the one the engines would pick themselves (a
