@@ -157,4 +157,14 @@ def test_the_recipe_check_refuses_a_call_format_no_parser_knows():
     message = str(err.value)
     assert "model.path=/models/tiny" in message and '<invoke name="calculator">' in message
     assert "hermes, qwen3_coder, llama3_json, mistral, deepseek_v3" in message
-    assert json.dumps("x")  # the message is plain text
+
+
+@pytest.mark.parametrize("family", ["qwen3-coder", "mistral-v0.3", "deepseek-v3", "llama3.1"])
+def test_the_endpoint_returns_the_familys_calls_as_openai_tool_calls(family):
+    from hybridflow.agents.openai_api import assistant_message
+
+    parse = resolve_format("auto", BY_NAME[family].tokenizer()).parse
+    turn = assistant_message(sampled_text(BY_NAME[family], [("calculator", CALC)]), "stop", 0, parse)
+    assert turn.finish_reason == "tool_calls" and turn.tool_calls == 1
+    (call,) = turn.message["tool_calls"]
+    assert call["function"]["name"] == "calculator" and json.loads(call["function"]["arguments"]) == CALC
