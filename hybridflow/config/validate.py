@@ -1166,6 +1166,13 @@ def _agent_settings_unread(cfg: RecipeConfig) -> list[str]:
             f"rollout.agent.loop={loop}",
             ": only loop=tool reads {it}; set rollout.agent.loop=tool, or remove {it}",
         )
+    if loop == "single_turn":
+        changed = _changed_fields(agent, "rollout.agent", ("tool_call_format",))
+        errors += _no_effect(
+            changed,
+            f"rollout.agent.loop={loop}",
+            ": only the tool and openai loops read tool calls; set rollout.agent.loop, or remove {it}",
+        )
     if loop != "openai":
         changed = _changed_fields(cfg.rollout.server, "rollout.server", ("host", "port", "model_name"))
         errors += _no_effect(

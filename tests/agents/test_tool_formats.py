@@ -168,3 +168,15 @@ def test_the_endpoint_returns_the_familys_calls_as_openai_tool_calls(family):
     assert turn.finish_reason == "tool_calls" and turn.tool_calls == 1
     (call,) = turn.message["tool_calls"]
     assert call["function"]["name"] == "calculator" and json.loads(call["function"]["arguments"]) == CALC
+
+
+def test_a_format_without_an_agent_loop_is_refused_as_unread():
+    from hybridflow.config.schema import RecipeConfig
+    from hybridflow.config.validate import _agent_settings_unread
+
+    cfg = RecipeConfig()
+    cfg.rollout.agent = AgentConfig(tool_call_format="mistral")
+    assert _agent_settings_unread(cfg) == [
+        "rollout.agent.tool_call_format=mistral has no effect with rollout.agent.loop=single_turn: "
+        "only the tool and openai loops read tool calls; set rollout.agent.loop, or remove it"
+    ]
