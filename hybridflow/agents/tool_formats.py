@@ -130,7 +130,8 @@ def _json_objects(body: str) -> list[Call]:
                 MalformedToolCall("bad_json", f"the tool call is not valid JSON ({err})", body[at:]),
             ]
         calls.append(call_from_payload(payload, body[at:end], "parameters"))
-        at = end + len(body[end:]) - len(body[end:].lstrip().removeprefix(";").lstrip())
+        rest = body[end:].lstrip().removeprefix(";").lstrip()  # the next call, if any
+        at = len(body) - len(rest)
     return calls
 
 

@@ -86,21 +86,20 @@ def sequence_scores(batch: DataProto, tokenizer, reward_fn: RewardFn) -> torch.T
     return torch.tensor(scores, dtype=torch.float32)  # (B,)
 
 
-def sampled_runs(ids: list[int], mask: list[int]) -> list[list[int]]:
-    """The runs of consecutive ids whose mask is 1 (a trajectory's sampled turns), in order."""
-    runs: list[list[int]] = []
-    for position, (token, sampled) in enumerate(zip(ids, mask, strict=True)):
-        if sampled:
-            if position == 0 or not mask[position - 1]:
-                runs.append([])
-            runs[-1].append(token)
-    return runs
+def sampled_runs(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
+    """(R,) ids and mask -> the runs of consecutive ids whose mask is 1 (a trajectory's sampled
+    turns), in order."""
+    positions = mask.nonzero().flatten()  # (S,) sampled positions, ascending
+    if positions.numel() == 0:
+        return []
+    starts = (positions.diff() > 1).nonzero().flatten() + 1  # where a new run begins in `positions`
+    return [ids[run].tolist() for run in positions.tensor_split(starts)]
 
 
 def model_texts(responses: torch.Tensor, response_mask: torch.Tensor, tokenizer) -> list[str]:
     """(B, R) ids and mask -> each row's sampled turns, each decoded alone, joined by newlines."""
     texts = []
-    for ids, mask in zip(responses.tolist(), response_mask.tolist(), strict=True):
+    for ids, mask in zip(responses, response_mask, strict=True):
         turns = tokenizer.batch_decode(sampled_runs(ids, mask), skip_special_tokens=True)
         texts.append("\n".join(turns))
     return texts

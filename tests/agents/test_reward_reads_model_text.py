@@ -41,3 +41,12 @@ def test_each_sampled_turn_is_decoded_on_its_own_line():
     seen = []
     sequence_scores(batch, tokenizer, lambda source, solution, truth, extra: seen.append(solution) or 1.0)
     assert seen == ["ab\ncd"]
+
+
+def test_sampled_runs_split_where_the_mask_drops_to_zero():
+    from hybridflow.reward.manager import sampled_runs
+
+    ids = torch.tensor([10, 11, 12, 13, 14, 15, 16])
+    assert sampled_runs(ids, torch.tensor([1, 1, 0, 1, 0, 0, 1])) == [[10, 11], [13], [16]]
+    assert sampled_runs(ids, torch.tensor([0, 0, 0, 0, 0, 0, 0])) == []
+    assert sampled_runs(ids, torch.tensor([1, 1, 1, 1, 1, 1, 1])) == [ids.tolist()]
