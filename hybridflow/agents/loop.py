@@ -3,7 +3,7 @@
     trajectory = await loop.run(prompt_ids, row_seed)
 
 `SingleTurnLoop` samples one response (what `generate_sequences` does for a batch). `ToolAgentLoop`
-samples a turn, parses its tool calls (Qwen/Hermes `<tool_call>{json}</tool_call>`), runs them
+samples a turn, parses its tool calls (in the model family's format: `tool_formats.py`), runs them
 concurrently, appends the tool responses as the chat template renders them, and samples the next
 turn, until a turn calls no tool, `max_turns`, or the token budget (`rollout.response_length`).
 
