@@ -170,7 +170,7 @@ def test_the_endpoint_returns_the_familys_calls_as_openai_tool_calls(family):
     assert call["function"]["name"] == "calculator" and json.loads(call["function"]["arguments"]) == CALC
 
 
-def test_a_format_without_an_agent_loop_is_refused_as_unread():
+def test_a_format_without_an_agent_loop_is_reported_as_unread():
     from hybridflow.config.schema import RecipeConfig
     from hybridflow.config.validate import _agent_settings_unread
 

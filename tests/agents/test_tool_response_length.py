@@ -87,7 +87,7 @@ def test_none_leaves_tool_responses_unbounded():
     assert AgentConfig(loop="tool", tools=["tests.dump"], max_tool_response_length=None)
 
 
-def test_the_limit_without_the_tool_loop_is_refused_as_unread():
+def test_the_limit_without_the_tool_loop_is_reported_as_unread():
     from hybridflow.config.schema import RecipeConfig
     from hybridflow.config.validate import _agent_settings_unread
 
