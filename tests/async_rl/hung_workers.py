@@ -1,8 +1,9 @@
 """Rollout-worker stand-ins for test_hung_engines.py, whose engines can hang (test code only).
 
-`SteppingRollout`'s "engine loop" is one lock: a generation call takes its steps holding it, and
-`health_check` answers once it gets it, between two steps, as the real rollout worker's does on
-its engine's event loop (hybridflow/workers/rollout_worker.py). A call's rows say how it runs
+`SteppingRollout` runs its generation calls as the real rollout worker does in stream mode: as
+coroutines on one event loop in a thread of its own, each step blocking the loop (a decoding step)
+and the calls taking turns between steps; `health_check` answers once the loop runs it, between
+two steps, as the real worker's does (hybridflow/workers/rollout_worker.py). A call's rows say how it runs
 (`meta_info["steps"]`: that many steps; `HANG`: its first step never returns), and a call with
 `meta_info["hang_once"]` hangs in the first process of the run that takes it (the marker file in
 `folder` records it), so the call generated again on a restarted process finishes. The transfer
@@ -12,6 +13,7 @@ returns once `folder`/hang_transfer exists).
 Ray workers cannot import tests/ modules: this module's classes travel by value (cloudpickle).
 """
 
+import asyncio
 import os
 import sys
 import threading
@@ -28,10 +30,19 @@ HANG = -1
 STEP_S = 0.05  # one simulated decoding step
 
 
+async def decoding(steps: int, never: threading.Event) -> None:
+    """`steps` decoding steps, each blocking the loop (HANG: one that never returns). Not a method:
+    an actor class with a coroutine method would be run by Ray as an async actor, on one loop."""
+    for _ in range(max(steps, 1)):
+        never.wait(None if steps == HANG else STEP_S)
+        await asyncio.sleep(0)  # the other calls' steps, and a health check, go between
+
+
 class SteppingRollout(Worker):
     def __init__(self, folder: str):
         self.folder = Path(folder)
-        self.loop = threading.Lock()
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
         self.never = threading.Event()  # a hung step waits for it: nothing sets it
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -48,9 +59,7 @@ class SteppingRollout(Worker):
         steps = rows.meta_info.get("steps", 1)
         if rows.meta_info.get("hang_once") and self._first_to_hang():
             steps = HANG
-        for _ in range(max(steps, 1)):
-            with self.loop:
-                self.never.wait(None if steps == HANG else STEP_S)
+        asyncio.run_coroutine_threadsafe(decoding(steps, self.never), self.loop).result()
         out = DataProto.from_dict({"x": rows.batch["x"].clone()})
         out.batch["policy_version"] = torch.zeros(len(out), dtype=torch.long)  # (B,)
         out.batch["generation_window"] = torch.tensor([[start, time.time()]]).expand(len(out), 2).clone()
@@ -69,8 +78,7 @@ class SteppingRollout(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def health_check(self) -> None:
-        with self.loop:
-            pass
+        asyncio.run_coroutine_threadsafe(asyncio.sleep(0), self.loop).result()
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def start_join_transfer(self, host: str, port: int, size: int) -> None:
