@@ -28,6 +28,7 @@ from hybridflow.config.schema import RecipeConfig
 from hybridflow.config.validate import Layout, validate_recipe
 from hybridflow.launch.local_ray import start_local_ray
 from hybridflow.reward.manager import RewardFunctionError
+from hybridflow.single_controller.errors import CallTimeout
 from hybridflow.trainer.checkpoint import CheckpointManager, CheckpointSaveError
 from hybridflow.trainer.mismatch import TrainInferenceMismatchError
 from hybridflow.trainer.preflight import check_run_inputs
@@ -41,6 +42,7 @@ from hybridflow.utils.teardown import closing_after
 
 # Errors a run stops with whose message says everything (step, cause, what to do): one line, status 1.
 RUN_STOPPING_ERRORS = (
+    CallTimeout,
     StepRefusedError,
     CheckpointSaveError,
     RewardFunctionError,
