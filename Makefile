@@ -43,7 +43,7 @@ format: $(STAMP) ## Apply ruff formatting and safe fixes
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-bench: $(STAMP) ## Run benchmarks/ and print result tables
+bench: $(STAMP) ## Run benchmarks/, print their tables and write them into docs/results/
 	$(PY) -m benchmarks
 
 quickstart: $(STAMP) ## Tiny model + arithmetic data, SFT warm start, then GRPO on 2 CPU processes
@@ -53,5 +53,5 @@ quickstart: $(STAMP) ## Tiny model + arithmetic data, SFT warm start, then GRPO 
 docs: $(STAMP) ## Build the documentation site into .site/ (mkdocs.yml); any warning fails the build
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
-clean: ## Remove the virtual environment and caches
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+clean: ## Remove the virtual environment, caches and the built docs site
+	rm -rf $(VENV) .pytest_cache .ruff_cache .site *.egg-info
