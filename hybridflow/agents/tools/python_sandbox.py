@@ -32,9 +32,10 @@ What is enforced, by layer (`layers=`; all five by default):
   audit        Python (sys.addaudithook in the code's process): sockets, subprocesses, fork,
                exec, kill, foreign calls through ctypes and file writes, renames and removals
                outside the directory raise PermissionError; os.pidfd_open and
-               signal.pidfd_send_signal (which raise no audit event) are replaced by refusals. A clear message for the model, and
-               the only layer left where the kernel ones are unavailable; on its own it is not a
-               security boundary (`_posixsubprocess.fork_exec` raises no audit event).
+               signal.pidfd_send_signal (which raise no audit event) are replaced by refusals. A
+               clear message for the model, and the only layer left where the kernel ones are
+               unavailable; on its own it is not a security boundary (`_posixsubprocess.fork_exec`
+               raises no audit event).
 
 The constructor runs an empty program with the chosen layers and raises if one cannot be applied
 here (no user namespaces in a container, a kernel without Landlock), naming it: pass a `layers`
