@@ -71,6 +71,15 @@ def in_quickstart_working_tree(quickstart_working_tree, monkeypatch):
     return quickstart_working_tree
 
 
+@pytest.fixture(scope="module")
+def module_in_quickstart_working_tree(quickstart_working_tree):
+    """in_quickstart_working_tree for a whole test module: what a module-scoped fixture that reads a
+    shipped recipe needs (the working directory comes back after the module)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(quickstart_working_tree)
+        yield quickstart_working_tree
+
+
 def run_shared_dir(tmp_path_factory, worker_id: str) -> Path:
     """A directory shared by this run's pytest-xdist workers (their base temporary directories'
     parent is the run's own), or this process's base directory when xdist is off: never one an

@@ -343,6 +343,7 @@ def run_entry_point(argv: list[str], monkeypatch, capsys) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
+@pytest.mark.usefixtures("in_quickstart_working_tree")
 @pytest.mark.parametrize("loss", ["cispo", "user_losses.halved_reinforce"])
 def test_a_registered_or_user_loss_passes_the_checks_before_ray(
     loss, user_losses, tiny_recipe_args, monkeypatch, capsys
@@ -351,6 +352,7 @@ def test_a_registered_or_user_loss_passes_the_checks_before_ray(
         run_entry_point([*tiny_recipe_args, f"actor.update.policy_loss={loss}"], monkeypatch, capsys)
 
 
+@pytest.mark.usefixtures("in_quickstart_working_tree")
 def test_a_wrong_signature_is_refused_before_ray(user_losses, tiny_recipe_args, monkeypatch, capsys):
     argv = [*tiny_recipe_args, "actor.update.policy_loss=user_losses.wrong_signature"]
     code, err = run_entry_point(argv, monkeypatch, capsys)
@@ -360,11 +362,13 @@ def test_a_wrong_signature_is_refused_before_ray(user_losses, tiny_recipe_args, 
     assert str(POLICY_LOSS_PARAMETERS) in err
 
 
+@pytest.mark.usefixtures("in_quickstart_working_tree")
 def test_dro_without_its_beta_is_refused_before_ray(tiny_recipe_args, monkeypatch, capsys):
     code, err = run_entry_point([*tiny_recipe_args, "actor.update.policy_loss=dro"], monkeypatch, capsys)
     assert code == 2 and "policy_loss=dro needs dro_beta > 0" in err, err
 
 
+@pytest.mark.usefixtures("in_quickstart_working_tree")
 @pytest.mark.parametrize(
     ("overrides", "warned"),
     [

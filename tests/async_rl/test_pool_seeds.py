@@ -134,7 +134,7 @@ class Sender:
 
 
 @pytest.fixture(scope="module", params=["hf", "vllm"])
-def two_process_pool(request, ray_cluster, tmp_path_factory):
+def two_process_pool(request, ray_cluster, tmp_path_factory, module_in_quickstart_working_tree):
     """A rollout pool of 2 processes (hf or vLLM engines of the tiny model) serving version 1."""
     from hybridflow.config.loader import load_recipe
     from hybridflow.single_controller import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
