@@ -24,7 +24,7 @@
 #       -d .whl megatron-core==0.16.1 omegaconf==2.4.0 tensordict==0.15.3 pyvers==0.2.3 transformers==5.19.0 \
 #       jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
 #
-# (docs/gpu-results.md lists why each is needed.) PYTHON picks the interpreter (default python3).
+# (docs/gpu.md lists why each is needed.) PYTHON picks the interpreter (default python3).
 set -euo pipefail
 
 repo="$(cd "$(dirname "$0")/.." && pwd)"

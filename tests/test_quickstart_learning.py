@@ -19,7 +19,7 @@ Measured with exactly this configuration (runs are deterministic on CPU), step 0
 Validating more often no longer changes these runs. Before that change, the four runs gained +29.0,
 +26.5, +19.5 and +16.5, and the same runs validating every 5 steps (other samples then) +27.5,
 +15.5 and +14.0 (seeds 1/42, 2/2, 3/3). The margin, 8 points (tests/learning_runs.py), is under
-every gain measured; 10 steps gained only +10 in some runs. docs/quickstart-results.md has the runs.
+every gain measured; 10 steps gained only +10 in some runs. docs/results/learning.md has the runs.
 """
 
 from learning_runs import STEPS, check_accuracy_rises, learning_test_marks, run_from_warm_start
