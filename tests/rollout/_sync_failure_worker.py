@@ -7,6 +7,7 @@ first bucket of a colocated sync of several buckets; rank 0's loads fine. Each r
 "RANK <r> <error type>: <message>" for the error its sync raised, or "RANK <r> synced".
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -28,6 +29,12 @@ class OutOfMemoryEngine(HFRolloutEngine):
         raise RuntimeError("out of memory loading the bucket (test)")
 
 
+def report(line: str) -> None:
+    """One write per line: both ranks share torchrun's stdout pipe, and print() writes the text and
+    its newline separately, so two ranks' lines could run together."""
+    os.write(sys.stdout.fileno(), (line + "\n").encode())
+
+
 def main(hf_dir: Path) -> None:
     megatron_cfg = MegatronConfig(tensor_model_parallel_size=2)
     init_megatron(megatron_cfg)
@@ -39,9 +46,9 @@ def main(hf_dir: Path) -> None:
     manager = MegatronRolloutShardingManager(chunks, hf_config, engine, cfg)
     try:
         stats = manager.load_weights()
-        print(f"RANK {rank} synced {stats.tensors} tensors", flush=True)
+        report(f"RANK {rank} synced {stats.tensors} tensors")
     except Exception as err:
-        print(f"RANK {rank} {type(err).__name__}: {err}", flush=True)
+        report(f"RANK {rank} {type(err).__name__}: {err}")
     dist.barrier()
     dist.destroy_process_group()
 
