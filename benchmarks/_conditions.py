@@ -1,4 +1,4 @@
-"""What a comparison between engines needs before its ratio means anything (issue 40): both sides
+"""What a comparison between engines needs before its ratio means anything: both sides
 measured the same way, in alternating repetitions, on a machine whose load held still.
 
     rounds = alternating({"hf": run_hf, "vllm": run_vllm}, repeats=3, loads=loads)  # hf vllm hf vllm ...

@@ -1,4 +1,4 @@
-"""The benchmark harness's rules for comparing engines (benchmarks/_conditions.py, issue 40):
+"""The benchmark harness's rules for comparing engines (benchmarks/_conditions.py):
 alternating rounds, medians with spreads, and no ratio when the machine's load moved."""
 
 import pytest

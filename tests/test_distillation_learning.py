@@ -1,4 +1,4 @@
-"""On-policy distillation's learning claim (issue 37), checked: from the quickstart's SFT warm start,
+"""On-policy distillation's learning claim, checked: from the quickstart's SFT warm start,
 20 steps of recipes/quickstart_distill.yaml (pure distillation: the student samples, the
 teacher scores every sampled token, minus the per-token reverse KL is the advantage, the reward is
 only logged) raise held-out accuracy by at least 8 points, the margin of GRPO's learning tests

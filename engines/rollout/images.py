@@ -1,4 +1,4 @@
-"""What the rollout engines share about image prompts (issue 39, docs/vlm.md): which models take
+"""What the rollout engines share about image prompts (docs/vlm.md): which models take
 images, and the refusal of image placeholders that arrive without their pixels."""
 
 import torch

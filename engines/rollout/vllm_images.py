@@ -1,4 +1,4 @@
-"""Image prompts for the `vllm` engine (issue 39, docs/vlm.md): LLaVA with a CLIP tower, the
+"""Image prompts for the `vllm` engine (docs/vlm.md): LLaVA with a CLIP tower, the
 vision-language architecture the actor builds. Written against vLLM 0.32.0 and transformers 5.19.
 
 vLLM's own LLaVA (`model_executor/models/llava.py`) imports transformers' Pixtral image processor,

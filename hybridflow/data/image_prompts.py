@@ -1,4 +1,4 @@
-"""Image prompts (issue 39): the row format verl's users have, turned into model inputs by the
+"""Image prompts: the row format verl's users have, turned into model inputs by the
 model's own Hugging Face processor.
 
 A row holds a chat `prompt` whose text marks each image with the model's placeholder (`<image>`

@@ -209,7 +209,7 @@ def check_chat_template(cfg: RecipeConfig, tokenizer) -> None:
     _check_tool_call_format(
         _after(prompt, rendered[: rendered.index(PROBE_RESPONSE)]), name, key, loop, call_format
     )
-    check_incremental_template(tokenizer, key)  # tool responses append to the sampled ids (issue 35)
+    check_incremental_template(tokenizer, key)  # tool responses append to the sampled ids
 
 
 def _tool_turn(name: str) -> list[dict]:

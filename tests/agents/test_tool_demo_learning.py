@@ -13,7 +13,7 @@ tool call that ran without error): step 0 (warm start) 13.5% / 13.5% -> step 5: 
 (2026-11-27, `make test`'s learning tests on the 2-core machine; 15.0% / 17.0% -> 99.5% / 100% on
 2026-11-24, and 98-100% at steps 10, 15, 20 then). The greedy warm start mostly answers in its head,
 although 30% of its samples call the tool; those samples earn the reward and GRPO moves the first
-turn to the calculator within a few steps. MARGIN, 10 points, is what issue 23 asks; the measured
+turn to the calculator within a few steps. MARGIN, 10 points, is the claim; the measured
 gain is 85.0.
 """
 

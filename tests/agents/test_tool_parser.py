@@ -105,7 +105,7 @@ def test_an_opening_tag_before_the_closing_one_leaves_the_first_call_unclosed():
     assert second == ToolCall("b", {})
 
 
-# The malformed and failing calls of issue 23, each next to a good call in the same turn.
+# Malformed and failing calls, each next to a good call in the same turn.
 BAD_CALLS = [
     ('{"name": "calculator", "arguments": {"expression": "1 + 1"', "bad_json", "not valid JSON"),
     ('{"arguments": {"expression": "1 + 1"}}', "missing_name", 'no "name"'),

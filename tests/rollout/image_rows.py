@@ -1,4 +1,4 @@
-"""Image prompts for the rollout engines' tests (issue 39): rows of verl's format (a chat prompt with
+"""Image prompts for the rollout engines' tests: rows of verl's format (a chat prompt with
 `<image>` placeholders and PNG bytes), the processor's ids and pixels of each row, the left-padded
 `DataProto` an engine takes, and transformers' own greedy continuation of each row alone."""
 

@@ -1,4 +1,4 @@
-"""The `hf` rollout engine on image prompts (issue 39), with the tiny random LLaVA model
+"""The `hf` rollout engine on image prompts, with the tiny random LLaVA model
 (`hybridflow.utils.tiny_vlm`): verl's row format (a chat prompt with `<image>` placeholders and an
 `images` column of PNG bytes) through the model's own processor into a left-padded `DataProto`.
 

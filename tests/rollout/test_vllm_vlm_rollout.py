@@ -1,4 +1,4 @@
-"""The `vllm` rollout engine on image prompts (issue 39): vLLM's CPU build, through its Transformers
+"""The `vllm` rollout engine on image prompts: vLLM's CPU build, through its Transformers
 backend (`rollout.vllm.model_impl: transformers`, engines/rollout/vllm_images.py), with the tiny
 random LLaVA model. One engine for the module, in a process of its own (_vllm_vlm_worker.py),
 started from random weights (`load_format=dummy`) and given the checkpoint's tensors by the
