@@ -8,8 +8,6 @@ import pytest
 import torch
 
 from engines.megatron.actor import off_policy_correction
-from engines.megatron.checks import validate_off_policy_config
-from engines.megatron.config import OffPolicyCorrectionConfig
 from hybridflow.algorithms import compute_policy_loss, compute_policy_loss_gspo
 from hybridflow.algorithms.offpolicy import (
     decoupled_ppo_weights,
@@ -19,6 +17,7 @@ from hybridflow.algorithms.offpolicy import (
     rollout_mismatch_kl,
     truncated_is_weights,
 )
+from hybridflow.algorithms.rollout_correction import RolloutCorrectionConfig, validate_rollout_correction
 from hybridflow.config.loader import load_recipe
 from hybridflow.config.validate import RecipeError, validate_recipe
 from hybridflow.protocol import DataProto
@@ -159,7 +158,7 @@ def policy_batch(rollout_log_probs: torch.Tensor | None) -> DataProto:
 
 def test_actor_batch_gets_weights_and_metrics_from_rollout_log_probs():
     batch = policy_batch(ROLLOUT)
-    metrics = off_policy_correction(batch, OffPolicyCorrectionConfig(mode="truncated_is", upper=2.0))
+    metrics = off_policy_correction(batch, RolloutCorrectionConfig(mode="truncated_is", upper=2.0))
     torch.testing.assert_close(
         batch.batch["is_weights"], truncated_is_weights(batch.batch["old_log_probs"], ROLLOUT, 2.0)
     )
@@ -167,15 +166,15 @@ def test_actor_batch_gets_weights_and_metrics_from_rollout_log_probs():
     assert metrics["rollout_actor_kl"][0] > 0
     # without a correction the mismatch is still reported, and nothing weighs the loss
     plain = policy_batch(ROLLOUT)
-    assert set(off_policy_correction(plain, OffPolicyCorrectionConfig())) == {"rollout_actor_kl"}
+    assert set(off_policy_correction(plain, RolloutCorrectionConfig())) == {"rollout_actor_kl"}
     assert "is_weights" not in plain.batch
-    assert off_policy_correction(policy_batch(None), OffPolicyCorrectionConfig(mode="masked_is")) == {}
+    assert off_policy_correction(policy_batch(None), RolloutCorrectionConfig(mode="masked_is")) == {}
 
 
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        ({"mode": "truncated_is", "upper": 0.5}, "off_policy.upper must be >= 1"),
+        ({"mode": "truncated_is", "upper": 0.5}, "upper must be >= 1"),
         ({"mode": "truncated_is", "upper": None}, "needs upper"),
         ({"mode": "masked_is", "upper": None}, "needs lower and/or upper"),
         ({"mode": "masked_is", "lower": 1.5}, r"in \(0, 1\]"),
@@ -185,7 +184,7 @@ def test_actor_batch_gets_weights_and_metrics_from_rollout_log_probs():
 )
 def test_off_policy_settings_are_refused_with_the_key(settings, message):
     with pytest.raises(ValueError, match=message):
-        validate_off_policy_config(OffPolicyCorrectionConfig(**settings))
+        validate_rollout_correction(RolloutCorrectionConfig(**settings))
 
 
 def test_recipe_with_a_correction_needs_the_rollout_log_probs(tmp_path):
@@ -202,11 +201,11 @@ def test_recipe_with_a_correction_needs_the_rollout_log_probs(tmp_path):
         "rollout.tensor_model_parallel_size=1",
         "data.max_prompt_length=256",
         "rollout.response_length=256",
-        "actor.update.off_policy.mode=decoupled_ppo",
+        "algorithm.rollout_correction.mode=decoupled_ppo",
         "rollout.calculate_log_probs=false",  # on by default (the mismatch monitor)
     ]
     cfg = load_recipe(Path(__file__).resolve().parents[1] / "recipes/gsm8k_grpo.yaml", overrides)
-    message = "actor.update.off_policy.mode=decoupled_ppo .* set rollout.calculate_log_probs=true"
+    message = "algorithm.rollout_correction.mode=decoupled_ppo .* set rollout.calculate_log_probs=true"
     with pytest.raises(RecipeError, match=message):
         validate_recipe(cfg, cuda_available=False)
     cfg.rollout.calculate_log_probs = True

@@ -45,8 +45,8 @@ DISAGGREGATED = [
 # gradient on the previous policy's samples (uncorrected, 42.0% -> 21.5%).
 DECOUPLED_PPO = [
     "rollout.calculate_log_probs=true",
-    "actor.update.off_policy.mode=decoupled_ppo",
-    "actor.update.off_policy.upper=2",
+    "algorithm.rollout_correction.mode=decoupled_ppo",
+    "algorithm.rollout_correction.upper=2",
     "actor.optim.lr=1e-4",
 ]
 ONE_STEP = [*DISAGGREGATED, "trainer.async_training.mode=one_step", *DECOUPLED_PPO]

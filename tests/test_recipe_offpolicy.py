@@ -30,8 +30,8 @@ def test_grpo_with_truncated_importance_sampling_logs_the_weights(gsm8k_local, t
         "rollout.dtype=bfloat16",
         "rollout.calculate_log_probs=true",
         "actor.update.ppo_mini_batch_size=4",
-        "actor.update.off_policy.mode=truncated_is",
-        "actor.update.off_policy.upper=1.001",  # tight: a tiny run's ratios stay within 1.005
+        "algorithm.rollout_correction.mode=truncated_is",
+        "algorithm.rollout_correction.upper=1.001",  # tight: a tiny run's ratios stay within 1.005
     ]
     result = run_recipe_in_process("recipes/gsm8k_grpo.yaml", overrides, pythonpath=gsm8k_local["root"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]

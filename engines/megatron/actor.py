@@ -1,6 +1,6 @@
 """The policy on Megatron-Core: log-probs for rollouts, the PPO update, a supervised warm start.
 
-`MegatronActor(chunks, optimizer, scheduler, update_cfg)` wraps this rank's model chunks (from
+`MegatronActor(chunks, optimizer, scheduler, update_cfg, correction)` wraps this rank's model chunks (from
 `build_model`) and, for a trainable actor, the pair from `build_optimizer`; a frozen reference
 policy is a `MegatronActor` without optimizer. Every method is collective over the job's ranks
 and receives this data-parallel rank's shard of the batch. Results (DataProto, metrics) are
@@ -17,7 +17,7 @@ from functools import partial
 
 from engines.megatron import forward, moe
 from engines.megatron.checks import validate_actor_update_config
-from engines.megatron.config import ActorUpdateConfig, OffPolicyCorrectionConfig
+from engines.megatron.config import ActorUpdateConfig
 from engines.megatron.model import unwrap_model
 from engines.megatron.routing_replay import AGREEMENT, ROUTES_KEY, replays_routes
 from engines.megatron.training import (
@@ -30,6 +30,7 @@ from engines.megatron.training import (
 )
 from hybridflow.algorithms import agg_loss, kl_penalty, policy_loss_fn
 from hybridflow.algorithms.offpolicy import importance_weight_metrics, off_policy_weights, rollout_mismatch_kl
+from hybridflow.algorithms.rollout_correction import RolloutCorrectionConfig, validate_rollout_correction
 from hybridflow.algorithms.sampling import Truncation
 from hybridflow.protocol import DataProto
 
@@ -37,7 +38,7 @@ MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "respo
 POLICY_KEYS = (*MODEL_KEYS, "old_log_probs", "advantages")
 
 
-def off_policy_correction(data: DataProto, cfg: OffPolicyCorrectionConfig) -> dict[str, list[float]]:
+def off_policy_correction(data: DataProto, cfg: RolloutCorrectionConfig) -> dict[str, list[float]]:
     """Adds the correction's `is_weights` (B, R) to `data` and returns their statistics, plus the
     rollout-vs-actor log-prob mismatch whenever the batch carries rollout_log_probs."""
     if "rollout_log_probs" not in data.batch:
@@ -52,12 +53,22 @@ def off_policy_correction(data: DataProto, cfg: OffPolicyCorrectionConfig) -> di
 
 
 class MegatronActor:
-    def __init__(self, chunks, optimizer=None, scheduler=None, update_cfg: ActorUpdateConfig | None = None):
+    def __init__(
+        self,
+        chunks,
+        optimizer=None,
+        scheduler=None,
+        update_cfg: ActorUpdateConfig | None = None,
+        correction: RolloutCorrectionConfig | None = None,
+    ):
+        """`correction`: the recipe's algorithm.rollout_correction (None: no correction)."""
         self.chunks = chunks
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.cfg = update_cfg or ActorUpdateConfig()
+        self.correction = correction or RolloutCorrectionConfig()
         validate_actor_update_config(self.cfg)
+        validate_rollout_correction(self.correction)
         self.policy_loss_fn = policy_loss_fn(self.cfg.policy_loss)  # registered, or a user's by path
         self.vocab_size = unwrap_model(chunks[0]).hf_config.vocab_size
 
@@ -106,7 +117,7 @@ class MegatronActor:
         require_optimizer(self.optimizer, self.scheduler, "update_policy")
         cfg = self.cfg
         keys = [*POLICY_KEYS, "ref_log_prob"] if cfg.use_kl_loss else list(POLICY_KEYS)
-        if cfg.off_policy.mode != "none":
+        if self.correction.mode != "none":
             keys.append("rollout_log_probs")  # needs rollout.calculate_log_probs
         require_keys(data, keys, "update_policy")
         temperature = data.meta_info.get("temperature", 1.0)
@@ -118,7 +129,7 @@ class MegatronActor:
         if ROUTES_KEY in data.batch:
             keys.append(ROUTES_KEY)  # routing replay: the rollout's experts in the update's forwards
         batch = data.select(batch_keys=keys)
-        off_policy_metrics = off_policy_correction(batch, cfg.off_policy)
+        off_policy_metrics = off_policy_correction(batch, self.correction)
         metrics, num_micro_batches = update_epochs(
             self.chunks,
             self.optimizer,

@@ -8,7 +8,6 @@ import costs the driver 5-9 s of CPU for a model it never builds.
 from engines.megatron.config import (
     ActorUpdateConfig,
     CriticUpdateConfig,
-    OffPolicyCorrectionConfig,
     OptimConfig,
 )
 from hybridflow.algorithms import LOSS_AGG_MODES, policy_loss_fn
@@ -87,7 +86,6 @@ def validate_actor_update_config(cfg: ActorUpdateConfig) -> None:
         )
     policy_loss_fn(cfg.policy_loss)  # a registered name, or a user's loss of the right signature
     validate_policy_loss_knobs(cfg)
-    validate_off_policy_config(cfg.off_policy)
 
 
 def validate_policy_loss_knobs(cfg: ActorUpdateConfig) -> None:
@@ -111,23 +109,6 @@ def validate_policy_loss_knobs(cfg: ActorUpdateConfig) -> None:
             "actor update policy_loss=dro needs dro_beta > 0 (the weight of its log-ratio penalty), "
             f"got {cfg.dro_beta}"
         )
-
-
-def validate_off_policy_config(cfg: OffPolicyCorrectionConfig) -> None:
-    """Bounds that keep on-policy tokens (rho = 1) at weight 1, and no setting the mode ignores."""
-    key = "off_policy"
-    if cfg.mode in ("truncated_is", "masked_is", "decoupled_ppo") and cfg.upper is not None and cfg.upper < 1:
-        raise ValueError(f"{key}.upper must be >= 1 (or null where the mode allows), got {cfg.upper}")
-    if cfg.mode == "truncated_is" and cfg.upper is None:
-        raise ValueError(f"{key}.mode=truncated_is needs upper (the truncation C, e.g. 2.0), got null")
-    if cfg.mode == "masked_is" and cfg.lower is None and cfg.upper is None:
-        raise ValueError(f"{key}.mode=masked_is needs lower and/or upper (e.g. 0.5 and 2.0)")
-    if cfg.lower is not None and not (cfg.mode == "masked_is" and 0 < cfg.lower <= 1):
-        raise ValueError(
-            f"{key}.lower is used by mode=masked_is only, in (0, 1]; got {cfg.lower} with mode={cfg.mode}"
-        )
-    if cfg.level != "token" and cfg.mode != "masked_is":
-        raise ValueError(f"{key}.level={cfg.level} is used by mode=masked_is only; set level: token")
 
 
 def validate_critic_update_config(cfg: CriticUpdateConfig) -> None:

@@ -10,7 +10,6 @@ from typing import Any, Literal
 
 from hybridflow.algorithms.kl import KL_PENALTY_KINDS
 from hybridflow.algorithms.losses import LOSS_AGG_MODES
-from hybridflow.algorithms.offpolicy import IS_LEVELS, OFF_POLICY_MODES
 from hybridflow.algorithms.policy_losses import POLICY_LOSSES
 
 # The valid values of each choice. model.DTYPES and checks.LR_DECAY_STYLES, which check values
@@ -22,8 +21,6 @@ LrDecayStyle = Literal["constant", "linear", "cosine"]
 LossAggMode = Literal[LOSS_AGG_MODES]
 KlPenaltyKind = Literal[KL_PENALTY_KINDS]
 PolicyLoss = Literal[POLICY_LOSSES]
-OffPolicyMode = Literal[OFF_POLICY_MODES]
-ImportanceSamplingLevel = Literal[IS_LEVELS]
 MoeTokenDispatcher = Literal["allgather", "alltoall"]
 # off: the routers pick their own experts | rollout: the experts the rollout engine picked for each
 # token (its routed_experts, rollout.return_routed_experts), replayed (engines/megatron/routing_replay.py)
@@ -146,22 +143,6 @@ class OptimConfig:
 
 
 @dataclass
-class OffPolicyCorrectionConfig:
-    """Weights on the policy loss from the ratio rho = pi_old / mu of the actor's recomputed
-    log-probs to the rollout engine's (hybridflow/algorithms/offpolicy.py, docs/async.md). Needs
-    rollout.calculate_log_probs: true (the batch then carries rollout_log_probs).
-
-    mode "truncated_is": min(rho, upper) | "masked_is": rho inside [lower, upper], else 0, per token
-    or per sequence (`level`) | "decoupled_ppo": AReaL's rho, 0 above upper (null: no cap).
-    """
-
-    mode: OffPolicyMode = "none"  # none: no correction; the others as described above
-    lower: float | None = None  # masked_is: weight 0 where rho is below it; null: no lower bound
-    upper: float | None = 2.0  # truncated_is: the truncation C; masked_is / decoupled_ppo: the cap
-    level: ImportanceSamplingLevel = "token"  # masked_is: rho per token, or one per sequence
-
-
-@dataclass
 class ActorUpdateConfig:
     """How `MegatronActor.update_policy` / `update_sft` consume a batch (verl's names).
 
@@ -198,7 +179,6 @@ class ActorUpdateConfig:
     kl_cov_ratio: float = 0.0002  # kl_cov: the share of valid tokens (largest covariance) penalised
     ppo_kl_coef: float = 0.1  # kl_cov: weight of the |log(pi / pi_old)| penalty on those tokens
     dro_beta: float | None = None  # dro: weight of the (log(pi / pi_old))^2 / 2 penalty; required (> 0)
-    off_policy: OffPolicyCorrectionConfig = field(default_factory=OffPolicyCorrectionConfig)
     # Sequence packing + token-budget micro-batches (docs/packing.md); also switches the actor's
     # log-prob and the reference's forward to packed micro-batches of their own budgets.
     use_dynamic_bsz: bool = False

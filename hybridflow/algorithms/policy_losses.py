@@ -207,7 +207,7 @@ def reinforce_losses(old_log_prob, log_prob, advantages, response_mask):
     """REINFORCE (Williams 1992, "Simple Statistical Gradient-Following Algorithms for
     Connectionist Reinforcement Learning"): -A * log pi, no ratio and no clip; its gradient is
     -A * grad log pi. On-policy by construction: data from an older policy is not corrected (use
-    actor.update.off_policy for that)."""
+    algorithm.rollout_correction for that)."""
     zero = _none(log_prob)
     return PolicyLossTerms(-advantages * log_prob, zero, zero)
 

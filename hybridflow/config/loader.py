@@ -87,10 +87,30 @@ def _parse_overrides(overrides: list[str]) -> DictConfig:
     return parsed
 
 
+# Keys a recipe may still carry from an older layout: key -> where it is now and what to change.
+MOVED_KEYS = {
+    "actor.update.off_policy": (
+        "algorithm.rollout_correction; its mode, lower, upper and level keep their names (write "
+        "algorithm.rollout_correction.mode=... in place of actor.update.off_policy.mode=...)"
+    ),
+}
+
+
+def _moved(full_key: str) -> str | None:
+    """The refusal of a key under one of MOVED_KEYS, else None."""
+    for old, where in MOVED_KEYS.items():
+        if full_key == old or full_key.startswith(old + "."):
+            return f"{old} moved to {where}"
+    return None
+
+
 def _merge(base: DictConfig, update: DictConfig, source: str) -> DictConfig:
     try:
         return OmegaConf.merge(base, update)
     except ConfigKeyError as err:
+        moved = _moved(err.full_key)
+        if moved is not None:
+            raise ValueError(f"{source}: {moved}") from None
         raise ValueError(f"{source}: unknown key '{err.full_key}'{_suggestion(err.full_key)}") from None
     except ValidationError as err:
         choices = _literal_choices(err.full_key)

@@ -25,6 +25,7 @@ from engines.megatron.config import (
 from engines.rollout.config import RolloutConfig
 from hybridflow.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from hybridflow.algorithms.distillation import DISTILL_KL_ESTIMATORS
+from hybridflow.algorithms.rollout_correction import RolloutCorrectionConfig
 from hybridflow.utils.tracking import BACKENDS
 
 AdvEstimator = Literal[tuple(ADVANTAGE_ESTIMATORS)]
@@ -200,6 +201,8 @@ class AlgorithmConfig:
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)  # DAPO dynamic sampling
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)  # DAPO
     distillation: DistillationConfig = field(default_factory=DistillationConfig)  # needs `teacher`
+    # weights on the policy loss for samples of another policy (the engine's, an older version's)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 # colocated: the rollout engine shares the actor's processes and devices (the hybrid engine) |

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from engines.megatron.config import LoraConfig
 from hybridflow.algorithms.policy_losses import POLICY_LOSS_KNOBS
+from hybridflow.algorithms.rollout_correction import validate_rollout_correction
 from hybridflow.config.schema import RecipeConfig
 from hybridflow.config.vlm_checks import vision_language_problems
 from hybridflow.reward.registry import load_reward_fn
@@ -377,6 +378,7 @@ def _engine_validators(cfg: RecipeConfig) -> dict:
     checks = {
         "actor.optim": lambda: validate_optim_config(cfg.actor.optim),
         "actor.update": lambda: validate_actor_update_config(cfg.actor.update),
+        "algorithm.rollout_correction": lambda: validate_rollout_correction(cfg.algorithm.rollout_correction),
         "actor.lora": cfg.actor.lora.__post_init__,  # re-run, as for rollout below
         "rollout": cfg.rollout.__post_init__,  # re-run: the recipe may have been changed after loading
         "rollout.sampling": cfg.rollout.sampling.__post_init__,
@@ -487,10 +489,10 @@ def _check_algorithm(cfg: RecipeConfig) -> list[str]:
             "rollout.sampling.n >= 2"
         )
     errors += _check_dapo(cfg) + _check_mismatch_monitor(cfg) + _check_routing_replay(cfg)
-    off_policy = cfg.actor.update.off_policy.mode
+    off_policy = cfg.algorithm.rollout_correction.mode
     if off_policy != "none" and not cfg.rollout.calculate_log_probs:
         errors.append(
-            f"actor.update.off_policy.mode={off_policy} weighs the loss by the rollout engine's own "
+            f"algorithm.rollout_correction.mode={off_policy} weighs the loss by the rollout engine's own "
             "log-probs: set rollout.calculate_log_probs=true"
         )
     if (cfg.trainer.test_freq > 0 or cfg.trainer.val_before_train) and not cfg.data.val_files:

@@ -69,7 +69,13 @@ class PolicyWorker(Worker):
         self.optimizer, self.scheduler = build_optimizer(
             self.actor_chunks, cfg.actor.optim, cfg.actor.megatron
         )
-        self.actor = MegatronActor(self.actor_chunks, self.optimizer, self.scheduler, cfg.actor.update)
+        self.actor = MegatronActor(
+            self.actor_chunks,
+            self.optimizer,
+            self.scheduler,
+            cfg.actor.update,
+            cfg.algorithm.rollout_correction,
+        )
         self.hf_config = unwrap_model(self.actor_chunks[0]).hf_config
 
     def _build_reference(self) -> None:

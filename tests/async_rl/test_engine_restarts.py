@@ -132,7 +132,7 @@ def test_in_stream_mode_a_killed_rollout_process_is_restarted_and_the_lost_group
 ):
     out, hold, marker = tmp_path / "stream", tmp_path / "hold", uuid.uuid4().hex
     stream = ("trainer.async_training.mode=stream", "trainer.async_training.max_staleness=1",
-              "rollout.calculate_log_probs=true", "actor.update.off_policy.mode=decoupled_ppo")  # fmt: skip
+              "rollout.calculate_log_probs=true", "algorithm.rollout_correction.mode=decoupled_ppo")  # fmt: skip
     with running(local, out, hold, marker, *stream) as proc:
         kill(held_call(hold, proc, 1))  # a group's tokens generated, its call unanswered
         finishes(proc, hold, out)

@@ -70,7 +70,7 @@ def run_ahead(local: dict, out, mode: list[str]) -> tuple[list[dict], list[dict]
         "rollout.sampling.n=2",
         "rollout.calculate_log_probs=true",
         "actor.update.ppo_mini_batch_size=4",
-        "actor.update.off_policy.mode=decoupled_ppo",
+        "algorithm.rollout_correction.mode=decoupled_ppo",
     ]
     result = run_recipe_in_process("recipes/gsm8k_grpo.yaml", overrides, pythonpath=local["root"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]

@@ -107,7 +107,7 @@ def test_the_correction_weighs_each_token_by_its_own_behaviour_policy(runs, mode
     """The batch of the partial run trained on by the version-1 actor: decoupled PPO's weights
     pi_old / mu are 1 on the version-1 tokens and pi_1 / pi_0 on the version-0 ones."""
     from engines.megatron.actor import off_policy_correction
-    from engines.megatron.config import OffPolicyCorrectionConfig
+    from hybridflow.algorithms.rollout_correction import RolloutCorrectionConfig
     from hybridflow.protocol import DataProto
 
     done = runs["partial"]
@@ -119,7 +119,7 @@ def test_the_correction_weighs_each_token_by_its_own_behaviour_policy(runs, mode
     versions = torch.tensor([c["versions"] for c in done])  # (B, R)
     batch = {"old_log_probs": old, "rollout_log_probs": rollout, "response_mask": torch.ones_like(rollout)}
     data = DataProto.from_dict(batch)
-    off_policy_correction(data, OffPolicyCorrectionConfig(mode="decoupled_ppo", upper=None))
+    off_policy_correction(data, RolloutCorrectionConfig(mode="decoupled_ppo", upper=None))
     weights = data.batch["is_weights"]  # (B, R)
     expected = torch.where(versions == 1, torch.ones_like(old), (old - v0).exp())
     assert torch.allclose(weights, expected, rtol=1e-3), (weights - expected).abs().max()

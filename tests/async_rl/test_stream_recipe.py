@@ -38,7 +38,7 @@ def stream_overrides(files: dict, out) -> list[str]:
         "rollout.sampling.n=2",
         "rollout.calculate_log_probs=true",
         "actor.update.ppo_mini_batch_size=4",
-        "actor.update.off_policy.mode=decoupled_ppo",
+        "algorithm.rollout_correction.mode=decoupled_ppo",
     ]
 
 
