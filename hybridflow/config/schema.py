@@ -237,11 +237,17 @@ class AsyncTrainingConfig:
     max_staleness: int = 1  # async, stream: the bound on a trained sample's staleness; one_step is 1
     partial_rollout: bool = False  # async, vllm: in-flight requests continue with new weights, tokens kept
     stale_groups: StaleGroups = "drop"  # stream only
+    sync_every: int = 1  # one_step, async, stream: updates between weight transfers to the rollout engines
+
+    def batches_ahead(self) -> int:
+        """async, stream: batches generating ahead of the one trained. The engines serve weights up
+        to sync_every - 1 updates old, so that lag plus the batches ahead stays within max_staleness."""
+        return self.max_staleness - (self.sync_every - 1)
 
     def groups_outstanding(self, train_batch_size: int) -> int:
         """stream: groups generating or finished and not yet trained, at most, while a step waits
         for its own (AReaL's bound: taken in order, none would be staler than max_staleness)."""
-        return (self.max_staleness + 1) * train_batch_size
+        return (self.batches_ahead() + 1) * train_batch_size
 
 
 @dataclass

@@ -232,18 +232,19 @@ def _check_async_training(cfg: RecipeConfig) -> list[str]:
             f"{key}.max_staleness={settings.max_staleness} is used by mode=async only (sync trains on "
             "fresh samples, one_step on samples one version old); set mode=async or remove it"
         )
-    errors += _check_stream(cfg)
+    errors += _check_stream(cfg) + _check_sync_every(cfg)
     if settings.partial_rollout and settings.mode == "stream":
         errors.append(
             f"{key}.partial_rollout=true: mode=stream always continues requests under new weights; remove it"
         )
     elif settings.partial_rollout and settings.mode != "async":
         errors.append(f"{key}.partial_rollout=true is used by mode=async only; set mode=async or remove it")
-    elif settings.partial_rollout and settings.max_staleness < 2:
+    elif settings.partial_rollout and settings.batches_ahead() < 2:
+        lag = f" and sync_every={settings.sync_every}" if settings.sync_every > 1 else ""
         errors.append(
-            f"{key}.partial_rollout=true with max_staleness={settings.max_staleness}: no request is in "
+            f"{key}.partial_rollout=true with max_staleness={settings.max_staleness}{lag}: no request is in "
             "flight when weights arrive (each launched batch is collected before the next transfer); set "
-            "max_staleness >= 2 or remove partial_rollout"
+            f"max_staleness >= {settings.sync_every + 1} or remove partial_rollout"
         )
     if settings.partial_rollout and cfg.rollout.name == "hf":
         errors.append(
@@ -251,6 +252,28 @@ def _check_async_training(cfg: RecipeConfig) -> list[str]:
             "generate cannot do: use rollout.name=vllm (or sglang on GPUs)"
         )
     return errors
+
+
+def _check_sync_every(cfg: RecipeConfig) -> list[str]:
+    """sync_every: at least 1, in the modes that generate ahead, and within the staleness bound: the
+    engines may serve weights sync_every - 1 updates old, on top of the batches generated ahead."""
+    settings, key = cfg.trainer.async_training, "trainer.async_training"
+    every, bound = settings.sync_every, settings.max_staleness
+    if every < 1:
+        return [f"{key}.sync_every must be >= 1 (1: a weight transfer after every update), got {every}"]
+    if every > 1 and settings.mode == "sync":
+        return [
+            f"{key}.sync_every={every} is used by mode=one_step, async or stream only (mode=sync generates "
+            "every batch with the newest weights); set one of those modes or remove sync_every"
+        ]
+    if every > 1 and settings.mode in ("async", "stream") and every > bound:
+        return [
+            f"{key}.sync_every={every} with max_staleness={bound}: the engines' weights may be {every - 1} "
+            "update(s) old, so a batch generated ahead with them would be trained staler than the bound; "
+            f"set max_staleness >= {every} (max_staleness - sync_every + 1 batches then generate ahead) "
+            f"or sync_every <= {bound}"
+        ]
+    return []
 
 
 def _check_stream(cfg: RecipeConfig) -> list[str]:

@@ -81,7 +81,8 @@ class PPOTrainer:
                 roles.rollout, RayGroupCalls(roles.rollout.group, EngineDeadlines.of(cfg)), settings
             )
         elif generation_depth(cfg) > 0:  # one_step / async: the next batches generate during the update
-            self.rollout = GeneratingAhead(roles.rollout, generation_depth(cfg), self.prompts)
+            every = cfg.trainer.async_training.sync_every
+            self.rollout = GeneratingAhead(roles.rollout, generation_depth(cfg), self.prompts, every)
         self.kl_ctrl = core.make_kl_controller(cfg.algorithm.kl_ctrl)
         self.total_steps = (
             cfg.trainer.total_training_steps or len(self.train_loader) * cfg.trainer.total_epochs

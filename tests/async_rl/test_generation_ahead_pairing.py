@@ -21,6 +21,7 @@ from hybridflow.protocol import DataProto
 from hybridflow.trainer.ppo_trainer import PPOTrainer
 from hybridflow.trainer.prompts import PromptBatches, StepPrompts
 from hybridflow.trainer.rollout.ahead import GeneratingAhead, overlap_seconds
+from hybridflow.trainer.rollout.pool import sync_due
 
 PROMPTS, N, STEPS = 3, 2, 6
 
@@ -31,9 +32,15 @@ class FakeRolloutPool:
 
     def __init__(self):
         self.served = None
+        self.policy = None
 
-    def sync_weights(self, policy) -> None:
-        self.served = policy.version
+    def sync_weights(self, policy, every: int = 1) -> None:
+        self.policy = policy
+        if sync_due(self.served, policy.version, every):
+            self.served = policy.version
+
+    def newest_weights(self) -> None:
+        self.served = self.policy.version
 
     def generate(self, rows: DataProto) -> DataProto:
         problem = rows.batch["input_ids"][:, :1].clone()  # (B, 1): the problem the row asks

@@ -1,5 +1,5 @@
 """Generating ahead (trainer.async_training.mode one_step / async): a rollout pool kept up to
-`depth` batches ahead of the batch trained on (one_step: 1; async: max_staleness).
+`depth` batches ahead of the batch trained on (one_step: 1; async: max_staleness - sync_every + 1).
 
     step k:  the driver syncs the weights of its last update (version k-1) into the pool
              responses to P_k  <- the generation launched `depth` steps earlier (or generated now)
@@ -11,6 +11,12 @@ at most `depth` versions stale (exactly `depth` once the pipeline is full, fewer
 updates), so nothing has to be dropped. depth 0 is the synchronous loop itself. The prompts of
 launched batches are drawn from the loader ahead (`PromptBatches.draw_ahead`); the step takes them
 in order, the same objects, so a step's responses are those launched for its rows.
+
+With trainer.async_training.sync_every k the step's sync transfers only once the engines trail the
+policy by k updates (`pool.sync_due`), so a batch launched at a step may be generated with weights
+up to k - 1 updates older than that step's: its staleness is at most depth + k - 1, which is k in
+one_step and max_staleness in async (its depth shrinks by k - 1 for that; the recipe check refuses
+sync_every > max_staleness). Validation (`generate`) first brings the engines the newest weights.
 
 A weight transfer to the pool waits for the generations queued there before it (a rollout worker
 runs one call at a time), so with depth > 1 a step also waits for the older launched batches: the
@@ -48,15 +54,17 @@ def overlap_seconds(window: tuple[float, float], others: list[tuple[float, float
 
 
 def generation_depth(cfg) -> int:
-    """Batches generating ahead of the one trained: one_step 1, async max_staleness, sync 0."""
+    """Batches generating ahead of the one trained: one_step 1, async max_staleness less the
+    engines' lag (sync_every - 1), sync 0."""
     settings = cfg.trainer.async_training
-    return {"sync": 0, "one_step": 1, "async": settings.max_staleness}[settings.mode]
+    return {"sync": 0, "one_step": 1, "async": settings.batches_ahead()}[settings.mode]
 
 
 class GeneratingAhead:
-    def __init__(self, pool: PoolRollout, depth: int, prompts: PromptBatches):
+    def __init__(self, pool: PoolRollout, depth: int, prompts: PromptBatches, sync_every: int = 1):
         self.pool = pool
         self.depth = depth
+        self.sync_every = sync_every  # updates between weight transfers (trainer.async_training)
         self.prompts = prompts  # the loader's batches; launched ones wait in `prompts.ahead`
         # the rows of each launched generation and its responses (finished ones after a checkpoint)
         self.pending: deque[tuple[DataProto, LaunchedCall | DataProto]] = deque()
@@ -64,7 +72,7 @@ class GeneratingAhead:
         self.step_start = 0.0  # when the step's batch arrived (wall clock)
 
     def sync_weights(self, policy: Policy) -> None:
-        self.pool.sync_weights(policy)
+        self.pool.sync_weights(policy, self.sync_every)
 
     def responses(self, prompts: PromptBatches, steps_left: int) -> tuple[StepPrompts, DataProto]:
         """The next step's prompts (drawn ahead, `self.prompts`) and their responses: launched for
@@ -77,7 +85,9 @@ class GeneratingAhead:
         return step, responses
 
     def generate(self, rows: DataProto) -> DataProto:
-        """Now, with the newest weights; the launched generations are left alone."""
+        """Now, with the newest weights (transferred first where sync_every left the engines behind);
+        the launched generations are left alone."""
+        self.pool.newest_weights()
         return self.pool.generate(rows)
 
     def collect(self, rows: DataProto) -> DataProto:
