@@ -242,6 +242,7 @@ class GateWorker(Worker):
     def __init__(self):
         self.gate = threading.Event()
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def wait_for_gate(self, timeout_s: float) -> bool:
         return self.gate.wait(timeout_s)
 

@@ -10,6 +10,10 @@ ROOT = Path(__file__).resolve().parents[1]
 HEAVY_MODULES = ("megatron", "sglang", "vllm", "transformer_engine")
 # All that engines/ may import from hybridflow (these modules and, for a package, its submodules).
 ENGINE_IMPORTS_FROM_HYBRIDFLOW = ("hybridflow.protocol", "hybridflow.algorithms", "hybridflow.parallel_ranks")
+# Attributes and Ray calls that reach a worker group's Ray actors: only hybridflow/single_controller/
+# uses them; elsewhere a group is driven through its methods (call_rank_async, kill_rank, ...).
+ACTOR_ATTRIBUTES = {"actors", "_actors", "remote"}
+RAY_ACTOR_CALLS = {"kill", "get_actor"}
 
 
 def test_import_hybridflow_does_not_import_megatron_sglang_or_cuda():
@@ -52,6 +56,23 @@ def test_the_allow_listed_modules_exist():
     for name in ENGINE_IMPORTS_FROM_HYBRIDFLOW:
         path = ROOT.joinpath(*name.split("."))
         assert path.with_suffix(".py").is_file() or (path / "__init__.py").is_file(), name
+
+
+def _actor_handle_uses(path: Path) -> list[str]:
+    uses = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if not isinstance(node, ast.Attribute):
+            continue
+        on_ray = isinstance(node.value, ast.Name) and node.value.id == "ray"
+        if node.attr in ACTOR_ATTRIBUTES or (on_ray and node.attr in RAY_ACTOR_CALLS):
+            uses.append(f"{path.relative_to(ROOT)}:{node.lineno} .{node.attr}")
+    return uses
+
+
+def test_only_the_single_controller_touches_ray_actor_handles():
+    product = sorted((ROOT / "hybridflow").rglob("*.py")) + sorted((ROOT / "engines").rglob("*.py"))
+    outside = [path for path in product if "single_controller" not in path.relative_to(ROOT).parts]
+    assert [use for path in outside for use in _actor_handle_uses(path)] == []
 
 
 def test_only_engines_import_megatron_or_sglang():

@@ -85,9 +85,11 @@ def test_actor_options_reach_ray_so_a_call_runs_beside_another(ray_cluster):
     pool = RayResourcePool([1], name_prefix="test_actor_options")
     group = RayWorkerGroup(pool, RayClassWithInitArgs(GateWorker).with_actor_options(max_concurrency=2))
     try:
-        waiting = group.actors[0].wait_for_gate.remote(120.0)  # a bound for a failure, not a timing to meet
+        waiting = group.call_rank_async(0, "wait_for_gate", 120.0)  # a bound for a failure, not a timing
         group.open_gate()
-        assert ray.get(waiting), "the gate opened after the waiting call gave up: calls ran one at a time"
+        assert group.wait_calls([waiting]) == [waiting]
+        opened = group.call_result(waiting, 0, "wait_for_gate")
+        assert opened, "the gate opened after the waiting call gave up: calls ran one at a time"
     finally:
         group.shutdown()
         pool.release()
@@ -105,9 +107,15 @@ def test_dead_worker_is_reported_with_rank_and_method_without_hanging(pool_of_tw
         assert isinstance(info.value, WorkerError) and info.value.rank == 1
         assert "rank 1" in str(info.value) and "exit_on" in str(info.value)
 
-        ray.kill(group.actors[0], no_restart=True)  # the busy rank, killed from outside
+        busy = group.call_rank_async(0, "echo", "queued behind exit_on")
+        group.kill_rank(0)  # the busy rank: its calls in flight fail as a dead process's do
+        with pytest.raises(ray.exceptions.RayActorError, match=r"`echo` failed on rank 0") as info:
+            group.call_result(group.wait_calls([busy])[0], 0, "echo")
+        assert isinstance(info.value, WorkerError) and info.value.rank == 0
         with pytest.raises(ray.exceptions.RayActorError, match=r"`on_rank_zero` failed on rank 0"):
             group.on_rank_zero("anyone there?")
+        with pytest.raises(ValueError, match=r"ProbeWorker.not_registered is not a @register-ed method"):
+            group.call_rank_async(1, "not_registered")
     finally:
         group.shutdown()
 

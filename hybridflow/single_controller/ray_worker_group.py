@@ -21,7 +21,12 @@ also the original exception type.
 A rank whose process died can be replaced alone (`restart_rank`: a fresh actor of the same class,
 arguments and environment in the same slot) and then driven alone (`call_rank`): the rollout pool
 restarts a dead engine this way (hybridflow/trainer/rollout/pool.py) while the other ranks keep
-theirs. `dead_ranks` says which ranks' processes are gone.
+theirs. `dead_ranks` says which ranks' processes are gone, `kill_rank` kills one (a hung engine).
+
+One rank can also be called without waiting (`call_rank_async`), the calls in flight awaited in
+the order they finish (`wait_calls`) and their values read (`call_result`): the streaming rollout
+sends each prompt group to one rollout process this way (hybridflow/trainer/rollout/stream.py).
+Nothing outside this package touches the Ray actors (tests/test_layering.py).
 
 Every blocking call has a deadline (`call_deadline`, a `CallDeadline`: the seconds and the recipe
 setting that gives them; `with group.deadline(...)` for the calls of a block): a call that passes
@@ -159,7 +164,7 @@ class RayWorkerGroup(WorkerGroup):
         the same arguments and environment; returns once its `__init__` ran. Nothing else runs on
         it: the caller brings it up (e.g. `call_rank(rank, "init_model")`). Views of this group
         share the new actor."""
-        ray.kill(self._actors[rank], no_restart=True)
+        self.kill_rank(rank)
         self._actors[rank] = self._start_actor(rank)  # in place: the views hold the same list
         if rank == 0:  # a fresh store: ranks restarted later meet this one
             self._rendezvous = self._published_by_rank_zero()
@@ -168,10 +173,36 @@ class RayWorkerGroup(WorkerGroup):
     def call_rank(self, rank: int, method: str, *args, **kwargs):
         """`method` of the worker class on one rank alone, blocking; its result. Raises like a group
         call (a `WorkerError` naming the rank)."""
+        return self._wait([self.call_rank_async(rank, method, *args, **kwargs)], [rank], method)[0]
+
+    def call_rank_async(self, rank: int, method: str, *args, **kwargs) -> ray.ObjectRef:
+        """`method` of the worker class started on one rank alone; the call in flight at once (a
+        Ray object reference, for `wait_calls` and `call_result`). No deadline: the caller bounds
+        its waits."""
         if method not in registered_methods(self._worker_cls):
             raise ValueError(f"{self._worker_cls.__name__}.{method} is not a @register-ed method")
-        ref = getattr(self._actors[rank], method).remote(*args, **kwargs)
-        return self._wait([ref], [rank], method)[0]
+        return getattr(self._actors[rank], method).remote(*args, **kwargs)
+
+    @staticmethod
+    def wait_calls(calls: list, count: int | None = None, wait_s: float | None = None) -> list:
+        """The finished ones of `calls` (from `call_rank_async`, or a non-blocking call's
+        `DataProtoFuture.futures`), once `count` of them (all when None) have finished or `wait_s`
+        seconds have passed (None: no limit); at most `count`."""
+        return ray.wait(calls, num_returns=len(calls) if count is None else count, timeout=wait_s)[0]
+
+    @staticmethod
+    def call_result(call, rank: int, method: str):
+        """A finished call's value (one of `wait_calls`'s); a `WorkerError` naming the rank and the
+        method when it failed or its process died."""
+        try:
+            return ray.get(call)
+        except ray.exceptions.RayError as err:  # task errors and dead actors alike
+            raise worker_error(err, rank, method) from err
+
+    def kill_rank(self, rank: int) -> None:
+        """Kill rank's process (e.g. a hung one): its calls in flight fail as a dead process's do,
+        and `restart_rank` replaces it."""
+        ray.kill(self._actors[rank], no_restart=True)
 
     def dead_ranks(self, wait_s: float = DEATH_CHECK_S) -> list[int]:
         """The ranks whose process died: their actor fails to answer (a rank still busy after
@@ -188,7 +219,8 @@ class RayWorkerGroup(WorkerGroup):
 
     @property
     def actors(self) -> list:
-        """The Ray actor handles, by rank."""
+        """The Ray actor handles, by rank (for tests: code outside this package drives the group
+        through its methods, tests/test_layering.py)."""
         return list(self._actors)
 
     def spawn(self, prefix_set) -> dict[str, RayWorkerGroup]:

@@ -6,19 +6,13 @@ engines idle while its tail finishes. Here every prompt's n samples are one grou
 call of its own on one rollout process (its requests share the engine's decoding steps with every
 other group's, engines/rollout/request_batches.py), and
 
-    step k (trained with version v, the policy's at the step's sync; weights land between decoding
-    steps; A = max_staleness - sync_every + 1, the batches generating ahead):
-        submit groups until (A + 1) x train_batch_size are outstanding
+    step k (trained with version v, the one just synced; weights land between decoding steps):
+        submit groups until (max_staleness + 1) x train_batch_size are outstanding
         take finished groups in completion order until train_batch_size are taken; a group whose
             oldest token is more than max_staleness versions behind v is dropped or regenerated
             (trainer.async_training.stale_groups), counted, never trained
-        submit groups until A x train_batch_size are outstanding (they generate while the step
-            trains)
-
-With sync_every k (trainer.async_training) a step's sync transfers only once the engines trail the
-policy by k updates (`pool.sync_due`), so groups generate with weights up to k - 1 updates older
-than the step's; A is max_staleness less that lag (the recipe check refuses sync_every >
-max_staleness), and the take-time check is against v, the version trained, not the engines'.
+        submit groups until max_staleness x train_batch_size are outstanding (they generate while
+            the step trains)
 
 Outstanding counts groups generating and groups finished but not taken: AReaL's bound
 (`max_head_offpolicyness`), under which groups taken in submission order are never staler than
@@ -51,7 +45,7 @@ from typing import Any, Literal, Protocol
 import torch
 
 from hybridflow.protocol import DataProto
-from hybridflow.single_controller.errors import CallDeadline, call_timeout
+from hybridflow.single_controller.errors import CallDeadline, WorkerError, call_timeout
 from hybridflow.trainer.dynamic_sampling import PROMPT_SIDE, concat_rounds
 from hybridflow.trainer.policy import Policy
 from hybridflow.trainer.prompts import PromptBatches, StepPrompts
@@ -66,11 +60,6 @@ class StreamSettings:
     max_staleness: int
     stale_groups: Literal["drop", "regenerate"]
     pad_token_id: int
-    sync_every: int = 1  # updates between weight transfers to the engines
-
-    def batches_ahead(self) -> int:
-        """Batches generating ahead of the one trained: the bound less the engines' lag."""
-        return self.max_staleness - (self.sync_every - 1)
 
     @classmethod
     def of(cls, cfg, pad_token_id: int) -> "StreamSettings":
@@ -81,7 +70,6 @@ class StreamSettings:
             settings.max_staleness,
             settings.stale_groups,
             pad_token_id,
-            settings.sync_every,
         )
 
 
@@ -143,8 +131,9 @@ class EngineDeadlines:
 
 
 class RayGroupCalls:
-    """`GroupCalls` on the rollout workers' Ray actors: each group goes to the process with the
-    fewest calls in flight, as a direct call of `generate_sequences` on that actor.
+    """`GroupCalls` on the rollout worker group's processes: each group goes to the process with
+    the fewest calls in flight, as a call of `generate_sequences` on that rank alone
+    (`RayWorkerGroup.call_rank_async`).
 
     A call still running `check_after_s` after it started gets its engine health-checked (the
     worker's `health_check`, which its engine's loop answers between two decoding steps): an engine
@@ -153,7 +142,7 @@ class RayGroupCalls:
     restarts it (`result` raises the CallTimeout naming the rank and the call it hung in)."""
 
     def __init__(self, group, deadlines: EngineDeadlines | None = None, clock=time.monotonic):
-        self.group = group  # the rollout worker group (actors read at each call: one may restart)
+        self.group = group  # the rollout RayWorkerGroup (a restarted rank's calls go to its new process)
         self.deadlines = deadlines or EngineDeadlines()
         self.clock = clock
         self.rank_of: dict = {}  # in-flight call -> rank
@@ -170,17 +159,15 @@ class RayGroupCalls:
         for rank in self.rank_of.values():
             busy[rank] += 1
         rank = busy.index(min(busy))
-        handle = self.group.actors[rank].generate_sequences.remote(rows)
+        handle = self.group.call_rank_async(rank, "generate_sequences", rows)
         self.rank_of[handle], self.started[handle] = rank, self.clock()
         return handle, rank
 
     def wait(self, handles: list, block: bool = True) -> list:
-        import ray
-
         if block:
-            while not ray.wait(handles, num_returns=1, timeout=self.until_next_check(handles))[0]:
+            while not self.group.wait_calls(handles, count=1, wait_s=self.until_next_check(handles)):
                 self.check_engines(handles)
-        return ray.wait(handles, num_returns=len(handles), timeout=0)[0]
+        return self.group.wait_calls(handles, wait_s=0)
 
     def until_next_check(self, handles: list) -> float | None:
         """Seconds until the oldest of `handles` is due for its engine's health check (None: all are
@@ -216,19 +203,15 @@ class RayGroupCalls:
                 self.kill_hung(rank, self.deadlines.check_after_s, "rollout.engine_call_timeout_s", what)
 
     def answers_health_check(self, rank: int) -> bool:
-        import ray
-
-        ref = self.group.actors[rank].health_check.remote()
-        done, _ = ray.wait([ref], timeout=self.deadlines.check_s)
+        call = self.group.call_rank_async(rank, "health_check")
+        done = self.group.wait_calls([call], wait_s=self.deadlines.check_s)
         try:
-            return bool(done) and ray.get(done[0]) is None
-        except ray.exceptions.RayError:
+            return bool(done) and self.group.call_result(done[0], rank, "health_check") is None
+        except WorkerError:
             return False  # dead or failing: its calls fail on their own, or are killed with it
 
     def kill_hung(self, rank: int, seconds: float, setting: str, what: str) -> None:
         """The hung process killed: its calls fail now, each with the CallTimeout naming it."""
-        import ray
-
         error = call_timeout(
             "rollout engine", rank, "generate_sequences", CallDeadline(seconds, setting), what
         )
@@ -237,21 +220,14 @@ class RayGroupCalls:
             if on == rank:
                 self.hung[handle] = error
         self.checked.pop(rank, None)
-        ray.kill(self.group.actors[rank], no_restart=True)
+        self.group.kill_rank(rank)
 
     def result(self, handle) -> DataProto:
-        import ray
-
-        from hybridflow.single_controller.errors import worker_error
-
         rank = self.rank_of.pop(handle)
         self.started.pop(handle, None)
         if handle in self.hung:
             raise self.hung.pop(handle)
-        try:
-            return ray.get(handle)
-        except ray.exceptions.RayError as err:
-            raise worker_error(err, rank, "generate_sequences") from err
+        return self.group.call_result(handle, rank, "generate_sequences")
 
     def forget(self, handle) -> None:
         self.rank_of.pop(handle, None)
@@ -314,22 +290,20 @@ class StreamingRollout:
 
     def sync_weights(self, policy: Policy) -> None:
         """Lands between two decoding steps of the groups in flight, which continue under it."""
-        self.pool.sync_weights(policy, self.settings.sync_every)
+        self.pool.sync_weights(policy)
 
     def generate(self, rows: DataProto) -> DataProto:
-        """Now, with the newest weights (transferred first where sync_every left the engines
-        behind), beside the groups in flight."""
-        self.pool.newest_weights()
+        """Now, with the newest weights, beside the groups in flight."""
         return self.pool.generate(rows)
 
     def responses(self, prompts: PromptBatches, steps_left: int) -> tuple[StepPrompts, DataProto]:
         """The next `groups_per_step` finished groups fresh enough to train with the version last
         synced: their prompt rows and responses."""
-        per_step, ahead = self.settings.groups_per_step, self.settings.batches_ahead()
-        waiting = min(ahead + 1, steps_left + 1) * per_step
+        per_step, bound = self.settings.groups_per_step, self.settings.max_staleness
+        waiting = min(bound + 1, steps_left + 1) * per_step
         self.fill(prompts, waiting)
         groups = self.take(prompts, waiting)
-        self.fill(prompts, min(ahead, steps_left) * per_step)  # they generate while the step trains
+        self.fill(prompts, min(bound, steps_left) * per_step)  # they generate while the step trains
         pad = self.settings.pad_token_id
         return self.step_prompts(groups), concat_rounds([group.responses for group in groups], pad)
 
@@ -339,7 +313,7 @@ class StreamingRollout:
         groups = []
         while len(groups) < self.settings.groups_per_step:
             group = self.next_finished()
-            if self.pool.synced - group.version() > self.settings.max_staleness:
+            if self.pool.served - group.version() > self.settings.max_staleness:
                 self.stale(group)
                 self.fill(prompts, waiting - len(groups))
             else:
