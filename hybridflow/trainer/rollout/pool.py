@@ -2,20 +2,24 @@
 
 A sync transfers the policy's weights from the actor's rank 0 to every rollout engine over the
 transfer group (hybridflow/workers/rollout_worker.py, engines/weight_sync/transfer.py), only when the engines
-do not serve the policy's version already. Each generated sample carries the version that produced
+do not serve the policy's version already, or, with trainer.async_training.sync_every k, once they
+serve a version k or more updates old (`sync_due`): in between they generate with weights up to
+k - 1 updates older than the policy trained. Each generated sample carries the version that produced
 it (`policy_version`), and each trained batch's versions are appended to
 `<output_dir>/policy_versions.jsonl`:
 
     {"trained_on": 3, "sample_versions": [2, 2, 3, ...]}   # staleness = trained_on - version
 
-one line per trained step, `trained_on` the version the driver synced for the step (a restart met
-after the update sends the engines the newer weights early, and changes nothing of it); a run
-resumed in the same directory first drops the lines the interrupted run wrote after its checkpoint,
-and a fresh start moves an earlier run's file aside (to policy_versions.jsonl.<k>), as metrics.jsonl
-does.
+one line per trained step, `trained_on` the policy's version at the step's sync, the one it trains
+(whether or not weights moved; a restart met after the update sends the engines the newer weights
+early, and changes nothing of it); a run resumed in the same directory first drops the lines the
+interrupted run wrote after its checkpoint, and a fresh start moves an earlier run's file aside (to
+policy_versions.jsonl.<k>), as metrics.jsonl does.
 
 `metrics` gives `async/staleness_mean`, `async/staleness_max`, the histogram `async/staleness/<s>`
-(share of samples s updates old) and, with partial rollouts (a sample's version is that of its
+(share of samples s updates old), `async/weight_syncs` (transfers to the engines since the last
+step's metrics), `async/engine_lag` (updates the engines' weights trailed the trained policy by at
+the step's sync) and, with partial rollouts (a sample's version is that of its
 oldest token), `async/mixed_version_share`: the share of samples whose tokens come from more than
 one version (`rollout_versions`, per token).
 
@@ -129,6 +133,14 @@ def staleness_metrics(trained_on: int, sample_versions: list[int]) -> dict[str, 
     }
 
 
+def sync_due(served: int | None, version: int, every: int) -> bool:
+    """Whether a step's sync transfers the policy's weights (version `version`) to engines serving
+    `served` (None: unknown, as after a start, a resume or a failed transfer): once they trail it by
+    `every` updates (trainer.async_training.sync_every). Counted in versions, so an update the guards
+    refused counts for nothing, and the engines never trail by more than every - 1 after a sync."""
+    return served is None or version - served >= every
+
+
 def mixed_version_share(versions: torch.Tensor) -> float:
     """Share of rows sampled by more than one policy version; `versions` (B, R) holds each response
     token's version, -1 where no token was sampled."""
@@ -178,7 +190,9 @@ class PoolRollout:
         self.group = group  # the rollout workers
         self.versions_file = Path(output_dir) / "policy_versions.jsonl"
         self.served: int | None = None  # the version the engines serve
-        self.synced: int | None = None  # the version the driver last synced: its next batch's
+        self.synced: int | None = None  # the policy's version at the driver's last sync: trained on next
+        self.lag = 0  # updates the engines trailed the policy by after the last sync (sync_every > 1)
+        self.transfers = 0  # weight transfers to the engines since the last step's metrics
         self.versions_begun = False  # policy_versions.jsonl resumed, or a fresh start's moved aside
         self.policy: Policy | None = None  # the policy last synced: a restarted engine gets its weights
         self.restarts = EngineRestarts(cfg.max_engine_restarts)
@@ -188,10 +202,20 @@ class PoolRollout:
         )
         self.position = SamplingPosition()  # generation calls sent to the pool (each engine's)
 
-    def sync_weights(self, policy: Policy) -> None:
+    def sync_weights(self, policy: Policy, every: int = 1) -> None:
+        """The policy's weights to the engines when they trail it by `every` updates or more
+        (trainer.async_training.sync_every; `sync_due`); the policy's version is the one trained on
+        next, whether or not weights moved."""
         self.policy = policy
-        self._retrying(lambda: self.transfer(policy))
-        self.synced = policy.version
+        if sync_due(self.served, policy.version, every):
+            self._retrying(lambda: self.transfer(policy))
+        self.synced, self.lag = policy.version, policy.version - self.served
+
+    def newest_weights(self) -> None:
+        """The engines serve the newest weights of the policy last synced, whatever sync_every
+        (validation generates with them)."""
+        if self.policy is not None:
+            self._retrying(lambda: self.transfer(self.policy))
 
     def transfer(self, policy: Policy) -> None:
         """The policy's weights to every engine, unless they serve its version already."""
@@ -208,6 +232,7 @@ class PoolRollout:
                 f"rollout engines serve {sorted(served)}, not the version sent ({policy.version})"
             )
         self.served = policy.version
+        self.transfers += 1
 
     def send(self, policy: Policy) -> None:
         """The policy's side of a transfer; when it fails, a dead receiver is the cause named."""
@@ -349,12 +374,15 @@ class PoolRollout:
 
     def metrics(self, batch: DataProto) -> dict[str, float]:
         """The batch's staleness against the version trained on (the one the driver last synced,
-        whatever a restart since sent), recorded in policy_versions.jsonl, and the engine restarts."""
+        whatever a restart since sent), recorded in policy_versions.jsonl, the weight transfers since
+        the last step's metrics and the engines' lag at the step's sync, and the engine restarts."""
         versions = batch.batch["policy_version"].tolist()
         self.record_versions({"trained_on": self.synced, "sample_versions": versions})
         metrics = staleness_metrics(self.synced, versions)
         if "rollout_versions" in batch.batch:  # partial rollouts
             metrics["async/mixed_version_share"] = mixed_version_share(batch.batch["rollout_versions"])
+        metrics |= {"async/weight_syncs": float(self.transfers), "async/engine_lag": float(self.lag)}
+        self.transfers = 0
         return {**metrics, **self.restarts.metrics()}
 
     def record_versions(self, line: dict) -> None:

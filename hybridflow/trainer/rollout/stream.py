@@ -6,13 +6,19 @@ engines idle while its tail finishes. Here every prompt's n samples are one grou
 call of its own on one rollout process (its requests share the engine's decoding steps with every
 other group's, engines/rollout/request_batches.py), and
 
-    step k (trained with version v, the one just synced; weights land between decoding steps):
-        submit groups until (max_staleness + 1) x train_batch_size are outstanding
+    step k (trained with version v, the policy's at the step's sync; weights land between decoding
+    steps; A = max_staleness - sync_every + 1, the batches generating ahead):
+        submit groups until (A + 1) x train_batch_size are outstanding
         take finished groups in completion order until train_batch_size are taken; a group whose
             oldest token is more than max_staleness versions behind v is dropped or regenerated
             (trainer.async_training.stale_groups), counted, never trained
-        submit groups until max_staleness x train_batch_size are outstanding (they generate while
-            the step trains)
+        submit groups until A x train_batch_size are outstanding (they generate while the step
+            trains)
+
+With sync_every k (trainer.async_training) a step's sync transfers only once the engines trail the
+policy by k updates (`pool.sync_due`), so groups generate with weights up to k - 1 updates older
+than the step's; A is max_staleness less that lag (the recipe check refuses sync_every >
+max_staleness), and the take-time check is against v, the version trained, not the engines'.
 
 Outstanding counts groups generating and groups finished but not taken: AReaL's bound
 (`max_head_offpolicyness`), under which groups taken in submission order are never staler than
@@ -60,6 +66,11 @@ class StreamSettings:
     max_staleness: int
     stale_groups: Literal["drop", "regenerate"]
     pad_token_id: int
+    sync_every: int = 1  # updates between weight transfers to the engines
+
+    def batches_ahead(self) -> int:
+        """Batches generating ahead of the one trained: the bound less the engines' lag."""
+        return self.max_staleness - (self.sync_every - 1)
 
     @classmethod
     def of(cls, cfg, pad_token_id: int) -> "StreamSettings":
@@ -70,6 +81,7 @@ class StreamSettings:
             settings.max_staleness,
             settings.stale_groups,
             pad_token_id,
+            settings.sync_every,
         )
 
 
@@ -290,20 +302,22 @@ class StreamingRollout:
 
     def sync_weights(self, policy: Policy) -> None:
         """Lands between two decoding steps of the groups in flight, which continue under it."""
-        self.pool.sync_weights(policy)
+        self.pool.sync_weights(policy, self.settings.sync_every)
 
     def generate(self, rows: DataProto) -> DataProto:
-        """Now, with the newest weights, beside the groups in flight."""
+        """Now, with the newest weights (transferred first where sync_every left the engines
+        behind), beside the groups in flight."""
+        self.pool.newest_weights()
         return self.pool.generate(rows)
 
     def responses(self, prompts: PromptBatches, steps_left: int) -> tuple[StepPrompts, DataProto]:
         """The next `groups_per_step` finished groups fresh enough to train with the version last
         synced: their prompt rows and responses."""
-        per_step, bound = self.settings.groups_per_step, self.settings.max_staleness
-        waiting = min(bound + 1, steps_left + 1) * per_step
+        per_step, ahead = self.settings.groups_per_step, self.settings.batches_ahead()
+        waiting = min(ahead + 1, steps_left + 1) * per_step
         self.fill(prompts, waiting)
         groups = self.take(prompts, waiting)
-        self.fill(prompts, min(bound, steps_left) * per_step)  # they generate while the step trains
+        self.fill(prompts, min(ahead, steps_left) * per_step)  # they generate while the step trains
         pad = self.settings.pad_token_id
         return self.step_prompts(groups), concat_rounds([group.responses for group in groups], pad)
 
@@ -313,7 +327,7 @@ class StreamingRollout:
         groups = []
         while len(groups) < self.settings.groups_per_step:
             group = self.next_finished()
-            if self.pool.served - group.version() > self.settings.max_staleness:
+            if self.pool.synced - group.version() > self.settings.max_staleness:
                 self.stale(group)
                 self.fill(prompts, waiting - len(groups))
             else:
