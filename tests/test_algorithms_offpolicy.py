@@ -11,7 +11,6 @@ from engines.megatron.actor import off_policy_correction
 from hybridflow.algorithms import compute_policy_loss, compute_policy_loss_gspo
 from hybridflow.algorithms.offpolicy import (
     decoupled_ppo_weights,
-    importance_weight_metrics,
     masked_is_weights,
     off_policy_weights,
     rollout_mismatch_kl,
@@ -132,21 +131,6 @@ def test_mismatch_kl_is_the_k3_estimate():
     by_hand = ((2 - 1 - math.log(2)) + (0.5 - 1 + math.log(2))) / 5  # padding (9.0) ignored
     assert rollout_mismatch_kl(old, ROLLOUT, MASK) == pytest.approx(by_hand)
     assert rollout_mismatch_kl(ROLLOUT, ROLLOUT, MASK) == 0.0
-
-
-def test_weight_metrics_count_clipped_and_masked_tokens():
-    old = old_with_ratios([[0.25, 1.0, 4.0], [2.0, 3.0, 9.0]])
-    truncated = truncated_is_weights(old, ROLLOUT, cap=2.0)  # valid: 0.25, 1, 2 | 2, 2
-    metrics = importance_weight_metrics("truncated_is", old, ROLLOUT, truncated, MASK)
-    assert metrics["is_weight_mean"] == pytest.approx((0.25 + 1 + 2 + 2 + 2) / 5)
-    assert metrics["is_weight_max"] == pytest.approx(2.0)
-    assert metrics["is_clipped_frac"] == pytest.approx(2 / 5)  # 4 and 3; the padding's 9 not counted
-    assert metrics["is_masked_frac"] == 0.0
-    masked = masked_is_weights(old, ROLLOUT, MASK, 0.5, 2.0)  # valid: 0, 1, 0 | 2, 0
-    metrics = importance_weight_metrics("masked_is", old, ROLLOUT, masked, MASK)
-    assert metrics["is_weight_mean"] == pytest.approx(3 / 5)
-    assert metrics["is_masked_frac"] == pytest.approx(3 / 5)
-    assert metrics["is_clipped_frac"] == 0.0
 
 
 def policy_batch(rollout_log_probs: torch.Tensor | None) -> DataProto:

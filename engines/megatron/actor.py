@@ -29,8 +29,13 @@ from engines.megatron.training import (
     update_epochs,
 )
 from hybridflow.algorithms import agg_loss, kl_penalty, policy_loss_fn
-from hybridflow.algorithms.offpolicy import importance_weight_metrics, off_policy_weights, rollout_mismatch_kl
-from hybridflow.algorithms.rollout_correction import RolloutCorrectionConfig, validate_rollout_correction
+from hybridflow.algorithms.offpolicy import rollout_mismatch_kl
+from hybridflow.algorithms.rollout_correction import (
+    RolloutCorrectionConfig,
+    active_parts,
+    rollout_correction_weights,
+    validate_rollout_correction,
+)
 from hybridflow.algorithms.sampling import Truncation
 from hybridflow.protocol import DataProto
 
@@ -39,16 +44,16 @@ POLICY_KEYS = (*MODEL_KEYS, "old_log_probs", "advantages")
 
 
 def off_policy_correction(data: DataProto, cfg: RolloutCorrectionConfig) -> dict[str, list[float]]:
-    """Adds the correction's `is_weights` (B, R) to `data` and returns their statistics, plus the
-    rollout-vs-actor log-prob mismatch whenever the batch carries rollout_log_probs."""
+    """Adds the correction's `is_weights` (B, R) to `data` and returns their statistics over this
+    data-parallel rank's rows, plus the rollout-vs-actor log-prob mismatch whenever the batch
+    carries rollout_log_probs."""
     if "rollout_log_probs" not in data.batch:
         return {}
     old, rollout, mask = (data.batch[key] for key in ("old_log_probs", "rollout_log_probs", "response_mask"))
-    metrics = {"rollout_actor_kl": rollout_mismatch_kl(old, rollout, mask)}
-    weights = off_policy_weights(cfg.mode, old, rollout, mask, cfg.lower, cfg.upper, cfg.level)  # (B, R)
+    weights, metrics = rollout_correction_weights(cfg, old, rollout, mask)  # (B, R) or None
     if weights is not None:
         data.batch["is_weights"] = weights
-        metrics.update(importance_weight_metrics(cfg.mode, old, rollout, weights, mask))
+    metrics["rollout_actor_kl"] = rollout_mismatch_kl(old, rollout, mask)
     return {key: [value] for key, value in metrics.items()}
 
 
@@ -117,7 +122,7 @@ class MegatronActor:
         require_optimizer(self.optimizer, self.scheduler, "update_policy")
         cfg = self.cfg
         keys = [*POLICY_KEYS, "ref_log_prob"] if cfg.use_kl_loss else list(POLICY_KEYS)
-        if self.correction.mode != "none":
+        if active_parts(self.correction):
             keys.append("rollout_log_probs")  # needs rollout.calculate_log_probs
         require_keys(data, keys, "update_policy")
         temperature = data.meta_info.get("temperature", 1.0)

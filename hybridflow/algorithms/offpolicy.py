@@ -7,8 +7,8 @@ ratio is taken against pi_old, the actor's recomputed log-probs of the same toke
 policy in AReaL's words). The correction weights each token's loss by a function of the
 importance ratio rho = pi_old / mu (docs/async.md gives the math):
 
-- `truncated_is`: min(rho, upper). Yao et al. 2025, "Your Efficient RL Framework Secretly
-  Brings You Off-Policy RL Training".
+- `truncated_is`: min(rho, upper), per token or per sequence. Yao et al. 2025, "Your Efficient
+  RL Framework Secretly Brings You Off-Policy RL Training".
 - `masked_is`: rho inside [lower, upper], else 0, per token or per sequence. Liu et al. 2025,
   "When Speed Kills Stability: Demystifying RL Collapse from the Training-Inference Mismatch".
 - `decoupled_ppo`: rho, 0 above upper (null: no cap). Fu et al. 2025, "AReaL: A Large-Scale
@@ -36,11 +36,35 @@ def log_importance_ratio(old_log_prob: torch.Tensor, rollout_log_prob: torch.Ten
     return (old_log_prob - rollout_log_prob).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).detach()
 
 
-def truncated_is_weights(
-    old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, cap: float
+def sequence_log_ratio(log_ratio: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """log prod_t rho_t over each sequence's valid tokens, clamped to +-MAX_LOG_RATIO. (B, R) -> (B, 1)"""
+    return (log_ratio * response_mask).sum(-1, keepdim=True).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+
+
+def level_ratio(
+    old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor, level: str
 ) -> torch.Tensor:
-    """Truncated importance sampling (Yao et al. 2025): w = min(pi_old / mu, C). (B, R) -> (B, R)"""
-    return log_importance_ratio(old_log_prob, rollout_log_prob).exp().clamp(max=cap)
+    """rho per token ("token"), or the sequence's prod_t rho_t on each of its tokens ("sequence").
+    (B, R) -> (B, R)"""
+    if level not in IS_LEVELS:
+        raise ValueError(f"importance sampling level must be one of {IS_LEVELS}, got {level!r}")
+    log_ratio = log_importance_ratio(old_log_prob, rollout_log_prob)  # (B, R)
+    if level == "sequence":
+        log_ratio = sequence_log_ratio(log_ratio, response_mask).expand_as(log_ratio)  # (B, R)
+    return log_ratio.exp()
+
+
+def truncated_is_weights(
+    old_log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    cap: float,
+    response_mask: torch.Tensor | None = None,
+    level: str = "token",
+) -> torch.Tensor:
+    """Truncated importance sampling (Yao et al. 2025): w = min(rho, C), rho per token, or per
+    sequence (prod_t rho_t over its valid tokens, needs `response_mask`). (B, R) -> (B, R)"""
+    mask = torch.ones_like(old_log_prob) if response_mask is None else response_mask
+    return level_ratio(old_log_prob, rollout_log_prob, mask, level).clamp(max=cap)
 
 
 def masked_is_weights(
@@ -55,13 +79,7 @@ def masked_is_weights(
     (a None bound is open). level "token": rho per token; "sequence": rho = prod_t rho_t over the
     sequence's valid tokens, the same weight on each of them, a whole sequence masked together.
     (B, R) -> (B, R)"""
-    if level not in IS_LEVELS:
-        raise ValueError(f"importance sampling level must be one of {IS_LEVELS}, got {level!r}")
-    log_ratio = log_importance_ratio(old_log_prob, rollout_log_prob)  # (B, R)
-    if level == "sequence":
-        seq_log_ratio = (log_ratio * response_mask).sum(-1, keepdim=True)  # (B, 1)
-        log_ratio = seq_log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).expand_as(log_ratio)  # (B, R)
-    ratio = log_ratio.exp()  # (B, R)
+    ratio = level_ratio(old_log_prob, rollout_log_prob, response_mask, level)  # (B, R)
     inside = torch.ones_like(ratio, dtype=torch.bool)
     if lower is not None:
         inside &= ratio >= lower
@@ -93,14 +111,14 @@ def off_policy_weights(
     level: str = "token",
 ) -> torch.Tensor | None:
     """The weights of `mode` (one of OFF_POLICY_MODES; None for "none"), with the bounds as the
-    mode reads them: truncated_is caps at `upper`; masked_is keeps [lower, upper] at `level`;
-    decoupled_ppo drops weights above `upper`. (B, R) -> (B, R)"""
+    mode reads them: truncated_is caps at `upper` and masked_is keeps [lower, upper], each at
+    `level`; decoupled_ppo drops weights above `upper`. (B, R) -> (B, R)"""
     if mode == "none":
         return None
     if mode == "truncated_is":
         if upper is None:
             raise ValueError("truncated_is needs an upper bound (the truncation C)")
-        return truncated_is_weights(old_log_prob, rollout_log_prob, upper)
+        return truncated_is_weights(old_log_prob, rollout_log_prob, upper, response_mask, level)
     if mode == "masked_is":
         return masked_is_weights(old_log_prob, rollout_log_prob, response_mask, lower, upper, level)
     if mode == "decoupled_ppo":
@@ -116,26 +134,3 @@ def rollout_mismatch_kl(
     engine and the actor agree. (B, R) -> ()"""
     log_ratio = log_importance_ratio(old_log_prob, rollout_log_prob)  # (B, R)
     return masked_mean(log_ratio.exp() - 1 - log_ratio, response_mask).item()
-
-
-def importance_weight_metrics(
-    mode: str,
-    old_log_prob: torch.Tensor,
-    rollout_log_prob: torch.Tensor,
-    weights: torch.Tensor,
-    response_mask: torch.Tensor,
-) -> dict[str, float]:
-    """Over the valid tokens: the weights' mean and max, the fraction truncation lowered below the
-    ratio (clipped, truncated_is only) and the fraction set to 0 (masked). (B, R) each -> floats"""
-    mask = response_mask.bool()
-    masked = (weights == 0) & mask  # (B, R)
-    clipped = torch.zeros_like(mask)
-    if mode == "truncated_is":
-        ratio = log_importance_ratio(old_log_prob, rollout_log_prob).exp()  # (B, R)
-        clipped = (weights < ratio) & mask
-    return {
-        "is_weight_mean": masked_mean(weights, mask).item(),
-        "is_weight_max": weights[mask].max().item() if mask.any() else 0.0,
-        "is_clipped_frac": masked_mean(clipped.float(), mask).item(),
-        "is_masked_frac": masked_mean(masked.float(), mask).item(),
-    }

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from engines.megatron.config import LoraConfig
 from hybridflow.algorithms.policy_losses import POLICY_LOSS_KNOBS
-from hybridflow.algorithms.rollout_correction import validate_rollout_correction
+from hybridflow.algorithms.rollout_correction import active_parts, validate_rollout_correction
 from hybridflow.config.schema import RecipeConfig
 from hybridflow.config.vlm_checks import vision_language_problems
 from hybridflow.reward.registry import load_reward_fn
@@ -512,10 +512,10 @@ def _check_algorithm(cfg: RecipeConfig) -> list[str]:
             "rollout.sampling.n >= 2"
         )
     errors += _check_dapo(cfg) + _check_mismatch_monitor(cfg) + _check_routing_replay(cfg)
-    off_policy = cfg.algorithm.rollout_correction.mode
-    if off_policy != "none" and not cfg.rollout.calculate_log_probs:
+    corrections = active_parts(cfg.algorithm.rollout_correction)
+    if corrections and not cfg.rollout.calculate_log_probs:
         errors.append(
-            f"algorithm.rollout_correction.mode={off_policy} weighs the loss by the rollout engine's own "
+            f"algorithm.rollout_correction.{corrections[0]} weighs the loss by the rollout engine's own "
             "log-probs: set rollout.calculate_log_probs=true"
         )
     if (cfg.trainer.test_freq > 0 or cfg.trainer.val_before_train) and not cfg.data.val_files:
