@@ -5,15 +5,24 @@ Every estimator maps (B, R) token-level rewards and the (B, R) response mask to
 REINFORCE++ baseline) score a response by the sum of its token rewards and group responses
 to the same prompt by `index`, a length-B array of prompt ids (the `uid` column).
 
-`compute_advantage(name, ...)` picks one by its recipe name from `ADVANTAGE_ESTIMATORS`.
+`compute_advantage(name, ...)` picks one by its recipe name from `ADVANTAGE_ESTIMATORS`, or
+runs a user's estimator named by dotted path (`advantage_estimator_fn`).
 """
 
+import difflib
+import inspect
+import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
 from hybridflow.algorithms.masked import masked_whiten
+from hybridflow.utils.imports import DottedPathError, import_by_path
+
+KEY = "algorithm.adv_estimator"
+# a user's estimator takes these and returns (advantages, returns), both (B, R)
+ADVANTAGE_PARAMETERS = ("token_level_rewards", "response_mask", "index", "batch", "config")
 
 
 def gae(
@@ -156,6 +165,122 @@ def remax(
     return advantages, returns
 
 
+def _passk_group(correct: torch.Tensor, k: int, epsilon: float) -> torch.Tensor:
+    """Pass@k advantages of one group from its (G,) correct flags (`grpo_passk`)."""
+    n, c = len(correct), int(correct.sum())
+    mean = 1.0 - math.comb(n - c, k) / math.comb(n, k)  # share of k-subsets with a correct response
+    std = math.sqrt(mean * (1.0 - mean))
+    positive = (1.0 - mean) / (std + epsilon)
+    # a wrong response's k-subsets pass through its k - 1 companions; none is wrong when all are right
+    failing = math.comb(n - c - 1, k - 1) / math.comb(n - 1, k - 1) if c < n else 0.0
+    negative = (1.0 - mean - failing) / (std + epsilon)
+    return torch.where(correct, positive, negative)
+
+
+def grpo_passk(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Sequence,
+    k: int,
+    epsilon: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pass@k training's analytical advantage (Chen et al. 2025, "Pass@k Training for Adaptively
+    Balancing Exploration and Exploitation of Large Reasoning Models", arXiv:2508.10751, its
+    analytical derivation).
+
+    The reward of a k-subset of a group is 1 when one of its responses is correct (pass@k). Over
+    all k-subsets of a group of n responses with c correct, its mean is R = 1 - C(n-c, k) / C(n, k)
+    and its std sigma = sqrt(R (1 - R)); a correct response's advantage is (1 - R) / (sigma + eps),
+    a wrong one's (1 - R - C(n-c-1, k-1) / C(n-1, k-1)) / (sigma + eps), the expected group
+    advantage of the subsets it is in. k = 1 is GRPO with the population std. Scores must be 0 or 1
+    (correct); k at most the group's size. Broadcast over the response's tokens.
+    """
+    _check_index(index, token_level_rewards.size(0))
+    scores = token_level_rewards.sum(dim=-1)  # (B,)
+    if not bool(((scores == 0) | (scores == 1)).all()):
+        odd = scores[(scores != 0) & (scores != 1)][0].item()
+        raise ValueError(
+            f"{KEY}=grpo_passk needs outcome rewards of 0 or 1 (wrong or correct), got a score of {odd}; "
+            "use a binary reward or another estimator"
+        )
+    advantages = torch.empty_like(scores)
+    for rows in _group_rows(index):
+        if len(rows) < k:
+            raise ValueError(f"{KEY}=grpo_passk with k={k} got a group of {len(rows)} responses")
+        advantages[rows] = _passk_group(scores[rows] == 1, k, epsilon).to(scores.dtype)
+    advantages = advantages.unsqueeze(-1) * response_mask  # (B, R)
+    return advantages, advantages
+
+
+def opo(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Sequence
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """OPO's optimal reward baseline (Hao et al. 2025, "On-Policy RL with Optimal Reward Baseline",
+    arXiv:2505.23585): b = sum_i l_i s_i / sum_i l_i over the group, each score weighted
+    by its response's length l_i (valid tokens), the variance-minimising baseline when the squared
+    gradient norm grows with length; A_i = s_i - b. A single-response group has no baseline
+    (A = s). Broadcast over the response's tokens."""
+    _check_index(index, token_level_rewards.size(0))
+    scores = token_level_rewards.sum(dim=-1)  # (B,)
+    lengths = response_mask.sum(dim=-1).to(scores.dtype)  # (B,)
+    advantages = scores.clone()
+    for rows in _group_rows(index):
+        if len(rows) > 1:
+            baseline = (lengths[rows] * scores[rows]).sum() / lengths[rows].sum().clamp(min=1)
+            advantages[rows] = scores[rows] - baseline
+    advantages = advantages.unsqueeze(-1) * response_mask  # (B, R)
+    return advantages, advantages
+
+
+def gpg(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Sequence
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPG's advantage (Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning Baseline
+    for Model Reasoning", arXiv:2504.02546): A_i = alpha * (s_i - mean(group)) / F_norm
+    with F_norm = 1 (no std division) and the accurate-gradient-estimation factor
+    alpha = B / (B - M), M the responses whose group scored all alike (their advantage is 0, so
+    the batch's mean gradient would otherwise be diluted by them); alpha = 1 when every group is
+    alike. A single-response group counts as alike. Broadcast over the response's tokens."""
+    _check_index(index, token_level_rewards.size(0))
+    scores = token_level_rewards.sum(dim=-1)  # (B,)
+    centred = torch.zeros_like(scores)
+    alike = 0
+    for rows in _group_rows(index):
+        group = scores[rows]  # (G,)
+        centred[rows] = group - group.mean()
+        alike += len(rows) if bool((group == group[0]).all()) else 0
+    batch = scores.numel()
+    alpha = batch / (batch - alike) if alike < batch else 1.0
+    advantages = (alpha * centred).unsqueeze(-1) * response_mask  # (B, R)
+    return advantages, advantages
+
+
+def gdpo_advantages(components: torch.Tensor, index: Sequence, epsilon: float = 1e-6) -> torch.Tensor:
+    """GDPO's decoupled normalisation (Liu et al. 2026, "GDPO: Group reward-Decoupled
+    Normalization Policy Optimization for Multi-reward RL Optimization", arXiv:2601.05242): each
+    of the K (B, K) reward components is normalised in its group on its own, (r - mean) /
+    (std + eps) with the unbiased std (a single-response group keeps 0), the K are summed and the
+    sum is whitened over the batch's responses. Returns (B,)."""
+    _check_index(index, components.size(0))
+    normalised = torch.zeros_like(components)  # (B, K)
+    for rows in _group_rows(index):
+        if len(rows) > 1:
+            group = components[rows]  # (G, K)
+            normalised[rows] = (group - group.mean(dim=0)) / (group.std(dim=0) + epsilon)
+    summed = normalised.sum(dim=-1)  # (B,)
+    return (summed - summed.mean()) / (summed.std() + epsilon) if summed.numel() > 1 else summed
+
+
+def gdpo(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Sequence, epsilon: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDPO (`gdpo_advantages`) on the one reward a response has here, its score: the group
+    normalisation of GRPO followed by a whitening over the batch's responses. Broadcast over tokens."""
+    scores = token_level_rewards.sum(dim=-1, keepdim=True)  # (B, 1)
+    advantages = gdpo_advantages(scores, index, epsilon).unsqueeze(-1) * response_mask  # (B, R)
+    return advantages, advantages
+
+
 # name -> (estimator, the optional inputs it needs besides rewards and mask)
 ADVANTAGE_ESTIMATORS = {
     "gae": (gae, ("values", "gamma", "lam")),
@@ -164,7 +289,46 @@ ADVANTAGE_ESTIMATORS = {
     "reinforce_plus_plus": (reinforce_plus_plus, ("gamma",)),
     "reinforce_plus_plus_baseline": (reinforce_plus_plus_baseline, ("index",)),
     "remax": (remax, ("reward_baselines",)),
+    "grpo_passk": (grpo_passk, ("index", "k", "epsilon")),
+    "opo": (opo, ("index",)),
+    "gpg": (gpg, ("index",)),
+    "gdpo": (gdpo, ("index", "epsilon")),
 }
+
+
+def advantage_estimator_fn(name: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """The function a dotted path `package.module.function` names, checked to take
+    ADVANTAGE_PARAMETERS; a registered name's estimator otherwise. ValueError naming the key, the
+    value and the fix."""
+    if name in ADVANTAGE_ESTIMATORS:
+        return ADVANTAGE_ESTIMATORS[name][0]
+    if "." not in name and ":" not in name:
+        nearest = difflib.get_close_matches(name, list(ADVANTAGE_ESTIMATORS), n=1)
+        raise ValueError(
+            f"unknown advantage estimator {name!r} ({KEY}); expected one of {list(ADVANTAGE_ESTIMATORS)} "
+            "or a dotted path 'package.module.function' to an estimator of your own"
+            + (f"; did you mean {nearest[0]!r}?" if nearest else "")
+        )
+    fn = import_by_path(name, KEY, "package.module.function")
+    try:
+        names = tuple(inspect.signature(fn).parameters)
+    except (TypeError, ValueError) as err:  # not a callable, or one without a signature
+        raise DottedPathError(f"{KEY}={name!r} names {fn!r}, which is not a function: {err}") from err
+    if names != ADVANTAGE_PARAMETERS:
+        raise ValueError(
+            f"{KEY}={name!r}: {getattr(fn, '__name__', fn)} takes {names}; an advantage estimator must "
+            f"take {ADVANTAGE_PARAMETERS} and return (advantages, returns), both (B, R) (docs/algorithms.md)"
+        )
+    return fn
+
+
+def _run_user_estimator(name, token_level_rewards, response_mask, index, batch, config):
+    """A user's estimator by dotted path, its two (B, R) outputs checked."""
+    out = advantage_estimator_fn(name)(token_level_rewards, response_mask, index, batch, config)
+    shape = tuple(token_level_rewards.shape)
+    if not (isinstance(out, tuple) and len(out) == 2 and all(tuple(t.shape) == shape for t in out)):
+        raise ValueError(f"{KEY}={name!r} must return (advantages, returns), both of shape {shape}")
+    return out
 
 
 def compute_advantage(
@@ -179,11 +343,15 @@ def compute_advantage(
     lam: float = 1.0,
     norm_adv_by_std: bool = True,
     epsilon: float = 1e-6,
+    k: int | None = None,
+    batch: Mapping | None = None,
+    config: object = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the estimator named `name` with the inputs it needs; (advantages, returns)."""
+    """Run the estimator named `name` with the inputs it needs; (advantages, returns). A dotted
+    path runs a user's estimator with the batch's tensors by name (`batch`) and the algorithm
+    settings (`config`)."""
     if name not in ADVANTAGE_ESTIMATORS:
-        known = sorted(ADVANTAGE_ESTIMATORS)
-        raise ValueError(f"unknown advantage estimator {name!r}; expected one of {known}")
+        return _run_user_estimator(name, token_level_rewards, response_mask, index, batch, config)
     estimator, needed = ADVANTAGE_ESTIMATORS[name]
     given = {
         "values": values,
@@ -193,8 +361,9 @@ def compute_advantage(
         "lam": lam,
         "norm_adv_by_std": norm_adv_by_std,
         "epsilon": epsilon,
+        "k": k,
     }
     missing = [key for key in needed if given[key] is None]
     if missing:
         raise ValueError(f"advantage estimator {name!r} needs {missing}, which were not given")
-    return estimator(token_level_rewards, response_mask=response_mask, **{k: given[k] for k in needed})
+    return estimator(token_level_rewards, response_mask=response_mask, **{key: given[key] for key in needed})

@@ -191,10 +191,13 @@ class DistillationConfig:
 class AlgorithmConfig:
     """How advantages are estimated and whether KL enters the reward."""
 
-    adv_estimator: AdvEstimator = "grpo"  # hybridflow/algorithms/advantages.py; gae needs critic.enable
+    # a registered estimator (docs/algorithms.md; gae needs critic.enable) or 'package.module.function',
+    # an estimator of your own
+    adv_estimator: AdvEstimator | str = "grpo"
     gamma: float = 1.0  # discount of future rewards (gae, reinforce_plus_plus)
     lam: float = 1.0  # GAE's lambda: 1 uses the full returns, lower trusts the values more
     norm_adv_by_std_in_grpo: bool = True  # False: Dr. GRPO (mean-centred only)
+    pass_k: int | None = None  # grpo_passk: the k of pass@k, 1 <= k <= rollout.sampling.n; required there
     use_kl_in_reward: bool = False  # subtract kl_ctrl's beta x the per-token KL to `ref` from the reward
     kl_penalty: KlPenaltyKind = "kl"  # estimator of the KL in the reward: kl/k1, abs, mse/k2, low_var_kl/k3
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)

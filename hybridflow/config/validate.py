@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engines.megatron.config import LoraConfig
+from hybridflow.algorithms.advantages import ADVANTAGE_ESTIMATORS, advantage_estimator_fn
 from hybridflow.algorithms.policy_losses import POLICY_LOSS_KNOBS
 from hybridflow.algorithms.rollout_correction import active_parts, validate_rollout_correction
 from hybridflow.config.schema import RecipeConfig
@@ -27,7 +28,7 @@ from hybridflow.utils.disk import human_bytes
 from hybridflow.utils.hub import HOW_TO_FETCH
 from hybridflow.utils.imports import DottedPathError
 
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "grpo_passk", "opo", "gpg", "gdpo")
 UPDATE_SIZES = ("ppo_mini_batch_size", "ppo_micro_batch_size", "ppo_epochs")
 MEGATRON_SIZES = (
     "tensor_model_parallel_size",
@@ -484,6 +485,23 @@ def _check_paths(cfg: RecipeConfig) -> list[str]:
     return errors
 
 
+def _check_estimator(cfg: RecipeConfig) -> list[str]:
+    """A user's estimator loads with the right signature; grpo_passk's k fits the group."""
+    estimator, k, n = cfg.algorithm.adv_estimator, cfg.algorithm.pass_k, cfg.rollout.sampling.n
+    try:
+        advantage_estimator_fn(estimator)
+    except ValueError as err:  # DottedPathError too: the key, the path and the cause
+        return [str(err)]
+    if estimator == "grpo_passk" and (k is None or not 1 <= k <= n):
+        return [
+            f"algorithm.adv_estimator=grpo_passk needs algorithm.pass_k, the k of pass@k, between 1 and "
+            f"rollout.sampling.n={n}; got {k}"
+        ]
+    if estimator != "grpo_passk" and k is not None:
+        return [f"algorithm.pass_k={k} is read by adv_estimator=grpo_passk only; remove it or use that one"]
+    return []
+
+
 def _check_algorithm(cfg: RecipeConfig) -> list[str]:
     errors = []
     estimator, n = cfg.algorithm.adv_estimator, cfg.rollout.sampling.n
@@ -492,7 +510,7 @@ def _check_algorithm(cfg: RecipeConfig) -> list[str]:
             "algorithm.adv_estimator=gae needs a critic: set critic.enable=true, or choose a critic-free "
             "estimator such as algorithm.adv_estimator=grpo"
         )
-    if cfg.critic.enable and estimator != "gae":
+    if cfg.critic.enable and estimator in ADVANTAGE_ESTIMATORS and estimator != "gae":
         errors.append(
             f"critic.enable=true but algorithm.adv_estimator={estimator} does not use values; set "
             "critic.enable=false"
@@ -511,7 +529,8 @@ def _check_algorithm(cfg: RecipeConfig) -> list[str]:
             f"algorithm.adv_estimator={estimator} compares responses to the same prompt: set "
             "rollout.sampling.n >= 2"
         )
-    errors += _check_dapo(cfg) + _check_mismatch_monitor(cfg) + _check_routing_replay(cfg)
+    errors += _check_estimator(cfg) + _check_dapo(cfg)
+    errors += _check_mismatch_monitor(cfg) + _check_routing_replay(cfg)
     corrections = active_parts(cfg.algorithm.rollout_correction)
     if corrections and not cfg.rollout.calculate_log_probs:
         errors.append(

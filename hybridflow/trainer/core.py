@@ -63,6 +63,9 @@ def compute_advantage(batch: DataProto, algorithm: AlgorithmConfig) -> DataProto
         gamma=algorithm.gamma,
         lam=algorithm.lam,
         norm_adv_by_std=algorithm.norm_adv_by_std_in_grpo,
+        k=algorithm.pass_k,
+        batch=tensors,  # a user's estimator reads what else it needs by name
+        config=algorithm,
     )
     distill = algorithm.distillation
     if distill.enable:
