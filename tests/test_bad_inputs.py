@@ -21,14 +21,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
+from chat_template_stand_ins import BARE_JSON_CALLS, NO_TOOL_ROLE
+from entry_point_checks import RayStarted, base_recipe, run_in_process
 from process_group import run_in_own_session
 from safetensors import safe_open
-from test_chat_template_check import BARE_JSON_CALLS, NO_TOOL_ROLE
 
 from hybridflow.config.loader import load_recipe, to_dict, write_resolved_recipe
 from hybridflow.data.arith import ArithConfig, write_arith_parquet
 from hybridflow.data.shapes import ShapesConfig, write_shapes_parquet
-from hybridflow.trainer import main as entry
 from hybridflow.trainer.checkpoint import CheckpointManager, save_trainer_state
 from hybridflow.trainer.preflight import check_reward_inputs
 from hybridflow.utils.tiny_model import build_tokenizer, make_tiny_model
@@ -47,25 +47,6 @@ SUBPROCESS_CASES = ("YAML syntax error", "prompt is null")  # the cheapest and t
 def table_rows() -> list[tuple[str, str, str]]:
     rows = [ROW.match(line) for line in TABLE.read_text().splitlines()]
     return [(m["case"], m["command"], m["message"]) for m in rows if m]
-
-
-class RayStarted(Exception):
-    """Raised in place of connecting to Ray: the checks let the run through."""
-
-
-def base_recipe(files: dict[str, Path]) -> dict:
-    """recipes/quickstart.yaml pointed at the tiny model and data, sized for 2 CPU processes."""
-    recipe = yaml.safe_load((ROOT / "recipes/quickstart.yaml").read_text())
-    recipe["model"]["path"] = str(files["tiny"])
-    recipe["data"].update(
-        train_files=[str(files["train"])], val_files=[str(files["test"])], train_batch_size=4
-    )
-    recipe["rollout"]["sampling"]["n"] = 2
-    recipe["actor"]["update"].update(ppo_mini_batch_size=8, ppo_micro_batch_size=4)
-    recipe["actor"]["log_prob_micro_batch_size"] = 4
-    recipe["critic"]["update"].update(ppo_mini_batch_size=8, ppo_micro_batch_size=4)
-    recipe["trainer"].update(output_dir=str(files["out"]), logger=["console"])
-    return recipe
 
 
 def model_copy(
@@ -265,19 +246,6 @@ def write_checkpoint(directory: Path, config: dict) -> None:
 
 def resolve(text: str, files: dict[str, Path]) -> str:
     return re.sub(r"<([\w.]+)>", lambda m: str(files[m.group(1)]), text)
-
-
-def run_in_process(argv: list[str], monkeypatch, capsys) -> tuple[int, str]:
-    import ray
-
-    def refuse(*args, **kwargs):
-        raise RayStarted("the checks passed and the entry point went on to start Ray")
-
-    monkeypatch.setattr(entry, "connect_ray", refuse)
-    monkeypatch.setattr(ray, "init", refuse)  # in case anything before connect_ray starts Ray
-    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # the KV cache row's 1 GiB default
-    code = entry.main(argv)
-    return code, capsys.readouterr().err
 
 
 CASES = table_rows()

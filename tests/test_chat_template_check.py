@@ -2,43 +2,17 @@
 tool role and, where it writes tool calls, write them in the <tool_call> JSON the tool parser
 reads (else an error naming the tokenizer key); a template that ignores `tools=` or drops tool
 calls is a warning (the tool demo's tiny model learns the calculator's format in its warm start).
-The templates below are small stand-ins for the families' own, written here."""
+The templates are small stand-ins for the families' own (tests/chat_template_stand_ins.py)."""
 
 import logging
 
 import pytest
+from chat_template_stand_ins import BARE_JSON_CALLS, HERMES, NO_TOOL_CONTENT, NO_TOOL_ROLE
 
 from engines.rollout.config import AgentConfig, RolloutConfig
 from hybridflow.config.schema import RecipeConfig
 from hybridflow.trainer.preflight import check_chat_template
 from hybridflow.utils.tiny_model import CHAT_TEMPLATE, build_tokenizer
-
-# Qwen2.5's way: tool schemas in a system turn, calls as <tool_call> JSON, responses as user turns
-HERMES = (
-    "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>"
-    "<|im_end|>\n{% endif %}"
-    "{% for m in messages %}{% if m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content or '' }}"
-    "{% for c in m.tool_calls or [] %}<tool_call>\n"
-    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}\n</tool_call>'
-    "{% endfor %}<|im_end|>\n"
-    "{% elif m.role == 'tool' %}<|im_start|>user\n<tool_response>{{ m.content }}</tool_response><|im_end|>\n"
-    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-# a chat-only template: any role but system, user and assistant is an error
-NO_TOOL_ROLE = (
-    "{% for m in messages %}{% if m.role not in ['system', 'user', 'assistant'] %}"
-    "{{ raise_exception('Conversation roles must be system, user or assistant') }}{% endif %}"
-    "<|{{ m.role }}|>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-# Llama 3.1's way: a call is a bare JSON object with "parameters"
-BARE_JSON_CALLS = (
-    HERMES.replace("<tool_call>\n", "")
-    .replace("\n</tool_call>", "")
-    .replace('"arguments": {{', '"parameters": {{')
-)
-# a template that renders tool messages without their content
-NO_TOOL_CONTENT = HERMES.replace("<tool_response>{{ m.content }}</tool_response>", "<tool_response/>")
 
 
 def agent_recipe(loop: str = "tool") -> RecipeConfig:

@@ -23,7 +23,7 @@ import psutil
 import pytest
 import ray.exceptions
 from multinode_helpers import processes_with_env
-from test_run_lifecycle import actor_processes, as_from_a_terminal, cleanup, wait_for
+from run_processes import actor_processes, as_from_a_terminal, cleanup, wait_for
 from tiny_run import command, environment, tiny_run_inputs
 
 from hybridflow.config.loader import to_dict

@@ -2,11 +2,11 @@
 setting that asks for it and the value that switches it off. Without this check the hf engine
 refused only once its workers had started (no router to hook), and the actor replayed nothing
 without a word (a dense model has no routers). Run through the real entry point, as
-tests/test_bad_inputs.py runs its table (its helpers: Ray's start fails the test)."""
+tests/test_bad_inputs.py runs its table (tests/entry_point_checks.py: Ray's start fails the test)."""
 
 import pytest
 import yaml
-from test_bad_inputs import RayStarted, base_recipe, run_in_process
+from entry_point_checks import RayStarted, base_recipe, run_in_process
 
 from hybridflow.data.arith import ArithConfig, write_arith_parquet
 from hybridflow.utils.tiny_model import make_tiny_model
@@ -17,7 +17,7 @@ REPLAY = "actor.megatron.moe_routing_replay=rollout"
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict:
-    """A valid tiny recipe (tests/test_bad_inputs.py's) and a dense and a MoE tiny model."""
+    """A valid tiny recipe (tests/entry_point_checks.py's) and a dense and a MoE tiny model."""
     root = tmp_path_factory.mktemp("replay_preflight")
     files = {
         "tiny": make_tiny_model(root / "dense", num_layers=2),

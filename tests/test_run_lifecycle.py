@@ -22,9 +22,7 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -33,6 +31,7 @@ import torch
 from hf_weights import load_hf_tensors
 from multinode_helpers import processes_with_env
 from process_group import run_in_own_session
+from run_processes import actor_processes, as_from_a_terminal, cleanup, marker_in, wait_for
 from tiny_run import ROOT, command, environment, tiny_run_inputs
 
 from hybridflow.utils.tracking import read_metrics, records_up_to
@@ -52,13 +51,6 @@ def local(tmp_path_factory) -> dict:
     return tiny_run_inputs(root)
 
 
-def wait_for(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
-        time.sleep(0.2)
-
-
 def start_and_wait_for_step_1(
     local: dict, output_dir: Path, marker: str, *overrides: str
 ) -> tuple[subprocess.Popen, Path]:
@@ -74,39 +66,9 @@ def start_and_wait_for_step_1(
     return proc, log
 
 
-def as_from_a_terminal() -> None:
-    """In the child before exec: SIGINT at its default, as a shell leaves it for a command it runs
-    in the foreground. Tests started in the background (`pytest ... &` in a script) inherit SIGINT
-    ignored, and a shell script cannot trap a signal that was ignored when it started."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 def step_1_logged(output_dir: Path) -> bool:
     """metrics.jsonl holds step 1's whole line (the trainer may be writing it right now)."""
     return bool(records_up_to(output_dir / "metrics.jsonl", 1)[0])
-
-
-def cleanup(proc: subprocess.Popen, marker: str) -> None:
-    """After a failed assertion: remove whatever the run left (by PID)."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-    for pid in [int(p.pid) for p in psutil.process_iter() if marker_in(p, marker)]:
-        psutil.Process(pid).kill()
-
-
-def marker_in(process: psutil.Process, marker: str) -> bool:
-    try:
-        return process.environ().get("HYBRIDFLOW_TEST_RUN") == marker
-    except psutil.Error:
-        return False
-
-
-def actor_processes(marker: str, is_actor: Callable[[psutil.Process], bool]) -> list[psutil.Process]:
-    """The run's processes that `is_actor` picks, less their forked children, which keep the title
-    Ray gave their parent (Megatron's checkpoint writers fork from the policy worker during a save)."""
-    picked = [p for p in psutil.process_iter(["ppid"]) if marker_in(p, marker) and is_actor(p)]
-    pids = {p.pid for p in picked}
-    return [p for p in picked if p.info["ppid"] not in pids]  # info: None for one gone meanwhile
 
 
 def test_sigint_exits_130_with_one_line_and_leaves_nothing(local, tmp_path):

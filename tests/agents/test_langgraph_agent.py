@@ -3,7 +3,7 @@ multi-turn tool episode against the endpoint, and its trajectory is token for to
 engine sampled plus the template's rendering of the tool messages LangGraph sent."""
 
 from _langgraph_agent import run
-from test_openai_endpoint import CALL, ScriptedChat, agent_prompts, openai_rollout
+from scripted_chat import CALL, ScriptedChat, agent_prompts, openai_rollout
 
 from hybridflow.agents.template import message_delta_renderer
 from hybridflow.utils.tiny_model import build_tokenizer

@@ -4,7 +4,7 @@ and what is recorded is what the engine sampled, each turn after the ids it was 
 
 import asyncio
 
-from test_openai_endpoint import QUESTION, ScriptedChat, agent_prompts, openai_rollout
+from scripted_chat import QUESTION, ScriptedChat, agent_prompts, openai_rollout
 
 from hybridflow.agents.chat_session import ChatSession
 from hybridflow.data.prompt_dataset import tokenize_chat

@@ -10,21 +10,19 @@ import numpy as np
 import openai
 import pytest
 import torch
+from scripted_chat import CALL, QUESTION, ScriptedChat, agent_prompts, openai_rollout
 
-from engines.rollout.config import AgentConfig, RolloutConfig, SamplingConfig, ServerConfig
-from engines.rollout.requests import Completion
+from engines.rollout.config import AgentConfig, RolloutConfig, ServerConfig
 from hybridflow.agents.chat_session import ChatSession
 from hybridflow.agents.loop import TOOL_VERSION
 from hybridflow.agents.openai_api import ApiError, ChatRequest, assistant_message, parse_chat_request
-from hybridflow.agents.openai_loop import OpenAIAgentRollout, load_openai_agent
+from hybridflow.agents.openai_loop import load_openai_agent
 from hybridflow.agents.template import call_id, message_delta_renderer
 from hybridflow.data.prompt_dataset import tokenize_chat
 from hybridflow.protocol import DataProto
 from hybridflow.utils.tiny_model import build_tokenizer
 
 MODEL = "policy"
-QUESTION = [{"role": "user", "content": "What is 12*34+1?"}]
-CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "%s"}}\n</tool_call>'
 
 
 def body(**fields):
@@ -96,24 +94,6 @@ def test_a_sampled_turn_becomes_an_openai_assistant_message():
     assert (malformed.finish_reason, malformed.malformed_calls) == ("stop", 1)
     cut = assistant_message(CALL % "2", "length", 0)
     assert (cut.message["content"], cut.finish_reason, cut.tool_calls) == (CALL % "2", "length", 0)
-
-
-class ScriptedChat:
-    """Answers request k with the text script[k] (+ EOS unless `cut`), char-level ids."""
-
-    def __init__(self, tokenizer, script: list[str], cut: tuple[int, ...] = ()):
-        self.tokenizer, self.script, self.cut, self.requests = tokenizer, script, cut, []
-
-    def ids(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    async def generate(self, ids, request_or_sampling, seed: int, max_new_tokens: int) -> Completion:
-        k = len(self.requests)
-        self.requests.append((list(ids), request_or_sampling, seed, max_new_tokens))
-        eos = [] if k in self.cut else [self.tokenizer.eos_token_id]
-        tokens = (self.ids(self.script[k]) + eos)[:max_new_tokens]
-        finish = "length" if k in self.cut or (len(tokens) == max_new_tokens and not eos) else "stop"
-        return Completion(tokens, [-0.25] * len(tokens), [3] * len(tokens), finish)
 
 
 def chat_session(tokenizer, budget: int = 300) -> ChatSession:
@@ -217,23 +197,6 @@ async def echo_agent(client, model, messages, **row):
 
 async def failing_agent(client, model, messages, **row):
     raise KeyError("the agent's own bug")
-
-
-def agent_prompts(tokenizer, rows: int) -> DataProto:
-    ids = torch.tensor([tokenize_chat(tokenizer, QUESTION, None)] * rows)
-    mask = torch.ones_like(ids)
-    return DataProto.from_dict(
-        {"input_ids": ids, "attention_mask": mask, "position_ids": mask.cumsum(-1) - 1},
-        {"raw_prompt": [QUESTION] * rows, "data_source": ["arith"] * rows},
-        meta_info={"validate": True},
-    )
-
-
-def openai_rollout(agent, engine, tokenizer) -> OpenAIAgentRollout:
-    greedy = SamplingConfig(do_sample=False, temperature=0.0)
-    agent_cfg = AgentConfig(loop="openai", openai_agent="tests:unused")
-    cfg = RolloutConfig(name="vllm", response_length=300, val_sampling=greedy, agent=agent_cfg)
-    return OpenAIAgentRollout(agent, engine, tokenizer, cfg, tokenizer.pad_token_id, [tokenizer.eos_token_id])
 
 
 def test_an_openai_client_agent_runs_through_the_endpoint_into_the_rollout_batch():

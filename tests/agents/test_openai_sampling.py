@@ -5,7 +5,7 @@ the real `openai` client, over a scripted engine; equal values are served."""
 
 import openai
 import pytest
-from test_openai_endpoint import CALL, ScriptedChat, agent_prompts
+from scripted_chat import CALL, ScriptedChat, agent_prompts
 
 from engines.rollout.config import AgentConfig, RolloutConfig, SamplingConfig
 from hybridflow.agents.openai_loop import OpenAIAgentRollout

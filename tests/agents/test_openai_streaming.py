@@ -2,7 +2,7 @@
 reason) as without streaming, and the same recorded trajectory, token for token; the `developer`
 role is a system message for the chat template."""
 
-from test_openai_endpoint import CALL, QUESTION, ScriptedChat, agent_prompts, openai_rollout
+from scripted_chat import CALL, QUESTION, ScriptedChat, agent_prompts, openai_rollout
 
 from hybridflow.data.prompt_dataset import tokenize_chat
 from hybridflow.utils.tiny_model import build_tokenizer

@@ -15,20 +15,14 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from sandbox_runs import ALL, NO_LAYERS, needs_landlock_abi, run_code
 
 from hybridflow.agents.tool_parser import parse_tool_calls, run_tool_calls
 from hybridflow.agents.tools import PythonSandbox
 from hybridflow.agents.tools import python_sandbox as sandbox_module
-from hybridflow.agents.tools.sandbox_child import landlock_abi
 
-ALL = ("namespaces", "landlock", "seccomp", "processes", "audit")
-NO_LAYERS = ()
 # The code's pid on the host: /proc is the host's, so this holds inside a PID namespace too.
 PRINT_HOST_PID = "import os\nprint('pid', os.readlink('/proc/self'), flush=True)\n"
-
-
-def run_code(code: str, **kwargs) -> str:
-    return asyncio.run(PythonSandbox(**kwargs).call({"code": code}))
 
 
 def host_pids(output: str) -> list[int]:
@@ -41,11 +35,6 @@ def is_running(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
-
-
-def needs_landlock_abi(layers: tuple, abi: int):
-    if "landlock" in layers and landlock_abi() < abi:
-        pytest.skip(f"this kernel's Landlock ABI is {landlock_abi()}; TCP rules need ABI >= {abi}")
 
 
 def test_returns_what_the_code_prints():

@@ -11,7 +11,7 @@ import sys
 import textwrap
 
 import pytest
-from test_python_sandbox import ALL, NO_LAYERS, needs_landlock_abi, run_code
+from sandbox_runs import ALL, NO_LAYERS, needs_landlock_abi, run_code
 
 SIGNALS = ("kill", "pidfd_send_signal", "tkill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo")
 MEMORY = ("ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd")

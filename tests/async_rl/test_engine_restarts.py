@@ -27,7 +27,7 @@ import psutil
 import pytest
 from multinode_helpers import processes_with_env
 from run_outputs import trained_steps
-from test_run_lifecycle import cleanup, wait_for
+from run_processes import cleanup, wait_for
 from tiny_run import command, environment, tiny_run_inputs
 
 from hybridflow.workers.rollout_worker import HOLD_ENV

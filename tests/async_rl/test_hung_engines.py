@@ -22,7 +22,7 @@ import psutil
 import pytest
 import torch
 from hung_workers import HANG, HangingWorker, SteppingRollout
-from test_run_lifecycle import wait_for
+from run_processes import wait_for
 
 from engines.rollout.config import RolloutConfig
 from hybridflow.protocol import DataProto

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_stream_rollout import Engines, Loader, RolloutGroup, check_batch, stream_trainer, train_step
+from stream_fakes import Engines, Loader, RolloutGroup, check_batch, stream_trainer, train_step
 
 from engines.rollout.config import RolloutConfig
 from hybridflow.protocol import DataProto

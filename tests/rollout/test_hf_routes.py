@@ -10,7 +10,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "megatron"))
-from test_hf_rollout import PROMPT_WIDTH, make_cfg, make_prompts
+from hf_prompts import PROMPT_WIDTH, make_cfg, make_prompts
 from tiny_hf import ascii_vocab_size, make_tiny_hf_checkpoint
 
 from engines.rollout.hf_rollout import HFRolloutEngine

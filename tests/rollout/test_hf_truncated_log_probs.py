@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from test_hf_rollout import PROMPT_WIDTH, make_cfg, make_prompts
+from hf_prompts import PROMPT_WIDTH, make_cfg, make_prompts
 
 from engines.rollout.config import SamplingConfig
 from engines.rollout.hf_rollout import HFRolloutEngine
