@@ -23,6 +23,7 @@ from hybridflow.algorithms.policy_losses import POLICY_LOSS_KNOBS
 from hybridflow.algorithms.rollout_correction import active_parts, validate_rollout_correction
 from hybridflow.config.schema import RecipeConfig
 from hybridflow.config.vlm_checks import vision_language_problems
+from hybridflow.data.reasoning_gym import source_problems
 from hybridflow.reward.registry import load_reward_fn
 from hybridflow.utils.disk import human_bytes
 from hybridflow.utils.hub import HOW_TO_FETCH
@@ -467,8 +468,7 @@ def _check_paths(cfg: RecipeConfig) -> list[str]:
         "trainer.resume_from_path": (cfg.trainer.resume_from_path, "a checkpoints/global_step_N directory"),
     }
     errors += [e for key, (path, what) in output_dirs.items() if (e := _not_a_directory(key, path, what))]
-    if not cfg.data.train_files:
-        errors.append("data.train_files is empty; list the training parquet files")
+    errors += _check_data_source(cfg)
     for key in ("data.train_files", "data.val_files"):
         errors += [
             f"{key} has {f}, which is a directory; list the parquet files in it"
@@ -500,6 +500,19 @@ def _check_estimator(cfg: RecipeConfig) -> list[str]:
     if estimator != "grpo_passk" and k is not None:
         return [f"algorithm.pass_k={k} is read by adv_estimator=grpo_passk only; remove it or use that one"]
     return []
+
+
+def _check_data_source(cfg: RecipeConfig) -> list[str]:
+    """The prompts come from parquet files or from a generated source (data.source), not both."""
+    source = cfg.data.source.reasoning_gym
+    if not source.enabled():
+        empty = "data.train_files is empty; list the training parquet files, or generate prompts: data.source"
+        return [] if cfg.data.train_files else [empty]
+    return [
+        f"{key} names files, but data.source.reasoning_gym generates the prompts; remove {key} or the source"
+        for key in ("data.train_files", "data.val_files")
+        if _get(cfg, key)
+    ] + source_problems(source)
 
 
 def _check_algorithm(cfg: RecipeConfig) -> list[str]:
@@ -537,10 +550,12 @@ def _check_algorithm(cfg: RecipeConfig) -> list[str]:
             f"algorithm.rollout_correction.{corrections[0]} weighs the loss by the rollout engine's own "
             "log-probs: set rollout.calculate_log_probs=true"
         )
-    if (cfg.trainer.test_freq > 0 or cfg.trainer.val_before_train) and not cfg.data.val_files:
+    source = cfg.data.source.reasoning_gym
+    held_out = cfg.data.val_files or (source.enabled() and source.val_size > 0)
+    if (cfg.trainer.test_freq > 0 or cfg.trainer.val_before_train) and not held_out:
         errors.append(
             "validation is requested (trainer.test_freq / trainer.val_before_train) but data.val_files is "
-            "empty"
+            "empty" + (" and data.source.reasoning_gym.val_size is 0" if source.enabled() else "")
         )
     return errors
 

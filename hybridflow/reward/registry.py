@@ -7,7 +7,8 @@ A custom reward function has the fixed signature
 import inspect
 from collections.abc import Callable
 
-from hybridflow.reward import gsm8k, math_reward
+from hybridflow.data.reasoning_gym import SOURCE_PREFIX
+from hybridflow.reward import gsm8k, math_reward, reasoning_gym
 from hybridflow.utils.imports import import_by_path
 
 RewardFn = Callable[[str, str, str, dict], float]
@@ -22,18 +23,32 @@ RULE_SCORES: dict[str, Callable[..., float]] = {
 }
 
 
+def rule_for(data_source: str) -> Callable[..., float] | None:
+    """The rule that scores `data_source`: RULE_SCORES', or for `reasoning_gym/<task>` rows
+    (hybridflow/data/reasoning_gym.py) the task's own scorer; None when there is none."""
+    if data_source.startswith(SOURCE_PREFIX):
+        return reasoning_gym.compute_score
+    return RULE_SCORES.get(data_source)
+
+
 def rule_reward_fn(format_score: float = 0.0) -> RewardFn:
     """The built-in reward: the rule registered for each sample's data source."""
 
     def score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict) -> float:
-        if data_source not in RULE_SCORES:
+        rule = rule_for(data_source)
+        if rule is None:
             raise ValueError(
-                f"no reward rule for data_source {data_source!r} (known: {sorted(RULE_SCORES)}); "
+                f"no reward rule for data_source {data_source!r} (known: {known_sources()}); "
                 "set reward.custom_fn to a function 'module.fn' that scores it"
             )
-        return RULE_SCORES[data_source](solution_str, ground_truth, format_score=format_score)
+        return rule(solution_str, ground_truth, format_score=format_score)
 
     return score
+
+
+def known_sources() -> list[str]:
+    """The data sources the rule reward scores, for error messages."""
+    return [*sorted(RULE_SCORES), f"{SOURCE_PREFIX}<task>"]
 
 
 def load_reward_fn(dotted_path: str) -> RewardFn:

@@ -30,6 +30,7 @@ from hybridflow.launch.local_ray import start_local_ray
 from hybridflow.reward.manager import RewardFunctionError
 from hybridflow.single_controller.errors import CallTimeout
 from hybridflow.trainer.checkpoint import CheckpointManager, CheckpointSaveError
+from hybridflow.trainer.datasets import with_generated_data
 from hybridflow.trainer.mismatch import TrainInferenceMismatchError
 from hybridflow.trainer.preflight import check_run_inputs
 from hybridflow.trainer.restart import Restarts, WorkerProcessDied, warn_if_restarts_start_over
@@ -114,6 +115,7 @@ def checked_recipe(argv: list[str] | None) -> tuple[RecipeConfig, Layout]:
     cfg = load_recipe(args.recipe, args.overrides)
     cfg = resolve_recipe_models(cfg)
     layout = validate_recipe(cfg)
+    cfg = with_generated_data(cfg)  # data.source's prompts, written as the files check_run_inputs reads
     check_run_inputs(cfg)
     warn_if_restarts_start_over(cfg)
     return cfg, layout

@@ -60,7 +60,19 @@ def batch_metrics(batch: DataProto) -> dict[str, float]:
         metrics["kl/mean"] = policy_ref_kl(tensors["old_log_probs"], tensors["ref_log_prob"], response_mask)
     if "teacher_log_prob" in tensors:
         metrics |= distillation_metrics(tensors["old_log_probs"], tensors["teacher_log_prob"], response_mask)
-    return metrics | agent_metrics(batch.non_tensor_batch)
+    return metrics | source_rewards(scores, batch.non_tensor_batch) | agent_metrics(batch.non_tensor_batch)
+
+
+def source_rewards(scores: torch.Tensor, non_tensors: Mapping[str, np.ndarray]) -> dict[str, float]:
+    """`reward/<data_source>/mean` of each data source in a batch that mixes several (reasoning-gym
+    tasks, a GSM8K + MATH mix); with one source that is reward/mean, and nothing is added."""
+    sources = np.asarray(non_tensors.get("data_source", []), dtype=object)  # (B,)
+    if len(set(sources)) < 2:
+        return {}
+    return {
+        f"reward/{source}/mean": scores[torch.from_numpy(sources == source)].mean().item()
+        for source in dict.fromkeys(sources)
+    }
 
 
 def agent_metrics(non_tensors: Mapping[str, np.ndarray], prefix: str = "agent") -> dict[str, float]:

@@ -33,7 +33,7 @@ from hybridflow.data.prompt_dataset import (
     check_chat_prompt,
     read_located_rows,
 )
-from hybridflow.reward.registry import RULE_SCORES
+from hybridflow.reward.registry import known_sources, rule_for
 from hybridflow.trainer.checkpoint import LATEST, MANIFEST, STEP_DIR
 from hybridflow.trainer.datasets import policy_processor, recipe_prompt_dataset
 from hybridflow.trainer.teacher_check import check_teacher_tokenizer
@@ -370,10 +370,10 @@ def check_reward_inputs(located: list[tuple[str, dict]], custom_fn: str | None) 
     reward may score without ground truth, so missing ones are only reported."""
     if custom_fn is None:
         for where, row in located:
-            if row["data_source"] not in RULE_SCORES:
+            if rule_for(row["data_source"]) is None:
                 raise ValueError(
                     f"{where}: no reward rule for data_source {row['data_source']!r} (known: "
-                    f"{sorted(RULE_SCORES)}); set reward.custom_fn to a function 'module.fn' that scores it"
+                    f"{known_sources()}); set reward.custom_fn to a function 'module.fn' that scores it"
                 )
     missing = [where for where, row in located if (row["reward_model"] or {}).get("ground_truth") is None]
     if len(missing) == len(located) and custom_fn is None:

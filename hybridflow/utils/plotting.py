@@ -26,7 +26,8 @@ class PlotSpec:
 
 
 PLOTS = (
-    PlotSpec("reward", "Reward (mean score per response)", r"^(reward|critic/score|critic/rewards)/mean$"),
+    # with reward/<data_source>/mean, each source's mean when a batch mixes several
+    PlotSpec("reward", "Reward (mean score per response)", r"^(reward(/.+)?|critic/(score|rewards))/mean$"),
     PlotSpec("val_accuracy", "Validation accuracy", r"^val/(.+/)?accuracy$"),
     PlotSpec("kl", "KL divergence", r"(^|/)(ppo_kl|kl_loss|kl)(/|$)|^kl/"),
     PlotSpec("entropy", "Policy entropy", r"entropy"),
