@@ -1,11 +1,12 @@
 """Each advantage estimator added beside GRPO (grpo_passk, opo, gpg, gdpo) trains two steps of the
 tiny model through the whole loop (Ray workers, the Megatron actor, the transformers rollout), and so
 does a user's estimator from a file, named by dotted path; one of the wrong signature is refused
-before Ray starts. The runs share tests/test_policy_loss_recipes.py's small recipe."""
+before Ray starts. The runs take tests/two_grpo_steps.py's small recipe."""
 
 import pytest
+from entry_point_checks import RayStarted
 from recipe_runs import run_recipe_in_process
-from test_policy_loss_recipes import small_run, trained_steps
+from two_grpo_steps import small_run, trained_steps
 
 from hybridflow.algorithms.advantages import ADVANTAGE_PARAMETERS
 from hybridflow.trainer import main as entry
@@ -68,10 +69,6 @@ def test_a_users_estimator_from_a_file_trains_two_steps(local, tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     # the mean advantage only the user's function gives: it computed the advantages
     assert all(r["advantages/mean"] == pytest.approx(0.375) for r in trained_steps(tmp_path))
-
-
-class RayStarted(Exception):
-    """Raised in place of connecting to Ray: the checks let the run through."""
 
 
 def test_a_users_estimator_of_the_wrong_signature_is_refused_before_ray(local, tmp_path, monkeypatch):
