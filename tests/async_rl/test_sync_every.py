@@ -4,7 +4,7 @@ it by k updates, not after every update, and every trained sample stays within i
 - `sync_due`, by hand: which steps transfer, counted in versions (a refused update counts for
   nothing);
 - the recipe check: k >= 1, refused in mode=sync, and within max_staleness in async and stream;
-- a stream against the fake engines of test_stream_rollout.py (virtual clock, heavy-tailed
+- a stream against the fake engines of stream_fakes.py (virtual clock, heavy-tailed
   lengths): every sample within max_staleness though the engines lag, a transfer every k steps;
 - GRPO runs in process (tests/recipe_runs.py), actor 1 process, vLLM rollout 1 process: stream and
   one_step with sync_every 2; policy_versions.jsonl and the metrics read back.
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from gsm8k_tiny import cpu_overrides
 from recipe_runs import run_recipe_in_process
-from test_stream_rollout import check_batch, stream_trainer, train_step
+from stream_fakes import check_batch, stream_trainer, train_step
 
 from hybridflow.config.loader import load_recipe
 from hybridflow.config.validate import RecipeError, validate_recipe
