@@ -21,6 +21,8 @@ from hybridflow.algorithms.rollout_correction import (
     sequence_acceptance,
     validate_rollout_correction,
 )
+from hybridflow.config.schema import RecipeConfig
+from hybridflow.config.validate import _rollout_correction_settings_unread
 
 ROLLOUT = torch.full((2, 3), -1.0)  # (B, R) the engine's log-probs of the sampled tokens
 MASK = torch.tensor([[1, 1, 1], [1, 1, 0]])  # (B, R) the last token of row 1 is padding
@@ -173,3 +175,19 @@ def test_the_paper_settings_are_accepted():
     ):
         validate_rollout_correction(cfg)
     assert math.isclose(RolloutCorrectionConfig().kpop_threshold, 0.1)
+
+
+def test_settings_of_a_part_left_off_are_warned_about():
+    cfg = RecipeConfig()
+    assert _rollout_correction_settings_unread(cfg) == []
+    section = cfg.algorithm.rollout_correction
+    section.upper, section.token_mask_high, section.kpop_threshold = 3.0, 4.0, 0.2
+    [warning] = _rollout_correction_settings_unread(cfg)
+    assert warning.startswith(
+        "algorithm.rollout_correction.upper=3.0, algorithm.rollout_correction.token_mask_high=4.0, "
+        "algorithm.rollout_correction.kpop_threshold=0.2 have no effect with "
+        "algorithm.rollout_correction.mode=none and algorithm.rollout_correction.token_mask=none"
+    ), warning
+    section.mode, section.token_mask = "truncated_is", "icepop"  # now upper and token_mask_high act
+    [warning] = _rollout_correction_settings_unread(cfg)
+    assert warning.startswith("algorithm.rollout_correction.kpop_threshold=0.2 has no effect with"), warning
