@@ -1139,6 +1139,7 @@ def warn_if_settings_unread(cfg: RecipeConfig) -> None:
     """A warning for each feature switched off with settings of its own left: legal (a recipe
     turned off by its one switch), but a changed value there is almost surely meant to act."""
     unread = _distillation_settings_unread(cfg) + _mismatch_settings_unread(cfg) + _agent_settings_unread(cfg)
+    unread += _rollout_correction_settings_unread(cfg)
     for warning in unread + _policy_loss_settings_unread(cfg):
         logger.warning(warning)
     if cfg.rollout.return_routed_experts and cfg.actor.megatron.moe_routing_replay == "off":
@@ -1253,6 +1254,25 @@ def _mismatch_settings_unread(cfg: RecipeConfig) -> list[str]:
         "rollout.calculate_log_probs=false",
         ": the mismatch monitor compares the engine's log-probs, which are then not computed; set "
         "rollout.calculate_log_probs=true, or remove {it}",
+    )
+
+
+def _rollout_correction_settings_unread(cfg: RecipeConfig) -> list[str]:
+    """Settings of a rollout-correction part its switch leaves off (mode, token_mask); lower, level
+    and the rejection bounds without their part are refused instead (validate_rollout_correction)."""
+    section, key = cfg.algorithm.rollout_correction, "algorithm.rollout_correction"
+    read = {
+        "upper": section.mode != "none",
+        "token_mask_low": section.token_mask == "icepop",
+        "token_mask_high": section.token_mask == "icepop",
+        "kpop_threshold": section.token_mask == "kpop",
+    }
+    changed = _changed_fields(section, key, tuple(name for name, is_read in read.items() if not is_read))
+    return _no_effect(
+        changed,
+        f"{key}.mode={section.mode} and {key}.token_mask={section.token_mask}",
+        ": a mode reads upper, token_mask=icepop token_mask_low and token_mask_high, token_mask=kpop "
+        "kpop_threshold; switch the part on, or remove {it}",
     )
 
 
