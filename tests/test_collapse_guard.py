@@ -1,4 +1,5 @@
-"""The collapse guard end to end (scripts/run_recipe.sh, the tiny GRPO run of tests/tiny_run.py):
+"""The collapse guard end to end (the tiny GRPO run of tests/tiny_run.py, in process on this pytest
+worker's Ray cluster: tests/recipe_runs.py):
 
 - lr 1.0 (allowed by widening actor.optim.lr_limits) makes Adam's first step move every weight by
   about 1, many times the weights' norm: the run stops at step 1 with one `error:` line naming the
@@ -8,14 +9,13 @@
 - an lr outside optim.lr_limits never gets that far (tests/test_bad_inputs.py, "lr 1e30").
 """
 
-import uuid
 from pathlib import Path
 
 import pytest
 import torch
 from hf_weights import load_hf_tensors
-from process_group import run_in_own_session
-from tiny_run import command, environment, tiny_run_inputs
+from recipe_runs import run_recipe_in_process
+from tiny_run import RECIPE, overrides, tiny_run_inputs
 
 from hybridflow.utils.tracking import read_metrics
 
@@ -30,23 +30,23 @@ def digit_share(data_source, solution_str, ground_truth, extra_info):
 
 
 @pytest.fixture(scope="module")
-def local(tmp_path_factory) -> dict:
+def local(tmp_path_factory, ray_cluster) -> dict:
     root = tmp_path_factory.mktemp("collapse")
     (root / "digit_reward.py").write_text(DIGIT_SHARE)
     return tiny_run_inputs(root)
 
 
-def run(local: dict, output_dir: Path, *overrides: str):
-    argv = command(
+def run(local: dict, output_dir: Path, *extra: str):
+    settings = overrides(
         local,
         output_dir,
         "trainer.total_training_steps=2",
         "trainer.save_freq=1",
         "reward.custom_fn=digit_reward.digit_share",
         *LR_ONE,
-        *overrides,
+        *extra,
     )
-    return run_in_own_session(argv, env=environment(local, uuid.uuid4().hex), timeout=1200)
+    return run_recipe_in_process(RECIPE, settings, pythonpath=local["root"])
 
 
 def test_an_update_that_dwarfs_the_weights_stops_the_run_before_any_checkpoint(local, tmp_path):

@@ -1,13 +1,12 @@
-"""A user's reward function that raises, end to end (scripts/run_recipe.sh, the tiny GRPO run of
-tests/tiny_run.py): status 1, the function's own traceback once (its frames only, none of
-hybridflow's or Ray's), then one `error:` line naming the function, the response, its data_source
-and what it raised. (Returning None / a string: tests/test_reward.py, the same error.)"""
-
-import uuid
+"""A user's reward function that raises, end to end (the tiny GRPO run of tests/tiny_run.py, in
+process on this pytest worker's Ray cluster: tests/recipe_runs.py): main's status 1, the
+function's own traceback once (its frames only, none of hybridflow's or Ray's), then one `error:`
+line naming the function, the response, its data_source and what it raised. (Returning None / a
+string: tests/test_reward.py, the same error.)"""
 
 import pytest
-from process_group import run_in_own_session
-from tiny_run import command, environment, tiny_run_inputs
+from recipe_runs import run_recipe_in_process
+from tiny_run import RECIPE, overrides, tiny_run_inputs
 
 pytestmark = pytest.mark.slow
 
@@ -21,13 +20,14 @@ def parse(text):
 """
 
 
+@pytest.mark.usefixtures("ray_cluster")
 def test_a_reward_function_that_raises_shows_its_own_traceback_once_and_one_error_line(tmp_path):
     local = tiny_run_inputs(tmp_path / "inputs")
     (local["root"] / "user_rewards.py").write_text(EXPLODING_REWARD)
-    argv = command(
+    settings = overrides(
         local, tmp_path / "run", "trainer.total_training_steps=1", "reward.custom_fn=user_rewards.explode"
     )
-    result = run_in_own_session(argv, env=environment(local, uuid.uuid4().hex), timeout=1200)
+    result = run_recipe_in_process(RECIPE, settings, pythonpath=local["root"])
     assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-3000:]
     err = result.stderr
     assert err.count("Traceback (most recent call last):") == 1, err[-3000:]

@@ -1,6 +1,7 @@
-"""A short GRPO run of recipes/quickstart.yaml through scripts/run_recipe.sh on a 2-layer tiny
-model and arithmetic prompts (2 CPU workers, 4 prompts x 2 responses of 8 tokens a step), for the
-tests that watch how a run ends (tests/test_run_lifecycle.py, tests/test_disk_full.py)."""
+"""A short GRPO run of recipes/quickstart.yaml on a 2-layer tiny model and arithmetic prompts (2 CPU
+workers, 4 prompts x 2 responses of 8 tokens a step): `overrides` for a run in process
+(tests/recipe_runs.py) where the test is about the run, `command` and `environment` for the tests
+that watch how a run's process ends (tests/test_run_lifecycle.py, tests/test_disk_full.py)."""
 
 import os
 from pathlib import Path
@@ -17,9 +18,18 @@ def tiny_run_inputs(root: Path) -> dict:
     return {"root": root, "model": make_tiny_model(root / "tiny", num_layers=2), "data": data}
 
 
-def command(local: dict, output_dir: Path, *overrides: str) -> list[str]:
+RECIPE = "recipes/quickstart.yaml"
+
+
+def command(local: dict, output_dir: Path, *extra: str) -> list[str]:
+    """scripts/run_recipe.sh with the run's recipe and `overrides`."""
+    script, recipe = str(ROOT / "scripts/run_recipe.sh"), str(ROOT / RECIPE)
+    return ["bash", script, recipe, *overrides(local, output_dir, *extra)]
+
+
+def overrides(local: dict, output_dir: Path, *extra: str) -> list[str]:
+    """The run's settings on the command line, then `extra`."""
     return [
-        "bash", str(ROOT / "scripts/run_recipe.sh"), str(ROOT / "recipes/quickstart.yaml"),
         f"model.path={local['model']}",
         f"data.train_files=[{local['data']['train']}]",
         f"data.val_files=[{local['data']['test']}]",
@@ -27,7 +37,7 @@ def command(local: dict, output_dir: Path, *overrides: str) -> list[str]:
         "actor.update.ppo_mini_batch_size=8", "actor.update.ppo_micro_batch_size=4",
         "actor.log_prob_micro_batch_size=8",
         "trainer.val_before_train=false", "trainer.test_freq=0", "trainer.logger=[console]",
-        f"trainer.output_dir={output_dir}", *overrides,
+        f"trainer.output_dir={output_dir}", *extra,
     ]  # fmt: skip
 
 
