@@ -20,9 +20,7 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-# Set by the worker group to the Ray node id of the worker's slot; the host name is the fallback
-# (torchrun), which tells real nodes apart but not nodes simulated on one machine.
-NODE_ID_ENV = "HYBRIDFLOW_NODE_ID"
+from hybridflow.parallel_ranks import NODE_ID_ENV  # the worker group sets it: the slot's Ray node id
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,16 @@ The engines report it (`engines.megatron.parallel.parallel_ranks()`), a worker r
 (`Worker.set_parallel_ranks`), and the MEGATRON_* dispatch modes read it to split data by
 data-parallel rank and collect from `is_collect_rank` workers. Plain Python, so the engines and
 the controller can both import it without importing each other.
+
+`NODE_ID_ENV` is the other fact of a process's place both sides share: the worker group sets it,
+`engines.placement` reads it.
 """
 
 from dataclasses import dataclass
+
+# Set by the worker group to the Ray node id of the worker's slot; the host name is the fallback
+# (torchrun), which tells real nodes apart but not nodes simulated on one machine.
+NODE_ID_ENV = "HYBRIDFLOW_NODE_ID"
 
 
 @dataclass(frozen=True)

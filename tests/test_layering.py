@@ -1,19 +1,63 @@
-"""The layer rules from docs/design.md: `import hybridflow` stays light, and engines import from
-hybridflow only what the allow-list names (import cycles: test_import_cycles.py)."""
+"""The layer rules from docs/design.md: which part of the code may import which (an allow-list:
+the layer table under docs/design.md's picture, read from there), only the single controller
+touches Ray actors, and `import hybridflow` stays light (import cycles: test_import_cycles.py)."""
 
 import ast
+import functools
+import itertools
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY_MODULES = ("megatron", "sglang", "vllm", "transformer_engine")
-# All that engines/ may import from hybridflow (these modules and, for a package, its submodules).
-ENGINE_IMPORTS_FROM_HYBRIDFLOW = ("hybridflow.protocol", "hybridflow.algorithms", "hybridflow.parallel_ranks")
+# The bottom layer ("base"): all that engines/ may import from hybridflow (these modules and, for a
+# package, its submodules).
+BASE = ("hybridflow.protocol", "hybridflow.algorithms", "hybridflow.parallel_ranks")
+# The pre-flight checks still under config/: part of "checks", the layer above the recipe schema.
+CHECK_MODULES = ("hybridflow.config.validate", "hybridflow.config.vlm_checks")
+LAYERS_TABLE = "<!-- layers: part | may import -->"  # in docs/design.md, above the table
+
+
+def _may_import() -> dict[str, set[str]]:
+    """Each part -> the parts it may import besides itself: docs/design.md's layer table. A part is
+    `engines`, `base`, a subpackage of hybridflow, or `hybridflow` (the package's __init__)."""
+    rows = (ROOT / "docs/design.md").read_text().split(LAYERS_TABLE, 1)[1].splitlines()[3:]
+    table = {}
+    for row in itertools.takewhile(lambda line: line.startswith("|"), rows):
+        part, allowed = row.strip("|").split("|")
+        table[part.split("`")[1]] = {name.strip() for name in allowed.split(",") if name.strip()}
+    return table
+
+
+MAY_IMPORT = _may_import()
 # Attributes and Ray calls that reach a worker group's Ray actors: only hybridflow/single_controller/
 # uses them; elsewhere a group is driven through its methods (call_rank_async, kill_rank, ...).
 ACTOR_ATTRIBUTES = {"actors", "_actors", "remote"}
 RAY_ACTOR_CALLS = {"kill", "get_actor"}
+
+
+def _product_files() -> list[Path]:
+    return sorted((ROOT / "hybridflow").rglob("*.py")) + sorted((ROOT / "engines").rglob("*.py"))
+
+
+def _module_of(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _part(module: str) -> str | None:
+    """The part a module (or a name imported from one) belongs to; None outside the project."""
+    names = module.split(".")
+    if names[0] == "engines":
+        return "engines"
+    if names[0] != "hybridflow":
+        return None
+    if f"{module}.".startswith(tuple(f"{base}." for base in BASE)):
+        return "base"
+    if f"{module}.".startswith(tuple(f"{check}." for check in CHECK_MODULES)):
+        return "checks"
+    return names[1] if len(names) > 1 else "hybridflow"
 
 
 def test_import_hybridflow_does_not_import_megatron_sglang_or_cuda():
@@ -27,10 +71,15 @@ def test_import_hybridflow_does_not_import_megatron_sglang_or_cuda():
     assert out.stdout.strip() == "[] False", out.stdout + out.stderr
 
 
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(), filename=str(path))
+
+
 def _imported_names(path: Path) -> set[str]:
     """What each import statement names, `from a.b import c` as `a.b.c` (c a module or not)."""
     names = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+    for node in ast.walk(_tree(path)):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -38,29 +87,42 @@ def _imported_names(path: Path) -> set[str]:
     return names
 
 
-def _allowed_in_engines(name: str) -> bool:
-    return f"{name}.".startswith(tuple(f"{allowed}." for allowed in ENGINE_IMPORTS_FROM_HYBRIDFLOW))
-
-
-def test_engines_import_from_hybridflow_only_the_allow_listed_modules():
-    offenders = [
-        f"{path.relative_to(ROOT)} imports {name}"
-        for path in sorted((ROOT / "engines").rglob("*.py"))
-        for name in _imported_names(path)
-        if name.split(".")[0] == "hybridflow" and not _allowed_in_engines(name)
+def _import_offenders(path: Path) -> list[str]:
+    here = _part(_module_of(path))
+    return [
+        f"{path.relative_to(ROOT)} ({here}) imports {name} ({_part(name)})"
+        for name in sorted(_imported_names(path))
+        if _part(name) not in {None, here} and _part(name) not in MAY_IMPORT.get(here, set())
     ]
-    assert offenders == []
 
 
-def test_the_allow_listed_modules_exist():
-    for name in ENGINE_IMPORTS_FROM_HYBRIDFLOW:
+def test_every_part_imports_only_the_parts_below_it():
+    assert [offender for path in _product_files() for offender in _import_offenders(path)] == []
+
+
+def test_every_part_has_its_place_in_the_allow_list():
+    parts = {_part(_module_of(path)) for path in _product_files()}
+    assert parts - set(MAY_IMPORT) == set(), "give the new part its row in docs/design.md's layer table"
+    assert all(imported in MAY_IMPORT for allowed in MAY_IMPORT.values() for imported in allowed)
+
+
+def test_the_allow_list_has_no_cycle():
+    placed: list[str] = []  # bottom up: a part after every part it may import
+    while len(placed) < len(MAY_IMPORT):
+        ready = [part for part, below in MAY_IMPORT.items() if part not in placed and below <= set(placed)]
+        assert ready, f"a cycle among {set(MAY_IMPORT) - set(placed)}"
+        placed += ready
+
+
+def test_the_base_modules_exist():
+    for name in BASE:
         path = ROOT.joinpath(*name.split("."))
         assert path.with_suffix(".py").is_file() or (path / "__init__.py").is_file(), name
 
 
 def _actor_handle_uses(path: Path) -> list[str]:
     uses = []
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+    for node in ast.walk(_tree(path)):
         if not isinstance(node, ast.Attribute):
             continue
         on_ray = isinstance(node.value, ast.Name) and node.value.id == "ray"
@@ -70,8 +132,7 @@ def _actor_handle_uses(path: Path) -> list[str]:
 
 
 def test_only_the_single_controller_touches_ray_actor_handles():
-    product = sorted((ROOT / "hybridflow").rglob("*.py")) + sorted((ROOT / "engines").rglob("*.py"))
-    outside = [path for path in product if "single_controller" not in path.relative_to(ROOT).parts]
+    outside = [path for path in _product_files() if "single_controller" not in path.relative_to(ROOT).parts]
     assert [use for path in outside for use in _actor_handle_uses(path)] == []
 
 

@@ -24,7 +24,7 @@ from hybridflow.agents.batch import trajectories_to_batch
 from hybridflow.agents.chat_session import ChatSession
 from hybridflow.agents.openai_api import ChatRequest, check_recipe_sampling
 from hybridflow.agents.server import ChatServer
-from hybridflow.agents.template import end_of_turn_ids, message_delta_renderer
+from hybridflow.agents.template import end_of_turn_ids, message_delta_renderer, tokenize_chat
 from hybridflow.agents.tool_formats import resolve_format
 from hybridflow.protocol import DataProto
 from hybridflow.utils.imports import import_by_path
@@ -107,8 +107,6 @@ class OpenAIAgentRollout(SeededGenerationMixin):
 
     def session(self, name: str, seed: int) -> ChatSession:
         def render_full(messages: list[dict], tools: list[dict] | None) -> list[int]:
-            from hybridflow.data.prompt_dataset import tokenize_chat
-
             return tokenize_chat(self.tokenizer, messages, tools, self.cfg.chat_template_kwargs)
 
         return ChatSession(

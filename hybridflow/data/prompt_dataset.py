@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from hybridflow.agents.template import tokenize_chat
 from hybridflow.data.image_prompts import IMAGES_KEY, decode_images, image_prompt_inputs
 from hybridflow.protocol import PIXEL_VALUES_KEY
 
@@ -134,19 +135,6 @@ class PromptDataset(torch.utils.data.Dataset):
                 self.processor, row[self.prompt_key], images, self.where[i], self.tools
             )
         return item
-
-
-def tokenize_chat(
-    tokenizer, messages: list[dict], tools: list[dict] | None = None, template_kwargs: dict | None = None
-) -> list[int]:
-    """Token ids of `messages` rendered by the tokenizer's chat template (with the `tools`' schemas,
-    when given, and the template's extra variables `template_kwargs`), ending with the assistant
-    prefix (where the response starts)."""
-    text = tokenizer.apply_chat_template(
-        messages, tools=tools, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
-    )
-    # The template already wrote any BOS/role tokens; adding special tokens again would double them.
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def object_array(values: list) -> np.ndarray:

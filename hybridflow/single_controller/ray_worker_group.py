@@ -7,7 +7,7 @@
 
 Rank r runs in slot r (slots laid out node by node) with `RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
 `LOCAL_WORLD_SIZE`, `MASTER_ADDR` (rank 0's node), `MASTER_PORT` and `HYBRIDFLOW_NODE_ID` (the
-slot's Ray node id, see `engines.placement`) in its environment before the worker class's
+slot's Ray node id, which `engines.placement` reads) in its environment before the worker class's
 `__init__` runs. Rank 0's process hosts the torch.distributed store at MASTER_ADDR:MASTER_PORT
 from before its `__init__` (`worker.host_rendezvous`: the OS picks the port as the store binds it)
 and publishes the address; the other ranks start their `__init__` once rank 0's has returned, so
@@ -48,8 +48,7 @@ import ray
 import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from engines.placement import NODE_ID_ENV
-from hybridflow.parallel_ranks import ParallelRanks
+from hybridflow.parallel_ranks import NODE_ID_ENV, ParallelRanks
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller.decorator import registered_methods
 from hybridflow.single_controller.dispatch import Dispatched

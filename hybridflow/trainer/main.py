@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from hybridflow.config.loader import load_recipe, write_resolved_recipe
+from hybridflow.config.models import resolve_recipe_models
 from hybridflow.config.schema import RecipeConfig
 from hybridflow.config.validate import Layout, validate_recipe
 from hybridflow.launch.local_ray import start_local_ray
@@ -37,7 +38,6 @@ from hybridflow.trainer.restart import Restarts, WorkerProcessDied, warn_if_rest
 from hybridflow.trainer.resume import ResumePlan, plan_resume
 from hybridflow.trainer.rollout.pool import RolloutProcessDied
 from hybridflow.utils import warning_filters
-from hybridflow.utils.hub import resolve_recipe_models
 from hybridflow.utils.nonfinite import StepRefusedError
 from hybridflow.utils.teardown import closing_after
 

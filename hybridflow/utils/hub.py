@@ -11,8 +11,6 @@ filesystem (docs/multinode.md) so that every node reads the same snapshot.
 import re
 from pathlib import Path
 
-from hybridflow.config.schema import RecipeConfig
-
 # what loading a model and its tokenizer reads; not *.bin / *.pth / GGUF copies of the weights
 MODEL_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -63,18 +61,3 @@ def resolve_model(key: str, path: str, revision: str | None = None) -> str:
         raise ValueError(
             f"{key}={path} is neither a local directory nor a usable Hub id: {err}; {HOW_TO_FETCH}"
         ) from None
-
-
-def resolve_recipe_models(cfg: RecipeConfig) -> RecipeConfig:
-    """Replaces every Hub id among the recipe's model paths by its local snapshot directory."""
-    revision = cfg.model.revision
-    cfg.model.path = resolve_model("model.path", cfg.model.path, revision)
-    if cfg.model.tokenizer_path is not None:
-        cfg.model.tokenizer_path = resolve_model("model.tokenizer_path", cfg.model.tokenizer_path, revision)
-    if cfg.critic.enable and cfg.critic.model_path is not None:
-        cfg.critic.model_path = resolve_model("critic.model_path", cfg.critic.model_path)
-    if cfg.reward_model.enable and cfg.reward_model.path is not None:
-        cfg.reward_model.path = resolve_model("reward_model.path", cfg.reward_model.path)
-    if cfg.algorithm.distillation.enable and cfg.teacher.path is not None:
-        cfg.teacher.path = resolve_model("teacher.path", cfg.teacher.path)
-    return cfg
