@@ -26,7 +26,13 @@ RolloutName = Literal["hf", "vllm", "sglang"]
 RolloutDtype = Literal["float32", "bfloat16", "float16"]
 # single_turn: the engine's batch generation | tool: multi-turn tool use (hybridflow/agents/loop.py)
 # openai: a user function written against the openai client (hybridflow/agents/openai_loop.py)
-AgentLoopName = Literal["single_turn", "tool", "openai"]
+# environment: episodes against an environment server (hybridflow/agents/environments.py)
+AgentLoopName = Literal["single_turn", "tool", "openai", "environment"]
+# openenv: an OpenEnv server, over its WebSocket session protocol (hybridflow/agents/openenv_env.py)
+EnvironmentName = Literal["openenv"]
+# sum: the episode's step rewards added, on its last sampled token | final: the last step's reward
+# there | per_turn: each step's reward on the last sampled token of the turn it answers
+EpisodeReward = Literal["sum", "final", "per_turn"]
 ToolCallFormatName = Literal["auto", "hermes", "qwen3_coder", "llama3_json", "mistral", "deepseek_v3"]
 LoadFormat = Literal["dummy", "auto"]  # dummy: random init, weights arrive with the first sync
 # vLLM's CPU build: packed (oneDNN, vLLM's default) | plain (engines/rollout/vllm_cpu_weights.py)
@@ -108,6 +114,50 @@ class SamplingConfig:
 
 
 @dataclass
+class EnvironmentConfig:
+    """The environment server episodes of `rollout.agent.loop=environment` run against
+    (docs/environments.md): each sampled turn is an action, each observation a user turn."""
+
+    name: EnvironmentName = "openenv"  # the connector that speaks the server's protocol
+    url: str = ""  # the server's base URL, e.g. http://127.0.0.1:8000 (checked before any worker starts)
+    action_field: str = "message"  # the action's field that carries the model's turn text
+    observation_field: str = ""  # the observation's field the model reads; "": every field, as JSON
+    reward: EpisodeReward = "sum"  # how step rewards become the trajectory's reward
+    # opening an episode's session; a server that does not answer in time fails the call
+    connect_timeout_s: float = 30.0
+    step_timeout_s: float = 60.0  # one reset or step; a slower answer fails the generation call
+    max_concurrent_episodes: int = 0  # sessions open at once per rollout worker; 0: every row of a call
+
+    def __post_init__(self) -> None:
+        names = get_args(EnvironmentName)
+        if self.name not in names:
+            raise ValueError(
+                f"rollout.agent.environment.name must be one of {names}, got {self.name!r}; "
+                "set rollout.agent.environment.name: openenv"
+            )
+        rewards = get_args(EpisodeReward)
+        if self.reward not in rewards:
+            raise ValueError(
+                f"rollout.agent.environment.reward must be one of {rewards}, got {self.reward!r}"
+            )
+        if not isinstance(self.action_field, str) or not self.action_field:
+            raise ValueError(
+                "rollout.agent.environment.action_field must name a field of the action, "
+                f"got {self.action_field!r}"
+            )
+        if self.connect_timeout_s <= 0 or self.step_timeout_s <= 0:
+            raise ValueError(
+                "rollout.agent.environment.connect_timeout_s and step_timeout_s must be > 0, got "
+                f"{self.connect_timeout_s} and {self.step_timeout_s}"
+            )
+        if self.max_concurrent_episodes < 0:
+            raise ValueError(
+                "rollout.agent.environment.max_concurrent_episodes must be >= 0 (0: every row), "
+                f"got {self.max_concurrent_episodes}"
+            )
+
+
+@dataclass
 class AgentConfig:
     """How each prompt's trajectory is produced (docs/agents.md)."""
 
@@ -124,6 +174,8 @@ class AgentConfig:
     tool_call_format: ToolCallFormatName = "auto"
     # for loop: openai, `package.module:function`: async def run(client, model, messages, **row)
     openai_agent: str = ""
+    # for loop: environment, the environment server and how its rewards count (docs/environments.md)
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
 
     def __post_init__(self) -> None:
         loops = get_args(AgentLoopName)
@@ -160,6 +212,11 @@ class AgentConfig:
         if self.openai_agent and self.loop != "openai":
             raise ValueError(
                 f"rollout.agent.openai_agent is set but rollout.agent.loop={self.loop!r}; use openai"
+            )
+        if self.loop == "environment" and not self.environment.url:
+            raise ValueError(
+                "rollout.agent.loop=environment needs rollout.agent.environment.url, the environment "
+                "server's base URL (e.g. http://127.0.0.1:8000)"
             )
 
     def tool_call_limit(self) -> int:

@@ -73,6 +73,11 @@ def build_agent_rollout(engine, cfg, tokenizer_dir: str) -> AgentRollout:
         from hybridflow.agents.openai_loop import build_openai_rollout
 
         return build_openai_rollout(engine, cfg, tokenizer_dir)
+    if cfg.agent.loop == "environment":
+        from hybridflow.agents.environments import build_environment_rollout
+        from hybridflow.agents.openenv_env import open_environment
+
+        return build_environment_rollout(engine, cfg, tokenizer_dir, open_environment)
     from transformers import AutoTokenizer
 
     from engines.rollout.requests import VLLMRequestEngine

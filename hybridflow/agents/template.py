@@ -139,29 +139,19 @@ PROBE_TOOLS = [
 ]
 
 
-def check_incremental_template(tokenizer, key: str = "the tokenizer") -> None:
+def check_incremental_template(
+    tokenizer, key: str = "the tokenizer", messages: list[dict] | None = None
+) -> None:
     """The recipe check of agent loops: TemplateNotIncremental, starting with the recipe `key` of
-    the tokenizer, naming what keeps the chat template from rendering tool responses
-    incrementally (no end-of-turn token, or earlier turns that change when an assistant turn and
-    tool messages follow them) and the fix."""
+    the tokenizer, naming what keeps the chat template from rendering `messages` (default: a tool
+    response; the environment loop's are user turns) incrementally (no end-of-turn token, or
+    earlier turns that change when an assistant turn and the messages follow them) and the fix."""
+    probe = messages or tool_messages(["probe"], ["42"], turn=0)
     try:
-        message_delta_renderer(tokenizer)(tool_messages(["probe"], ["42"], turn=0), tools=PROBE_TOOLS)
+        message_delta_renderer(tokenizer)(probe, tools=None if messages else PROBE_TOOLS)
     except TemplateNotIncremental as err:
         raise TemplateNotIncremental(
-            f"{key}: {err}; agent loops append tool responses to the sampled ids, so set "
+            f"{key}: {err}; agent loops append tool responses and observations to the sampled ids, so set "
             "model.tokenizer_path to a tokenizer whose chat template ends each assistant turn with a "
             "special token and leaves earlier turns as they are"
         ) from None
-
-
-def tokenize_chat(
-    tokenizer, messages: list[dict], tools: list[dict] | None = None, template_kwargs: dict | None = None
-) -> list[int]:
-    """Token ids of `messages` rendered by the tokenizer's chat template (with the `tools`' schemas,
-    when given, and the template's extra variables `template_kwargs`), ending with the assistant
-    prefix (where the response starts)."""
-    text = tokenizer.apply_chat_template(
-        messages, tools=tools, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
-    )
-    # The template already wrote any BOS/role tokens; adding special tokens again would double them.
-    return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -92,7 +92,7 @@ def validate_recipe(cfg: RecipeConfig, cuda_available: bool | None = None) -> La
         if layout is not None:
             errors += _check_batch_sizes(cfg, layout)
     errors += _check_token_budgets(cfg)
-    errors += _check_agent_tools(cfg)
+    errors += _check_agent_tools(cfg) + _check_environment(cfg)
     errors += _check_lora_without_adapters(cfg.actor.lora)
     if cfg.actor.lora.rank and cfg.actor.megatron.param_offload:
         # offload.py moves the parameters in DDP's buffers: under LoRA only the adapters
@@ -333,6 +333,26 @@ def _check_agent_tools(cfg: RecipeConfig) -> list[str]:
             load_openai_agent(cfg.rollout.agent.openai_agent)
         except (TypeError, ValueError) as err:
             errors.append(str(err))
+    return errors
+
+
+def _check_environment(cfg: RecipeConfig) -> list[str]:
+    """loop=environment: the environment's rewards are the scores, so a reward function or model
+    beside them is refused, and its connector's package must be installed."""
+    if cfg.rollout.agent.loop != "environment":
+        return []
+    import importlib.util
+
+    because = "rollout.agent.loop=environment: the environment's rewards are the scores"
+    errors = _no_effect(_changed_fields(cfg.reward, "reward", ("custom_fn",)), because, "; remove {it}")
+    errors += _no_effect(
+        _changed_fields(cfg.reward_model, "reward_model", ("enable",)), because, "; set {it} to false"
+    )
+    if importlib.util.find_spec("openenv") is None:
+        errors.append(
+            "rollout.agent.environment.name=openenv needs the openenv-core package, which is not installed: "
+            "pip install -r requirements.txt (it pins openenv-core)"
+        )
     return errors
 
 
@@ -1219,14 +1239,22 @@ def _agent_settings_unread(cfg: RecipeConfig) -> list[str]:
     agent, loop = cfg.rollout.agent, cfg.rollout.agent.loop
     errors = []
     if loop != "tool":
-        tool_loop = ("max_turns", "tool_timeout_s", "max_concurrent_tool_calls", "max_tool_response_length")
+        tool_loop = ("tool_timeout_s", "max_concurrent_tool_calls", "max_tool_response_length")
+        tool_loop += () if loop == "environment" else ("max_turns",)  # an episode's turns
         changed = _changed_fields(agent, "rollout.agent", tool_loop)
         errors += _no_effect(
             changed,
             f"rollout.agent.loop={loop}",
             ": only loop=tool reads {it}; set rollout.agent.loop=tool, or remove {it}",
         )
-    if loop == "single_turn":
+    if loop != "environment":
+        changed = _changed_fields(agent, "rollout.agent", ("environment",))
+        errors += _no_effect(
+            changed,
+            f"rollout.agent.loop={loop}",
+            ": only loop=environment runs episodes; set rollout.agent.loop=environment, or remove {it}",
+        )
+    if loop in ("single_turn", "environment"):
         changed = _changed_fields(agent, "rollout.agent", ("tool_call_format",))
         errors += _no_effect(
             changed,

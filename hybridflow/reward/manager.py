@@ -11,6 +11,9 @@ A reward function that raises, or returns something other than a number, stops t
 or raised, with the function's own traceback); a NaN / inf score is a `NonFiniteError`, which
 trainer.nonfinite_policy may skip.
 
+An environment's episodes (rollout.agent.loop=environment, hybridflow/agents/environments.py) come
+with their rewards, `env_scores` (B, R): those are the scores, in training and in validation.
+
 Shapes: B responses, R response positions (right-padded; `response_mask` is 1 up to and
 including EOS).
 """
@@ -26,6 +29,8 @@ from hybridflow.algorithms.masked import last_token_lengths
 from hybridflow.protocol import DataProto
 from hybridflow.reward.registry import RewardFn
 from hybridflow.utils.nonfinite import NonFiniteError
+
+ENV_SCORES = "env_scores"  # an environment's rewards (B, R), written by hybridflow/agents/environments.py
 
 
 class RewardFunctionError(RuntimeError):
@@ -73,7 +78,10 @@ def score_one(reward_fn: RewardFn, row: int, source: str, text: str, ground_trut
 
 def sequence_scores(batch: DataProto, tokenizer, reward_fn: RewardFn) -> torch.Tensor:
     """One float per response: `reward_fn(data_source, decoded response, ground truth, extra_info)`;
-    a NaN / inf score raises `NonFiniteError` naming the function and the data_source."""
+    a NaN / inf score raises `NonFiniteError` naming the function and the data_source. Episodes of an
+    environment: the sum of each row's `env_scores` instead."""
+    if ENV_SCORES in batch.batch:
+        return batch.batch[ENV_SCORES].float().sum(dim=-1)  # (B,)
     texts = model_texts(batch.batch["responses"], batch.batch["response_mask"], tokenizer)
     non_tensor = batch.non_tensor_batch
     extra_infos = non_tensor.get("extra_info", [{}] * len(texts))
@@ -114,8 +122,10 @@ def place_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> to
 
 
 def compute_rewards(batch: DataProto, tokenizer, reward_fn: RewardFn) -> DataProto:
-    """`token_level_scores` (B, R) for the batch; a reward model's `rm_scores`, when the batch
-    carries them, are the scores instead of the rule."""
+    """`token_level_scores` (B, R) for the batch; a reward model's `rm_scores` or an environment's
+    `env_scores`, when the batch carries them, are the scores instead of the rule."""
+    if ENV_SCORES in batch.batch:
+        return DataProto.from_dict({"token_level_scores": batch.batch[ENV_SCORES].float()})
     if "rm_scores" in batch.batch:
         return DataProto.from_dict({"token_level_scores": batch.batch["rm_scores"].float()})
     scores = sequence_scores(batch, tokenizer, reward_fn)

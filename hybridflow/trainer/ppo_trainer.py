@@ -72,7 +72,8 @@ class PPOTrainer:
             self._loader(cfg.data.val_files, cfg.data.val_max_samples) if cfg.data.val_files else None
         )
         self.use_ref = uses_reference(cfg)
-        self.rollout_reads_rows = cfg.rollout.agent.loop == "openai"  # the agent reads each row's messages
+        # the agent, or the environment loop, reads each row's messages
+        self.rollout_reads_rows = cfg.rollout.agent.loop in ("openai", "environment")
         self.prompts = PromptBatches(self.train_loader, cfg.rollout.sampling.n, self.rollout_reads_rows)
         self.rollout = roles.rollout
         if cfg.trainer.async_training.mode == "stream":  # groups generate on as steps take them

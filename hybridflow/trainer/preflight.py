@@ -53,6 +53,10 @@ def check_run_inputs(cfg: RecipeConfig) -> None:
     )
     tokenizer = load_tokenizer(cfg)
     check_chat_template(cfg, tokenizer)
+    if cfg.rollout.agent.loop == "environment":
+        from hybridflow.agents.openenv_env import check_server
+
+        check_server(cfg.rollout.agent.environment)
     if uses_teacher(cfg):  # the teacher scores the student's token ids: one tokenizer for both
         check_teacher_tokenizer(cfg.teacher.path, tokenizer, cfg.model.path)
     check_image_columns_match_model(cfg)
@@ -189,6 +193,9 @@ def check_chat_template(cfg: RecipeConfig, tokenizer) -> None:
     if loop == "single_turn":
         return
     key = _tokenizer_key(cfg)
+    if loop == "environment":  # observations are user turns appended to the sampled ids
+        check_incremental_template(tokenizer, key, [{"role": "user", "content": PROBE_RESPONSE}])
+        return
     render = template_renderer(tokenizer, key)
     schemas = prompt_tools(cfg.rollout.agent) or [PROBE_TOOL]
     if render(PROBE_QUESTION, schemas, "tools=") == render(PROBE_QUESTION, None, "a user message"):
@@ -324,7 +331,8 @@ def _prompt_dataset(
 ) -> PromptDataset:
     """The dataset the trainer builds (it checks every prompt), and the rows' reward inputs."""
     dataset = recipe_prompt_dataset(cfg, tokenizer, files, max_samples, processor)
-    check_reward_inputs(read_located_rows(files, REQUIRED_COLUMNS)[:max_samples], cfg.reward.custom_fn)
+    if cfg.rollout.agent.loop != "environment":  # an environment's rewards need no rule or ground truth
+        check_reward_inputs(read_located_rows(files, REQUIRED_COLUMNS)[:max_samples], cfg.reward.custom_fn)
     return dataset
 
 
