@@ -155,3 +155,16 @@ def check_incremental_template(
             "model.tokenizer_path to a tokenizer whose chat template ends each assistant turn with a "
             "special token and leaves earlier turns as they are"
         ) from None
+
+
+def tokenize_chat(
+    tokenizer, messages: list[dict], tools: list[dict] | None = None, template_kwargs: dict | None = None
+) -> list[int]:
+    """Token ids of `messages` rendered by the tokenizer's chat template (with the `tools`' schemas,
+    when given, and the template's extra variables `template_kwargs`), ending with the assistant
+    prefix (where the response starts)."""
+    text = tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
+    )
+    # The template already wrote any BOS/role tokens; adding special tokens again would double them.
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
