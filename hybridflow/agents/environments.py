@@ -156,19 +156,6 @@ def user_turn(text: str) -> dict:
     return {"role": "user", "content": text}
 
 
-def prompt_renderer(tokenizer, template_kwargs: dict | None = None) -> RenderMessages:
-    """`render(messages)`: the prompt ids of `messages` as the chat template renders them, with the
-    assistant prompt and the template's extra variables `template_kwargs`."""
-
-    def render(messages: list[dict]) -> list[int]:
-        text = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
-        )
-        return tokenizer(text, add_special_tokens=False)["input_ids"]  # the template wrote the special tokens
-
-    return render
-
-
 def row_messages(prompts: DataProto) -> list[list[dict]]:
     """Each prompt row's chat messages (`raw_prompt`)."""
     if "raw_prompt" not in prompts.non_tensor_batch:
@@ -231,7 +218,7 @@ def build_environment_rollout(
     from transformers import AutoTokenizer
 
     from engines.rollout.requests import VLLMRequestEngine
-    from hybridflow.agents.template import end_of_turn_ids, message_delta_renderer
+    from hybridflow.agents.template import end_of_turn_ids, message_delta_renderer, tokenize_chat
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     kwargs, env_cfg = cfg.chat_template_kwargs, cfg.agent.environment
@@ -250,7 +237,7 @@ def build_environment_rollout(
             generate,
             lambda: open_environment(env_cfg),
             lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-            prompt_renderer(tokenizer, kwargs),
+            lambda messages: tokenize_chat(tokenizer, messages, None, kwargs),
             lambda text, closed: render_delta([user_turn(text)], closed=closed),
             cfg.response_length,
             cfg.agent.max_turns,

@@ -19,11 +19,10 @@ from hybridflow.agents.environments import (
     Episode,
     StepResult,
     place_episode_rewards,
-    prompt_renderer,
     user_turn,
 )
 from hybridflow.agents.openenv_env import OpenEnvEnvironment, check_server
-from hybridflow.agents.template import end_of_turn_ids, message_delta_renderer
+from hybridflow.agents.template import end_of_turn_ids, message_delta_renderer, tokenize_chat
 from hybridflow.protocol import DataProto
 from hybridflow.reward.manager import compute_rewards, sequence_scores
 from hybridflow.utils.tiny_model import build_tokenizer
@@ -91,14 +90,14 @@ def play_episode(url: str, max_turns: int = 4, budget: int = 200) -> tuple[Episo
         engine.generate,
         lambda: OpenEnvEnvironment(settings(url)),
         lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-        prompt_renderer(tokenizer),
+        lambda messages: tokenize_chat(tokenizer, messages),
         lambda text, closed: render_delta([user_turn(text)], closed=closed),
         budget,
         max_turns,
         ends,
     )
     messages = [{"role": "system", "content": "Be brief."}]
-    episode = asyncio.run(loop.run(prompt_renderer(tokenizer)(messages), 11, messages, reset_seed=5))
+    episode = asyncio.run(loop.run(tokenize_chat(tokenizer, messages), 11, messages, reset_seed=5))
     return episode, messages, tokenizer
 
 
