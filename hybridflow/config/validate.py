@@ -519,7 +519,23 @@ def _check_estimator(cfg: RecipeConfig) -> list[str]:
         ]
     if estimator != "grpo_passk" and k is not None:
         return [f"algorithm.pass_k={k} is read by adv_estimator=grpo_passk only; remove it or use that one"]
-    return []
+    return _passk_reward_shaping(cfg) if estimator == "grpo_passk" else []
+
+
+def _passk_reward_shaping(cfg: RecipeConfig) -> list[str]:
+    """grpo_passk scores 0 / 1 outcomes: nothing may add to them before the estimator reads them."""
+    algorithm = cfg.algorithm
+    shaping = {
+        "algorithm.use_kl_in_reward": (algorithm.use_kl_in_reward, "; a KL term can go in the loss instead: "
+                                       "actor.update.use_kl_loss=true"),
+        "algorithm.overlong_buffer.enable": (algorithm.overlong_buffer.enable, ""),
+    }  # fmt: skip
+    return [
+        f"algorithm.adv_estimator=grpo_passk scores 0 / 1 outcomes, and {key}=true adds to them: set it "
+        f"to false{hint}"
+        for key, (on, hint) in shaping.items()
+        if on
+    ]
 
 
 def _check_data_source(cfg: RecipeConfig) -> list[str]:
