@@ -71,12 +71,33 @@ def test_a_users_estimator_from_a_file_trains_two_steps(local, tmp_path):
     assert all(r["advantages/mean"] == pytest.approx(0.375) for r in trained_steps(tmp_path))
 
 
-def test_a_users_estimator_of_the_wrong_signature_is_refused_before_ray(local, tmp_path, monkeypatch):
+REFUSED = {
+    "wrong_signature": (
+        ["algorithm.adv_estimator=user_estimators.wrong_signature"],
+        f"algorithm.adv_estimator='user_estimators.wrong_signature': wrong_signature takes "
+        f"('token_level_rewards', 'response_mask'); an advantage estimator must take {ADVANTAGE_PARAMETERS}",
+    ),
+    "passk_without_k": (
+        ["algorithm.adv_estimator=grpo_passk"],
+        "algorithm.adv_estimator=grpo_passk needs algorithm.pass_k, the k of pass@k, between 1 and "
+        "rollout.sampling.n=2; got None",
+    ),
+    "passk_k_above_n": (["algorithm.adv_estimator=grpo_passk", "algorithm.pass_k=3"], "n=2; got 3"),
+    "k_without_passk": (["algorithm.pass_k=2"], "pass_k=2 is read by adv_estimator=grpo_passk only"),
+    "passk_with_kl_in_reward": (
+        ["algorithm.adv_estimator=grpo_passk", "algorithm.pass_k=2", "algorithm.use_kl_in_reward=true"],
+        "grpo_passk scores 0 / 1 outcomes, and algorithm.use_kl_in_reward=true adds to them",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_a_recipe_the_estimator_cannot_run_is_refused_before_ray(case, local, tmp_path, monkeypatch):
     def refuse(*args, **kwargs):
         raise RayStarted("the checks passed and the entry point went on to start Ray")
 
     monkeypatch.setattr(entry, "connect_ray", refuse)
-    result = run(local, tmp_path, "algorithm.adv_estimator=user_estimators.wrong_signature")
+    overrides, message = REFUSED[case]
+    result = run(local, tmp_path, *overrides)
     assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-6000:]
-    assert "algorithm.adv_estimator='user_estimators.wrong_signature': wrong_signature takes" in result.stderr
-    assert str(ADVANTAGE_PARAMETERS) in result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
