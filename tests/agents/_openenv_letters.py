@@ -1,20 +1,19 @@
 """An OpenEnv environment for the tests, served by OpenEnv's own server (`create_app`, uvicorn:
-tests/agents/openenv_server.py starts it). Each step's reward is the share of the action's
-characters that are ASCII letters; the episode ends after STEPS steps. Every step is appended to
-the JSON-lines file named by $LETTERS_LOG (when set), so a test can check what the trainer got
-against what the server gave."""
+tests/agents/openenv_server.py starts it), with the rules of letters_game.py: each step's reward is
+the share of the action's characters that are ASCII letters; the episode ends after STEPS steps.
+Every step is appended to the JSON-lines file named by $LETTERS_LOG (when set), so a test can check
+what the trainer got against what the server gave."""
 
 import json
 import os
 import threading
 import uuid
 
+from letters_game import STEPS, TASK, letter_share
 from openenv.core.env_server.http_server import create_app
 from openenv.core.env_server.interfaces import Environment
 from openenv.core.env_server.types import Action, Observation, State
 
-STEPS = 2
-TASK = "Reply with letters only."
 _log_lock = threading.Lock()
 
 
@@ -24,11 +23,6 @@ class LettersAction(Action):
 
 class LettersObservation(Observation):
     text: str = ""
-
-
-def letter_share(text: str) -> float:
-    """The share of `text`'s characters that are ASCII letters (0 for an empty text)."""
-    return sum(c.isascii() and c.isalpha() for c in text) / len(text) if text else 0.0
 
 
 class LettersEnvironment(Environment):

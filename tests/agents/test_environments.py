@@ -8,7 +8,7 @@ import socket
 
 import pytest
 import torch
-from _openenv_letters import STEPS, TASK, letter_share
+from letters_game import STEPS, TASK, letter_share
 from openenv_server import openenv_server
 
 from engines.rollout.config import EnvironmentConfig
