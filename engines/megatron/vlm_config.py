@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engines.megatron.model import HFModelConfig, check_unsupported_features, dense_text_fields
+from engines.model_dir import is_vision_language_dir  # noqa: F401 - the recipe checks import it from here
 
 TEXT_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
 
@@ -108,16 +109,6 @@ def _check_llava_options(raw: dict, where: str) -> None:
         raise ValueError(f"{where}: vision_feature_select_strategy must be 'default' or 'full'")
     if raw.get("projector_hidden_act", "gelu") != "gelu" or not raw.get("multimodal_projector_bias", True):
         raise ValueError(f"{where}: only a GELU projector with biases is supported")
-
-
-def is_vision_language_dir(path) -> bool:
-    """Whether `<path>/config.json` describes a vision-language model (it has a `vision_config`);
-    False where there is no readable config (load_hf_config names that problem)."""
-    try:
-        raw = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(raw, dict) and "vision_config" in raw
 
 
 def load_vlm_config(path) -> VLMConfig:

@@ -12,7 +12,7 @@ from hybridflow.data.prompt_dataset import PromptDataset
 
 def policy_processor(cfg: RecipeConfig):
     """The policy's Hugging Face processor when it is a vision-language model, else None."""
-    from engines.megatron.vlm_config import is_vision_language_dir
+    from engines.model_dir import is_vision_language_dir
 
     if not is_vision_language_dir(cfg.model.path):
         return None
