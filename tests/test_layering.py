@@ -136,6 +136,13 @@ def test_only_the_single_controller_touches_ray_actor_handles():
     assert [use for path in outside for use in _actor_handle_uses(path)] == []
 
 
+def test_product_code_holds_no_test_hooks():
+    """A test that needs a worker to behave otherwise brings its own code (a worker or engine class,
+    tests/async_rl/hung_workers.py; a hook loaded on the run's path, held_generation/)."""
+    hooked = [path for path in _product_files() if "HYBRIDFLOW_TEST_" in path.read_text()]
+    assert [str(path.relative_to(ROOT)) for path in hooked] == []
+
+
 def test_only_engines_import_megatron_or_sglang():
     offenders = [
         f"{path.relative_to(ROOT)} imports {name}"

@@ -23,7 +23,6 @@ steps, the rows in flight continuing under the new weights. Rows then carry `rol
 """
 
 import contextlib
-import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,10 +35,6 @@ from hybridflow.config.schema import RecipeConfig
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller import Dispatch, Worker, register
 
-# Tests only (tests/async_rl/test_engine_restarts.py): a directory. Once a generation call has its
-# tokens, the worker writes <dir>/held.<pid>.<call> and holds the call until <dir>/release.<pid>.<call>
-# or <dir>/release exists, so a test can kill the process while the call is in flight.
-HOLD_ENV = "HYBRIDFLOW_TEST_HOLD_GENERATION"
 # How long a member leaving a broken transfer group waits for its receive under way to fail (it
 # fails as soon as the sender has dropped the group).
 LEAVE_TIMEOUT_S = 60.0
@@ -63,7 +58,6 @@ class RolloutWorker(Worker):
         self.receiver = None
         self._background = ThreadPoolExecutor(max_workers=1)
         self._pending: Future | None = None
-        self._held_calls = 0  # generation calls held for a test (HOLD_ENV)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -151,19 +145,7 @@ class RolloutWorker(Worker):
             output.batch["policy_version"] = served
         window = torch.tensor([start, time.time()], dtype=torch.float64)
         output.batch["generation_window"] = window.expand(len(output), 2).clone()  # (B, 2)
-        if HOLD_ENV in os.environ:
-            self._hold_for_test(output)
         return output
-
-    def _hold_for_test(self, output: DataProto) -> None:
-        """See HOLD_ENV: the call's tokens are generated; it returns once the test releases it."""
-        folder = Path(os.environ[HOLD_ENV])
-        self._held_calls += 1
-        name = f"{os.getpid()}.{self._held_calls}"
-        tokens = int(output.batch["response_mask"].sum())
-        (folder / f"held.{name}").write_text(str(tokens))
-        while not ((folder / f"release.{name}").exists() or (folder / "release").exists()):
-            time.sleep(0.05)
 
     def _why_not_serving(self) -> str:
         if self.receiver is None or self.receiver.failure is None:

@@ -1,8 +1,8 @@
 """A rollout process on the real vLLM CPU engine (trainer.placement=disaggregated, actor 1 process,
 vLLM 1 process, through scripts/run_recipe.sh) killed with SIGKILL while a generation call is in
-flight. The condition, not a timing: with HYBRIDFLOW_TEST_HOLD_GENERATION the rollout worker
-writes held.<pid>.<call> once a call has generated its tokens and holds the call there until the
-test releases it, so the kill lands with the call unanswered.
+flight. The condition, not a timing: the run's processes load held_generation/sitecustomize.py,
+with which the rollout worker writes held.<pid>.<call> once a call has generated its tokens and
+holds the call there until the test releases it, so the kill lands with the call unanswered.
 
 - Killed once, at step 2 (policy version 1): the pool restarts the process, checks the fresh
   engine's log-probs of fixed tokens against the actor's (within 1e-4), generates the lost call
@@ -17,6 +17,7 @@ test releases it, so the kill lands with the call unanswered.
 """
 
 import json
+import os
 import signal
 import subprocess
 import uuid
@@ -25,14 +26,15 @@ from pathlib import Path
 
 import psutil
 import pytest
+from held_generation.sitecustomize import HOLD_ENV
 from multinode_helpers import processes_with_env
 from run_outputs import trained_steps
 from run_processes import cleanup, wait_for
 from tiny_run import command, environment, tiny_run_inputs
 
-from hybridflow.workers.rollout_worker import HOLD_ENV
-
 pytestmark = pytest.mark.slow
+
+HELD_GENERATION = Path(__file__).parent / "held_generation"  # on the run's path: its sitecustomize
 
 RESTART_KEYS = ("rollout/engine_restarts", "rollout/restart_seconds", "rollout/restart_log_prob_diff")
 OVERRIDES = (
@@ -52,9 +54,14 @@ def start(local: dict, out: Path, hold: Path, marker: str, *overrides: str) -> s
     log = open(out.parent / f"{out.name}.log", "w")  # noqa: SIM115 - the run's, closed with it
     return subprocess.Popen(
         command(local, out, *OVERRIDES, *overrides),
-        env=environment(local, marker, **{HOLD_ENV: str(hold)}),
+        env=environment(local, marker, **held_generation(local, hold)),
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
+
+
+def held_generation(local: dict, hold: Path) -> dict:
+    """The environment in which the run's rollout worker holds its calls in `hold`."""
+    return {HOLD_ENV: str(hold), "PYTHONPATH": f"{HELD_GENERATION}{os.pathsep}{local['root']}"}
 
 
 @contextmanager
@@ -131,8 +138,10 @@ def test_in_stream_mode_a_killed_rollout_process_is_restarted_and_the_lost_group
     local, tmp_path
 ):
     out, hold, marker = tmp_path / "stream", tmp_path / "hold", uuid.uuid4().hex
-    stream = ("trainer.async_training.mode=stream", "trainer.async_training.max_staleness=1",
-              "rollout.calculate_log_probs=true", "algorithm.rollout_correction.mode=decoupled_ppo")  # fmt: skip
+    stream = (
+        "trainer.async_training.mode=stream", "trainer.async_training.max_staleness=1",
+        "rollout.calculate_log_probs=true", "algorithm.rollout_correction.mode=decoupled_ppo",
+    )  # fmt: skip
     with running(local, out, hold, marker, *stream) as proc:
         kill(held_call(hold, proc, 1))  # a group's tokens generated, its call unanswered
         finishes(proc, hold, out)
