@@ -8,6 +8,7 @@ import socket
 
 import pytest
 import torch
+import yaml
 from letters_game import STEPS, TASK, letter_share
 from openenv_server import openenv_server
 
@@ -23,6 +24,8 @@ from hybridflow.agents.environments import (
 )
 from hybridflow.agents.openenv_env import OpenEnvEnvironment, check_server
 from hybridflow.agents.template import end_of_turn_ids, message_delta_renderer, tokenize_chat
+from hybridflow.config.loader import load_recipe
+from hybridflow.config.validate import _check_environment
 from hybridflow.protocol import DataProto
 from hybridflow.reward.manager import compute_rewards, sequence_scores
 from hybridflow.utils.tiny_model import build_tokenizer
@@ -178,3 +181,18 @@ def test_the_recipe_check_names_fields_the_server_does_not_have(server):
         check_server(settings(server, observation_field="message"))
     with pytest.raises(ValueError, match=r"url='127.0.0.1:8000' must be an http:// or https:// URL"):
         check_server(settings("127.0.0.1:8000"))
+
+
+def test_a_reward_function_or_model_beside_the_environments_rewards_is_refused(tmp_path):
+    recipe = {
+        "model": {"path": "m"},
+        "rollout": {"name": "vllm", "agent": {"loop": "environment", "environment": {"url": "http://h:1"}}},
+        "reward": {"custom_fn": "my_rewards.score"},
+        "reward_model": {"enable": True, "path": "rm"},
+    }
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    because = "has no effect with rollout.agent.loop=environment: the environment's rewards are the scores"
+    assert _check_environment(load_recipe(tmp_path / "recipe.yaml")) == [
+        f"reward.custom_fn=my_rewards.score {because}; remove it",
+        f"reward_model.enable=true {because}; set it to false",
+    ]
