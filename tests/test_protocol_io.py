@@ -1,9 +1,7 @@
 """DataProto serialisation, Ray futures and torch.distributed all-gather (real Ray, real gloo)."""
 
 import copy
-import os
 import pickle
-import socket
 
 import numpy as np
 import pytest
@@ -149,15 +147,9 @@ def test_future_errors(ray_cluster):
 
 
 # ---------------------------------------------------------------------- torch.distributed
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _all_gather_worker(rank: int, world_size: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+def _all_gather_worker(rank: int, world_size: int, store: str) -> None:
+    # a file store: no port to find free and hand on, which another process could take meanwhile
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
     try:
         lengths, starts = [2, 3], [0, 2]
         local = make_data(
@@ -176,5 +168,5 @@ def _all_gather_worker(rank: int, world_size: int, port: int) -> None:
 
 
 @pytest.mark.slow
-def test_all_gather_data_proto_gloo():
-    mp.spawn(_all_gather_worker, args=(2, _free_port()), nprocs=2, join=True)
+def test_all_gather_data_proto_gloo(tmp_path):
+    mp.spawn(_all_gather_worker, args=(2, str(tmp_path / "store")), nprocs=2, join=True)

@@ -33,11 +33,11 @@ def run_distributed(script, nproc: int, *args, timeout: float = 300, env: dict |
         script_path = TESTS_MEGATRON_DIR / script_path
     if not script_path.exists():
         raise ValueError(f"worker script not found: {script}")
-    port = free_port()
+    # --standalone: torchrun's rendezvous store binds port 0 and the workers get the port it bound (a
+    # port found free and passed on could be taken by another process before the store binds it)
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
-        "--nproc_per_node", str(nproc), "--nnodes", "1",
-        "--master_addr", "127.0.0.1", "--master_port", str(port),
+        "--standalone", "--nproc_per_node", str(nproc), "--nnodes", "1",
         str(script_path), *[str(a) for a in args],
     ]  # fmt: skip
     run_env = dict(os.environ)
