@@ -343,7 +343,7 @@ def check_image_columns_match_model(cfg: RecipeConfig) -> None:
     """ValueError when a prompt file and the policy disagree about images: an image column with a
     text model (the trainer would read only the prompt's text and drop the images without a word),
     or a vision-language model with a file that has no `images` column."""
-    from engines.megatron.vlm_config import is_vision_language_dir
+    from engines.model_dir import is_vision_language_dir
 
     vision = is_vision_language_dir(cfg.model.path)
     for key in ("train_files", "val_files"):
