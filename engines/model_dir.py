@@ -1,6 +1,6 @@
 """What kind of model a Hugging Face directory holds, read from its config.json alone (no engine
-library): the driver picks a vision-language policy's processor by it, and the Megatron engine's
-checks (engines/megatron/vlm_config.py) which config to read."""
+library): the driver's checks, its choice of a vision-language policy's processor and the policy
+worker's choice of model build all ask it, without importing an engine's modules."""
 
 import json
 from pathlib import Path

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engines.megatron.model import HFModelConfig, check_unsupported_features, dense_text_fields
-from engines.model_dir import is_vision_language_dir  # noqa: F401 - the recipe checks import it from here
 
 TEXT_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
 

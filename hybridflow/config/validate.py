@@ -782,7 +782,8 @@ def _text_model_config(role: str, key: str, path: str):
     """The model's config.json read by model.py, or, for a vision-language policy, its language
     model's (vlm.py; ValueError naming what it does not build)."""
     from engines.megatron.model import load_hf_config
-    from engines.megatron.vlm_config import is_vision_language_dir, load_vlm_config
+    from engines.megatron.vlm_config import load_vlm_config
+    from engines.model_dir import is_vision_language_dir
 
     if not is_vision_language_dir(path):
         return load_hf_config(path)
@@ -796,7 +797,7 @@ def _text_model_config(role: str, key: str, path: str):
 
 def _vision_tower_problems(cfg: RecipeConfig, path: str) -> list[str]:
     """A vision-language policy's unsupported settings; a vision-tower setting on a text model."""
-    from engines.megatron.vlm_config import is_vision_language_dir
+    from engines.model_dir import is_vision_language_dir
 
     if is_vision_language_dir(path):
         return vision_language_problems(cfg, path)

@@ -79,8 +79,8 @@ def check_weight_shapes(key: str, model_dir: Path, headers: Headers, value_head:
     `value_head`: the directory serves only a critic or reward model, whose output layer is a
     value head (the causal-LM head is not read, the score head may be absent: a fresh one)."""
     from engines.megatron.model import load_hf_config
-    from engines.megatron.vlm_config import is_vision_language_dir
     from engines.megatron.weights import hf_tensor_shapes
+    from engines.model_dir import is_vision_language_dir
 
     if is_vision_language_dir(model_dir):
         hf, expected = vlm_tensor_shapes(key, model_dir)

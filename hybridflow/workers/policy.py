@@ -48,7 +48,7 @@ class PolicyWorker(Worker):
         """The policy's model chunks: a GPT model (with the recipe's LoRA when trained), or for a
         vision-language model.path the LLaVA model (docs/vlm.md)."""
         from engines.megatron.build import build_model, build_vlm_model
-        from engines.megatron.vlm_config import is_vision_language_dir
+        from engines.model_dir import is_vision_language_dir
 
         cfg = self.config
         path, megatron = cfg.model.path, cfg.actor.megatron
