@@ -11,6 +11,7 @@ from filelock import FileLock
 from gsm8k_tiny import gsm8k_inputs
 from learning_runs import RUN_TIMEOUT_S, run_sft_warm_start, warm_start_overrides
 from process_group import run_recipe_script
+from recipe_runs import workers_import_from
 from working_tree import build_quickstart_working_tree
 
 from hybridflow.data.arith import write_arith_parquet
@@ -36,16 +37,26 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture(scope="session")
-def ray_cluster():
+def worker_modules(tmp_path_factory) -> Path:
+    """A directory on the PYTHONPATH of the session cluster's worker processes (and, through
+    run_recipe_in_process's `pythonpath`, of a run's driver): where a test writes a user's module
+    that the workers import. Each module is imported once per worker process: give each its own name."""
+    return tmp_path_factory.mktemp("worker_modules")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(worker_modules):
     """One local Ray instance for the session. Logical CPUs exceed the 2 real cores so that
     8-rank worker groups can be placed; tests that need their own cluster (multi-node
     simulation) run in a subprocess instead of shutting this one down. address="local": a new
     instance even while another test (another pytest-xdist worker) runs a `ray start` head; a start
-    that timed out on a busy machine is tried again (hybridflow/launch/local_ray.py)."""
+    that timed out on a busy machine is tried again (hybridflow/launch/local_ray.py). Its workers
+    import the test agents' modules and those of `worker_modules` (tests/recipe_runs.py)."""
     import ray
 
     if not ray.is_initialized():
-        start_local_ray(num_cpus=16, address="local", log_to_driver=True)
+        with workers_import_from(worker_modules):
+            start_local_ray(num_cpus=16, address="local", log_to_driver=True)
     yield ray
     ray.shutdown()
 

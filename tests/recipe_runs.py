@@ -13,12 +13,17 @@ The cluster is tests/conftest.py's session-scoped `ray_cluster` (request it thro
 `recipe_in_process` fixture). `main` leaves a connection its caller made to the caller. What a
 run changes in this process is put back after it: the signal handlers main installs, the working
 directory, `sys.path` and the modules imported from `pythonpath` (two test files may each write a
-reward module of the same name). Worker processes see none of this process's environment
-changes, so a run that needs an environment variable in its workers runs as a process.
+reward module of the same name). `pythonpath` reaches the driver only: worker processes see none of
+this process's changes, so a run that needs an environment variable in its workers runs as a
+process. The one exception is fixed at the cluster's start: its workers import the modules of
+WORKER_TEST_DIRS (tests/agents: agents the workers' rollout imports by `module:function`) and of
+conftest's session directory `worker_modules` (a user's module a test writes, e.g. a policy loss
+the actor imports), as a run's process had them on its PYTHONPATH.
 """
 
 import contextlib
 import io
+import os
 import signal
 import subprocess
 import sys
@@ -26,13 +31,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# Directories of test modules the session cluster's worker processes import (on their PYTHONPATH).
+WORKER_TEST_DIRS = (ROOT / "tests" / "agents",)
 
 
 def run_recipe_in_process(
-    recipe: str, overrides: list[str], *, pythonpath: Path | None = None
+    recipe: str, overrides: list[str], *, pythonpath: Path | list[Path] | None = None
 ) -> subprocess.CompletedProcess:
     """main([recipe, *overrides]) from the repository root (recipe relative to it), with
-    `pythonpath` (custom reward modules) importable for the run's length."""
+    `pythonpath` (a directory or several: custom reward modules) importable for the run's length."""
     from hybridflow.trainer.main import main
 
     argv = [str(ROOT / recipe), *map(str, overrides)]
@@ -48,20 +55,20 @@ def run_recipe_in_process(
 
 
 @contextlib.contextmanager
-def process_state_kept(pythonpath: Path | None) -> Iterator[None]:
+def process_state_kept(pythonpath: Path | list[Path] | None) -> Iterator[None]:
     """Signal handlers, sys.path and the modules under `pythonpath` as they were, after the block."""
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     path = list(sys.path)
-    if pythonpath is not None:
-        sys.path.insert(0, str(pythonpath))
+    directories = [pythonpath] if isinstance(pythonpath, str | Path) else list(pythonpath or [])
+    sys.path[:0] = map(str, directories)
     try:
         yield
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
         sys.path[:] = path
-        if pythonpath is not None:
-            forget_modules_under(Path(pythonpath))
+        for directory in directories:
+            forget_modules_under(Path(directory))
 
 
 def forget_modules_under(directory: Path) -> None:
@@ -70,3 +77,21 @@ def forget_modules_under(directory: Path) -> None:
         file = getattr(module, "__file__", None)
         if file and Path(file).resolve().is_relative_to(directory.resolve()):
             del sys.modules[name]
+
+
+@contextlib.contextmanager
+def workers_import_from(worker_modules: Path) -> Iterator[None]:
+    """A Ray node started inside the block gives its worker processes WORKER_TEST_DIRS and
+    `worker_modules` on their PYTHONPATH: the raylet, which starts them, inherits this process's
+    environment at its start. The environment is put back after the block, so that no other
+    process started later (a test's own run, with its own PYTHONPATH) gets it."""
+    before = os.environ.get("PYTHONPATH")
+    directories = [*WORKER_TEST_DIRS, worker_modules]
+    os.environ["PYTHONPATH"] = os.pathsep.join([*map(str, directories), *filter(None, [before])])
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before

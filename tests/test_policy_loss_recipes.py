@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 from gsm8k_tiny import cpu_overrides
-from process_group import run_recipe_script
 from recipe_runs import run_recipe_in_process
 
 from hybridflow.algorithms import POLICY_LOSSES
@@ -76,18 +75,16 @@ def test_a_registered_loss_trains_two_grpo_steps(loss, gsm8k_local, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_users_loss_from_a_file_trains_two_grpo_steps(gsm8k_local, tmp_path):
-    """In a process of its own: the actor's Ray workers import the loss, so its directory must be on
-    their PYTHONPATH, which an in-process run cannot give them."""
-    (tmp_path / "my_losses.py").write_text(USER_LOSS)
+def test_a_users_loss_from_a_file_trains_two_grpo_steps(gsm8k_local, worker_modules, tmp_path):
+    """The actor's Ray workers import the loss: its file lies in conftest's `worker_modules`, a
+    directory on their PYTHONPATH."""
+    (worker_modules / "my_losses.py").write_text(USER_LOSS)
     overrides = [
         *small_run(gsm8k_local, tmp_path / "run"),
         "actor.update.policy_loss=my_losses.marked_reinforce",
     ]
-    pythonpath = f"{tmp_path}:{gsm8k_local['root']}"  # the loss, and the runs' reward module
-    result = run_recipe_script(
-        "recipes/gsm8k_grpo.yaml", overrides, timeout=600, env={"PYTHONPATH": pythonpath}
-    )
+    pythonpath = [worker_modules, gsm8k_local["root"]]  # the loss, and the runs' reward module
+    result = run_recipe_in_process("recipes/gsm8k_grpo.yaml", overrides, pythonpath=pythonpath)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     # the clip fraction only the user's function reports: it computed the loss in the workers
     assert all(r["actor/pg_clipfrac"] == pytest.approx(0.375) for r in trained_steps(tmp_path / "run"))

@@ -15,6 +15,9 @@
 - a rollout pool process killed mid-run ends the run with one `error:` line naming it (status 1);
 - with trainer.nonfinite_policy=skip the same run completes, counts the skipped steps, and
   exports the untouched initial weights.
+
+The last two are about the run, not its process: they run in process, on this pytest worker's Ray
+cluster (tests/recipe_runs.py).
 """
 
 import contextlib
@@ -31,8 +34,9 @@ import torch
 from hf_weights import load_hf_tensors
 from multinode_helpers import processes_with_env
 from process_group import run_in_own_session
+from recipe_runs import run_recipe_in_process
 from run_processes import actor_processes, as_from_a_terminal, cleanup, marker_in, wait_for
-from tiny_run import ROOT, command, environment, tiny_run_inputs
+from tiny_run import RECIPE, ROOT, command, environment, overrides, tiny_run_inputs
 
 from hybridflow.utils.tracking import read_metrics, records_up_to
 
@@ -135,14 +139,15 @@ def is_rollout_worker(process: psutil.Process) -> bool:
         return False
 
 
-def run(local: dict, output_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return run_in_own_session(
-        command(local, output_dir, "trainer.total_training_steps=2", "trainer.save_freq=1",
-                "reward.custom_fn=nan_reward.always_nan", *overrides),
-        env=environment(local, uuid.uuid4().hex), timeout=1200,
+def run(local: dict, output_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+    settings = overrides(
+        local, output_dir, "trainer.total_training_steps=2", "trainer.save_freq=1",
+        "reward.custom_fn=nan_reward.always_nan", *extra,
     )  # fmt: skip
+    return run_recipe_in_process(RECIPE, settings, pythonpath=local["root"])
 
 
+@pytest.mark.usefixtures("ray_cluster")
 def test_nan_reward_stops_the_run_and_publishes_nothing(local, tmp_path):
     result = run(local, tmp_path / "run")
     assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
@@ -156,6 +161,7 @@ def test_nan_reward_stops_the_run_and_publishes_nothing(local, tmp_path):
     assert not (tmp_path / "run" / "hf").exists()
 
 
+@pytest.mark.usefixtures("ray_cluster")
 def test_skip_policy_counts_skipped_steps_and_keeps_the_weights(local, tmp_path):
     result = run(local, tmp_path / "run", "trainer.nonfinite_policy=skip")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]

@@ -1,19 +1,20 @@
-"""recipes/gsm8k_tool_grpo.yaml runs two GRPO steps through scripts/run_recipe.sh on CPU, its
+"""recipes/gsm8k_tool_grpo.yaml runs two GRPO steps on CPU (in process, on this pytest worker's Ray
+cluster: tests/recipe_runs.py), its
 trajectories made by an agent written against the `openai` client (rollout.agent.loop: openai,
 hybridflow/agents/openai_example.py) talking to the endpoint inside the Ray workers, over their
 vLLM engines; the tiny model is fitted to call the calculator (tool_model.py), the reward is the
 GSM8K rule on its question. (Sampled at temperature 1, the model rarely reaches its memorised
 answer: the test is about the endpoint inside training, not learning. The tool loop trains in
 test_tool_demo_learning.py.) The same runs with a LangGraph agent (_langgraph_agent.py), whose
-module the workers import from this directory."""
+module the workers import from this directory (the session cluster's workers have it on their
+PYTHONPATH: tests/recipe_runs.py's WORKER_TEST_DIRS)."""
 
 import json
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from process_group import run_recipe_script
+from recipe_runs import run_recipe_in_process
 from tool_model import ANSWER, QUESTION
 
 
@@ -34,6 +35,7 @@ AGENTS = {
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("ray_cluster")
 @pytest.mark.parametrize("agent", AGENTS)
 def test_tool_grpo_recipe_runs_two_steps_with_an_openai_client_agent(agent, tool_model, tmp_path):
     train, val = write_rows(tmp_path / "train.parquet", 8), write_rows(tmp_path / "val.parquet", 2)
@@ -65,8 +67,7 @@ def test_tool_grpo_recipe_runs_two_steps_with_an_openai_client_agent(agent, tool
         "trainer.logger=[console]",
         f"trainer.output_dir={tmp_path / 'out'}",
     ]
-    here = str(Path(__file__).resolve().parent)
-    done = run_recipe_script("recipes/gsm8k_tool_grpo.yaml", overrides, timeout=900, env={"PYTHONPATH": here})
+    done = run_recipe_in_process("recipes/gsm8k_tool_grpo.yaml", overrides)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r.get("step") in (1, 2) and "reward/mean" in r]
