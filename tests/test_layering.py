@@ -114,8 +114,9 @@ def test_the_allow_list_has_no_cycle():
         placed += ready
 
 
-def test_the_base_modules_exist():
-    for name in BASE:
+def test_the_modules_named_here_exist():
+    """The base modules, and the checks still under config/ (drop a name once its module moves)."""
+    for name in BASE + CHECK_MODULES:
         path = ROOT.joinpath(*name.split("."))
         assert path.with_suffix(".py").is_file() or (path / "__init__.py").is_file(), name
 
