@@ -137,6 +137,18 @@ def test_only_the_single_controller_touches_ray_actor_handles():
     assert [use for path in outside for use in _actor_handle_uses(path)] == []
 
 
+def test_the_trainer_imports_no_megatron_engine_module():
+    """The loop reaches the Megatron engine through its workers; what runs before them reads the
+    engine's modules from hybridflow/checks/."""
+    trainer = sorted((ROOT / "hybridflow/trainer").rglob("*.py"))
+    assert [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path in trainer
+        for name in sorted(_imported_names(path))
+        if f"{name}.".startswith("engines.megatron.")
+    ] == []
+
+
 def test_product_code_holds_no_test_hooks():
     """A test that needs a worker to behave otherwise brings its own code (a worker or engine class,
     tests/async_rl/hung_workers.py; a hook loaded on the run's path, held_generation/)."""

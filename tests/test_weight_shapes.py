@@ -1,13 +1,13 @@
 """The preflight's weights-against-config.json check on tiny models of every supported
-architecture, and the checkpoint size estimate (hybridflow/trainer/weight_shapes.py)."""
+architecture, and the checkpoint size estimate (hybridflow/checks/models.py)."""
 
 import json
 
 import pytest
 
+from hybridflow.checks.models import check_weight_shapes, checkpoint_bytes, parameter_count
 from hybridflow.config.loader import load_recipe
 from hybridflow.trainer.preflight import check_safetensors
-from hybridflow.trainer.weight_shapes import check_weight_shapes, checkpoint_bytes, parameter_count
 from hybridflow.utils.tiny_model import ARCHS, MOE_ARCHS, make_tiny_model
 
 

@@ -45,5 +45,5 @@ What is checked, and when:
   (`colocated.log_prob_probe`) are compared with the actor's, within a tolerance of the rollout dtype.
 
 The checkpoint on disk is checked separately, by the driver before Ray starts (safetensors headers
-against config.json): hybridflow/trainer/weight_shapes.py.
+against config.json): hybridflow/checks/models.py.
 """

@@ -19,11 +19,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from safetensors import SafetensorError, safe_open
 
-from engines.megatron.routing_replay import check_replay_model
 from hybridflow.agents.template import check_incremental_template
 from hybridflow.agents.tool_formats import FORMATS, ToolCallFormat, resolve_format
 from hybridflow.agents.tool_parser import ToolCall
 from hybridflow.agents.tools.base import prompt_tools
+from hybridflow.checks.models import (
+    Headers,
+    check_routing_replay,
+    check_weight_shapes,
+    checkpoint_bytes,
+    parameter_count,
+)
 from hybridflow.config.schema import RecipeConfig
 from hybridflow.config.validate import model_dirs, uses_teacher
 from hybridflow.data.image_prompts import IMAGES_KEY
@@ -37,7 +43,6 @@ from hybridflow.reward.registry import known_sources, rule_for
 from hybridflow.trainer.checkpoint import LATEST, MANIFEST, STEP_DIR
 from hybridflow.trainer.datasets import policy_processor, recipe_prompt_dataset
 from hybridflow.trainer.teacher_check import check_teacher_tokenizer
-from hybridflow.trainer.weight_shapes import Headers, check_weight_shapes, checkpoint_bytes, parameter_count
 from hybridflow.utils.disk import NO_SPACE, free_bytes, human_bytes
 from hybridflow.utils.imports import first_line
 
@@ -48,9 +53,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 def check_run_inputs(cfg: RecipeConfig) -> None:
     parameters = check_weights(cfg)
-    check_replay_model(
-        cfg.model.path, cfg.rollout.return_routed_experts, cfg.actor.megatron.moe_routing_replay
-    )
+    check_routing_replay(cfg)
     tokenizer = load_tokenizer(cfg)
     check_chat_template(cfg, tokenizer)
     if cfg.rollout.agent.loop == "environment":
@@ -96,7 +99,7 @@ def check_weights(cfg: RecipeConfig) -> dict[str, int]:
 
 
 def checkpoint_size_estimate(cfg: RecipeConfig) -> int:
-    """Bytes one checkpoint of this run takes, about (see weight_shapes.checkpoint_bytes)."""
+    """Bytes one checkpoint of this run takes, about (see hybridflow.checks.models.checkpoint_bytes)."""
     counts = {
         role: parameter_count(check_safetensors(key, Path(path))) for role, key, path in model_dirs(cfg)
     }

@@ -1,5 +1,6 @@
 """The safetensors headers of a model directory against its config.json, and what one checkpoint
 of the run will take on disk; both before Ray starts, from the headers alone (no tensor is read).
+And the routing-replay settings against the policy's model (`check_routing_replay`).
 
 `check_weight_shapes` compares every tensor's shape with the one config.json implies (the names
 and shapes the engine's loader reads: `engines.megatron.weights.hf_tensor_shapes`), so a
@@ -123,3 +124,13 @@ def checkpoint_bytes(cfg: RecipeConfig, parameters: dict[str, int]) -> int:
     count, from its weights' headers) times the bytes of its weight and Adam state."""
     trained = ["actor"] + (["critic"] if cfg.critic.enable else [])
     return sum(parameters[role] * ADAM_BYTES[getattr(cfg, role).megatron.params_dtype] for role in trained)
+
+
+def check_routing_replay(cfg: RecipeConfig) -> None:
+    """ValueError naming the routing-replay settings that are on for a dense policy model
+    (engines/megatron/routing_replay.py's `check_replay_model`)."""
+    from engines.megatron.routing_replay import check_replay_model
+
+    check_replay_model(
+        cfg.model.path, cfg.rollout.return_routed_experts, cfg.actor.megatron.moe_routing_replay
+    )
