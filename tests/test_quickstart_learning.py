@@ -1,7 +1,7 @@
 """The README's learning claim, checked: GRPO raises held-out accuracy above its SFT warm start,
-with full weights, with LoRA adapters (issue 26), in one_step mode (issue 22: each batch
+with full weights, with LoRA adapters, in one_step mode (each batch
 generated on the rollout's own process with the weights one update older; docs/async.md) and in
-stream mode (issue 36: groups generated on their own, steps taking the next finished ones).
+stream mode (groups generated on their own, steps taking the next finished ones).
 
 Stage 1 is the warm start stored once per session (`quickstart_warm_start`, tests/conftest.py:
 the quickstart's model, data and SFT stage). Stage 2 is recipes/quickstart.yaml through
