@@ -28,11 +28,11 @@ install: $(STAMP) ## Create .venv and install pinned dependencies (torch CPU whe
 TEST_WORKERS ?= 2
 PYTEST = $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-test: $(STAMP) ## Run the test suite but the learning tests (what CI runs; TEST_WORKERS=0: in this process)
+test: $(STAMP) ## Run the test suite but the learning tests (CI runs it first; TEST_WORKERS=0: in this process)
 	$(PYTEST) -m "not learning"
 
 # Each learning test trains a tiny model from an SFT warm start for minutes (README, "Two commands").
-test-learning: $(STAMP) ## Run the learning tests: held-out accuracy rises over each warm start
+test-learning: $(STAMP) ## Run the learning tests: held-out accuracy rises over each warm start (CI runs them second)
 	$(PYTEST) -m learning
 
 lint: $(STAMP) ## ruff lint and format check
