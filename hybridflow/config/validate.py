@@ -1256,8 +1256,8 @@ def _agent_settings_unread(cfg: RecipeConfig) -> list[str]:
     agent, loop = cfg.rollout.agent, cfg.rollout.agent.loop
     errors = []
     if loop != "tool":
-        tool_loop = ("tool_timeout_s", "max_concurrent_tool_calls", "max_tool_response_length")
-        tool_loop += () if loop == "environment" else ("max_turns",)  # an episode's turns
+        tool_loop = () if loop == "environment" else ("max_turns",)  # the environment loop's too
+        tool_loop += ("tool_timeout_s", "max_concurrent_tool_calls", "max_tool_response_length")
         changed = _changed_fields(agent, "rollout.agent", tool_loop)
         errors += _no_effect(
             changed,
