@@ -2,13 +2,9 @@
 workers, the Megatron actor, the transformers rollout), and so does a user's loss from a file, named
 by dotted path and imported by the actor's processes."""
 
-import json
-import math
-from pathlib import Path
-
 import pytest
-from gsm8k_tiny import cpu_overrides
 from recipe_runs import run_recipe_in_process
+from two_grpo_steps import small_run, trained_steps
 
 from hybridflow.algorithms import POLICY_LOSSES
 
@@ -31,34 +27,6 @@ def marked_reinforce(
     )
     return loss, torch.tensor(0.375), ppo_kl, lower  # a clip fraction no built-in loss reports
 """
-
-
-def small_run(local: dict, out: Path) -> list[str]:
-    """The GRPO recipe on one CPU process: 2 steps of 4 prompts x 2 responses, one update each, no
-    reference, validation or checkpoint."""
-    return [
-        *cpu_overrides(local, out, tp=1),
-        "trainer.n_gpus_per_node=1",
-        "trainer.val_before_train=false",
-        "trainer.test_freq=0",
-        "trainer.save_freq=0",
-        "rollout.sampling.n=2",
-        "actor.update.ppo_mini_batch_size=8",
-        "actor.update.ppo_micro_batch_size=4",
-        "actor.update.use_kl_loss=false",
-        "actor.update.use_dynamic_bsz=false",
-    ]
-
-
-def trained_steps(out: Path) -> list[dict]:
-    """The two steps' metrics, each with a finite policy loss and a nonzero gradient."""
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if "actor/pg_loss" in r]
-    assert [r["step"] for r in steps] == [1, 2], records
-    for record in steps:
-        assert math.isfinite(record["actor/pg_loss"]), record
-        assert record["actor/grad_norm"] > 0, record
-    return steps
 
 
 @pytest.mark.slow
