@@ -440,6 +440,16 @@ def sampling_excluded(
     return excluded if padded is None else excluded | padded
 
 
+def sampled_logits(logits, micro_batch, temperature: float, vocab_size: int | None, truncation):
+    """The response positions' logits as the rollout sampled from them: (view, scaled, labels,
+    excluded), `scaled` (b, R, Vp / tp) or packed (n, Vp / tp) divided by `temperature`, the sampled
+    `labels` (b, R) or (n,), and the columns `truncation` and padding leave out (`sampling_excluded`)."""
+    view = ResponseTokens(logits, micro_batch)
+    scaled = view.outputs / temperature  # (b, R, Vp / tp) or (n, Vp / tp)
+    labels = view.select(micro_batch["responses"])  # (b, R) or (n,)
+    return view, scaled, labels, sampling_excluded(scaled, labels, truncation, vocab_size)
+
+
 def response_log_probs(
     logits,
     micro_batch,
@@ -452,10 +462,7 @@ def response_log_probs(
     gradients for "grad", without for "detached"), from padded or packed logits: of softmax(logits
     / temperature), renormalised over the tokens the rollout's top-k / top-p keep with `truncation`
     (the distribution the engine sampled from, docs/sampling.md)."""
-    view = ResponseTokens(logits, micro_batch)
-    scaled = view.outputs / temperature  # (b, R, Vp / tp) or (n, Vp / tp)
-    labels = view.select(micro_batch["responses"])  # (b, R) or (n,)
-    excluded = sampling_excluded(scaled, labels, truncation, vocab_size)  # like scaled, or None
+    view, scaled, labels, excluded = sampled_logits(logits, micro_batch, temperature, vocab_size, truncation)
     log_probs = view.to_rows(vocab_parallel_log_probs(scaled, labels, vocab_size, excluded))
     if entropy == "none":
         return log_probs, None
@@ -470,11 +477,8 @@ def engine_top_k_view(
     """For the full-distribution mismatch check: the actor's log-probs (b, R, K) of the engine's
     top-K ids `rollout_top_k_ids` (b, R, K) (in the distribution `response_log_probs` gives:
     -inf for a token `truncation` drops) and its own most likely ids (b, R), at `temperature`."""
-    view = ResponseTokens(logits, micro_batch)
-    scaled = view.outputs / temperature  # (b, R, Vp / tp) or (n, Vp / tp)
+    view, scaled, _, excluded = sampled_logits(logits, micro_batch, temperature, vocab_size, truncation)
     ids = view.select(micro_batch[ENGINE_TOP_K_IDS])  # (b, R, K) or (n, K)
-    labels = view.select(micro_batch["responses"])  # (b, R) or (n,)
-    excluded = sampling_excluded(scaled, labels, truncation, vocab_size)  # like scaled, or None
     return {
         "top_k_log_probs": view.to_rows(vocab_parallel_gather_log_probs(scaled, ids, vocab_size, excluded)),
         "top1_ids": view.to_rows(vocab_parallel_argmax(scaled, vocab_size)),
