@@ -79,14 +79,20 @@ class MegatronActor:
 
     # ------------------------------------------------------------------ inference
     def compute_log_prob(
-        self, data: DataProto, calculate_entropy: bool = True, engine_top_k: bool = False
+        self,
+        data: DataProto,
+        calculate_entropy: bool = True,
+        engine_top_k: bool = False,
+        sum_pi_squared: bool = False,
     ) -> DataProto | None:
         """`old_log_probs` (and `entropys`) (B, R) under the current weights; meta_info may set
         `micro_batch_size`, `temperature`, the rollout's `top_k` and `top_p` (log-probs of the
         distribution it sampled from, docs/sampling.md) and `max_token_len` (packed micro-batches
         of at most that many tokens; None or absent: padded micro-batches). With routing replay,
         the output's meta_info["metrics"] has `mismatch/router_agreement` (routing_replay.py); with
-        `engine_top_k`, the actor's view of the engine's top-K ids (forward.compute_log_prob)."""
+        `engine_top_k`, the actor's view of the engine's top-K ids (forward.compute_log_prob); with
+        `sum_pi_squared`, `sum_pi_squared` (B, R), sum_v pi_v^2 of the same distribution (the optimal
+        token baseline's; off by default, as it costs a pass over the vocabulary)."""
         require_keys(data, MODEL_KEYS[:4], "compute_log_prob")
         for chunk in self.chunks:
             chunk.eval()
@@ -100,6 +106,7 @@ class MegatronActor:
                 max_token_len=data.meta_info.get("max_token_len"),
                 engine_top_k=engine_top_k,
                 truncation=Truncation.from_meta(data.meta_info),
+                sum_pi_squared=sum_pi_squared,
             )
         if ROUTES_KEY in data.batch and replays_routes(self.chunks[0]):  # every rank: a collective
             agreement = AGREEMENT.share()

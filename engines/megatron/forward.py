@@ -406,6 +406,26 @@ def vocab_parallel_entropy(
     return _VocabParallelEntropy.apply(z, padded)
 
 
+def vocab_parallel_sum_squares(
+    logits: torch.Tensor, vocab_size: int | None = None, excluded: torch.Tensor | None = None
+) -> torch.Tensor:
+    """sum_v p_v^2 of p = softmax(logits) with logits (..., Vp / tp) sharded over the TP group; fp32
+    (...), no gradient. Never gathers the vocabulary: with s = z - max z (max all-reduced),
+    sum p^2 = sum exp(2 s) / (sum exp(s))^2, both sums all-reduced in one call. Padded columns
+    (>= `vocab_size`) get no mass, nor those of `excluded` (..., Vp / tp) when given."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    with torch.no_grad():
+        z = masked_padding(logits.float(), vocab_size, excluded)  # (..., Vp / tp)
+        z_max = z.max(dim=-1, keepdim=True).values  # (..., 1)
+        dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = z - z_max  # (..., Vp / tp), -inf where excluded
+        sums = torch.stack([shifted.exp().sum(dim=-1), (2 * shifted).exp().sum(dim=-1)])  # (2, ...)
+        dist.all_reduce(sums, group=group)
+        return sums[1] / sums[0] ** 2
+
+
 def _gather_vocabulary(z: torch.Tensor) -> torch.Tensor:
     """(..., Vp / tp) sharded over the TP group -> (..., Vp) on every rank; no gradient."""
     from megatron.core import parallel_state
@@ -471,6 +491,18 @@ def response_log_probs(
     return log_probs, entropies
 
 
+def response_sum_pi_squared(
+    logits, micro_batch, temperature: float, vocab_size: int | None, truncation: Truncation | None = None
+) -> torch.Tensor:
+    """sum_v pi_v^2 (b, R), no gradient, of the distribution `response_log_probs` takes the log-probs
+    of (softmax(logits / temperature) over the tokens `truncation` keeps), from padded or packed logits:
+    with pi_y the sampled token's probability, 1 - 2 pi_y + sum pi^2 is the squared norm of the
+    log-prob's gradient in the logits (the optimal token baseline's weight,
+    hybridflow/algorithms/advantages.py)."""
+    view, scaled, _, excluded = sampled_logits(logits, micro_batch, temperature, vocab_size, truncation)
+    return view.to_rows(vocab_parallel_sum_squares(scaled, vocab_size, excluded))
+
+
 def engine_top_k_view(
     logits, micro_batch, temperature: float, vocab_size: int | None, truncation=None
 ) -> dict:
@@ -485,13 +517,18 @@ def engine_top_k_view(
     }
 
 
-def _log_prob_loss(temperature, truncation, vocab_size, calculate_entropy, engine_top_k, logits, micro_batch):
+def _log_prob_loss(
+    temperature, truncation, vocab_size, calculate_entropy, engine_top_k, sum_pi_squared, logits, micro_batch
+):
     log_probs, entropies = response_log_probs(
         logits, micro_batch, temperature, vocab_size, "detached" if calculate_entropy else "none", truncation
     )  # (b, R) each; logits predict the responses
     metrics = {"log_probs": log_probs}
     if calculate_entropy:
         metrics["entropys"] = entropies
+    if sum_pi_squared:  # the optimal token baseline's
+        squares = response_sum_pi_squared(logits, micro_batch, temperature, vocab_size, truncation)  # (b, R)
+        metrics["sum_pi_squared"] = squares
     if engine_top_k and ENGINE_TOP_K_IDS in micro_batch:  # rollout.top_k_log_probs
         metrics |= engine_top_k_view(logits, micro_batch, temperature, vocab_size, truncation)
     return log_probs.new_zeros(()), metrics
@@ -504,6 +541,7 @@ LOG_PROB_OUTPUTS = {
     "entropys": "entropys",  # (B, R)
     "top_k_log_probs": "actor_top_k_log_probs",  # (B, R, K) log pi of the engine's top-K ids
     "top1_ids": "actor_top1_ids",  # (B, R) the actor's most likely id
+    "sum_pi_squared": "sum_pi_squared",  # (B, R) sum_v pi_v^2, for the optimal token baseline
 }
 
 
@@ -516,12 +554,14 @@ def compute_log_prob(
     max_token_len: int | None = None,
     engine_top_k: bool = False,
     truncation: Truncation | None = None,
+    sum_pi_squared: bool = False,
 ):
     """Log-probs (and entropies) of `responses` under the model: DataProto with `old_log_probs`
     (B, R) and `entropys` (B, R), fp32, on the last pipeline stage; None on the other stages.
     At `temperature`, over the tokens `truncation` (the rollout's top-k / top-p) keeps.
     With `engine_top_k` and the engine's top-K ids in the batch (`rollout_top_k_ids`, B, R, K),
-    also `actor_top_k_log_probs` (B, R, K) and `actor_top1_ids` (B, R) (LOG_PROB_OUTPUTS).
+    also `actor_top_k_log_probs` (B, R, K) and `actor_top1_ids` (B, R) (LOG_PROB_OUTPUTS); with
+    `sum_pi_squared`, `sum_pi_squared` (B, R), sum_v pi_v^2 of the same distribution.
 
     Logits at positions P-1 .. P+R-2 predict the R response tokens. With `max_token_len`, rows
     run packed in micro-batches of at most that many tokens (padded response positions get 0);
@@ -538,7 +578,9 @@ def compute_log_prob(
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     vocab_size = unwrap_model(chunks[0]).hf_config.vocab_size
-    loss_fn = partial(_log_prob_loss, temperature, truncation, vocab_size, calculate_entropy, engine_top_k)
+    loss_fn = partial(
+        _log_prob_loss, temperature, truncation, vocab_size, calculate_entropy, engine_top_k, sum_pi_squared
+    )
     groups = None
     if max_token_len is not None:
         groups = token_budget_groups(data, max_token_len, "log-prob max_token_len")

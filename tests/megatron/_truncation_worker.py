@@ -1,8 +1,9 @@
 """Worker for tests/megatron/test_truncation.py (launch with torch.distributed.run, 1 or 2 ranks):
-the actor's log-probs, entropies, their gradients and its view of the engine's top-K ids under
-top-k / top-p sampling (engines/megatron/forward.py, vocabulary sharded over the TP group, padded
-columns at the end), against a reference computed on the whole vocabulary in one process:
-transformers' warpers over logits / T, log_softmax, autograd. Prints "TRUNCATION OK".
+the actor's log-probs, entropies, their gradients, its view of the engine's top-K ids and the sum of
+squared probabilities (the optimal token baseline's) with no filter and under top-k / top-p sampling
+(engines/megatron/forward.py, vocabulary sharded over the TP group, padded columns at the end),
+against a reference computed on the whole vocabulary in one process: transformers' warpers over
+logits / T, log_softmax, autograd. Prints "TRUNCATION OK".
 
 One label per row is a token the filters drop (as when the engine's logits put it just inside the
 kept set and the actor's just outside): it must be kept, with a finite log-prob.
@@ -16,12 +17,17 @@ import torch.distributed as dist
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from engines.megatron.config import MegatronConfig
-from engines.megatron.forward import ENGINE_TOP_K_IDS, engine_top_k_view, response_log_probs
+from engines.megatron.forward import (
+    ENGINE_TOP_K_IDS,
+    engine_top_k_view,
+    response_log_probs,
+    response_sum_pi_squared,
+)
 from engines.megatron.parallel import init_megatron
 from hybridflow.algorithms.sampling import Truncation
 
 B, R, VOCAB, PADDED, T = 3, 5, 37, 40, 0.7  # (b, R) response tokens; 37 real ids of 40 columns
-CASES = [Truncation(top_p=0.9), Truncation(top_k=6), Truncation(top_k=12, top_p=0.8)]
+CASES = [Truncation(), Truncation(top_p=0.9), Truncation(top_k=6), Truncation(top_k=12, top_p=0.8)]
 
 
 def reference(logits: torch.Tensor, labels: torch.Tensor, truncation: Truncation) -> torch.Tensor:
@@ -40,7 +46,7 @@ def check(truncation: Truncation, rank: int, tp: int) -> None:
     gen = torch.Generator().manual_seed(7)
     logits = (torch.randn(B, R, VOCAB, generator=gen) * 2).requires_grad_()  # (b, R, V), every rank
     labels = torch.randint(0, VOCAB, (B, R), generator=gen)  # (b, R)
-    labels[:, 0] = (logits / T).argmin(-1)[:, 0].detach()  # the least likely token: always dropped
+    labels[:, 0] = (logits / T).argmin(-1)[:, 0].detach()  # the least likely token: every filter drops it
     expected = reference(logits, labels, truncation)  # (b, R, V)
     expected_log_probs = expected.gather(-1, labels[..., None]).squeeze(-1)  # (b, R)
     p = expected.exp()
@@ -64,6 +70,8 @@ def check(truncation: Truncation, rank: int, tp: int) -> None:
     view = engine_top_k_view(output.detach(), micro_batch, T, VOCAB, truncation)
     torch.testing.assert_close(view["top_k_log_probs"], expected.gather(-1, ids), atol=1e-5, rtol=1e-5)
     assert torch.equal(view["top1_ids"], ids[..., 0])
+    sum_pi_squared = response_sum_pi_squared(output.detach(), micro_batch, T, VOCAB, truncation)  # (b, R)
+    torch.testing.assert_close(sum_pi_squared, (p**2).sum(-1), atol=1e-6, rtol=1e-5)
 
 
 def main() -> None:

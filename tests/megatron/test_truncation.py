@@ -1,5 +1,6 @@
-"""The actor's log-probs under top-k / top-p sampling with the vocabulary whole (TP 1) and sharded
-(TP 2): tests/megatron/_truncation_worker.py against transformers' warpers on one process."""
+"""The actor's log-probs, entropies and sum of squared probabilities, with no filter and under top-k /
+top-p sampling, with the vocabulary whole (TP 1) and sharded (TP 2): tests/megatron/_truncation_worker.py
+against transformers' warpers on one process."""
 
 import pytest
 from launch import run_distributed
