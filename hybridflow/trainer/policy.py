@@ -16,6 +16,7 @@ from pathlib import Path
 
 from hybridflow.protocol import DataProto
 from hybridflow.utils.nonfinite import REFUSED_SUFFIX, SKIPPED_SUFFIX
+from hybridflow.workers.protocols import HybridPolicyGroup, TransferPolicyGroup
 
 VERSION_FILE = "policy_version.json"  # in the policy's checkpoint directory
 
@@ -30,7 +31,7 @@ def update_applied(worker_metrics: dict[str, list[float]], role: str = "actor") 
 
 
 class Policy:
-    def __init__(self, group):
+    def __init__(self, group: HybridPolicyGroup | TransferPolicyGroup):
         self.group = group  # the policy workers (hybridflow/workers/policy.py and subclasses)
         self.version = 0
 

@@ -21,6 +21,7 @@ from hybridflow.trainer.rollout.colocated import ColocatedRollout
 from hybridflow.trainer.rollout.pool import PoolRollout, connect_transfer
 from hybridflow.workers.critic import CriticWorker
 from hybridflow.workers.hybrid_policy import HybridPolicyWorker
+from hybridflow.workers.protocols import CriticGroup, RewardModelGroup, TeacherGroup
 from hybridflow.workers.reward_model import RewardModelWorker
 from hybridflow.workers.rollout_worker import RolloutWorker
 from hybridflow.workers.rollout_worker import actor_options as rollout_actor_options
@@ -35,10 +36,10 @@ class Roles:
 
     policy: Policy
     rollout: Rollout
-    critic: WorkerGroup | None
-    reward_model: WorkerGroup | None
+    critic: CriticGroup | None
+    reward_model: RewardModelGroup | None
     groups: list[WorkerGroup]  # the underlying groups, for shutdown
-    teacher: WorkerGroup | None = None  # on-policy distillation's teacher (workers/teacher.py)
+    teacher: TeacherGroup | None = None  # on-policy distillation's teacher (workers/teacher.py)
     resource_pools: list = field(default_factory=list)  # their slots (Ray placement groups)
 
     def shutdown(self) -> None:

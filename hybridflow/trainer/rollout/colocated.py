@@ -11,10 +11,11 @@ from hybridflow.protocol import DataProto
 from hybridflow.trainer.policy import Policy
 from hybridflow.trainer.prompts import PromptBatches, StepPrompts
 from hybridflow.trainer.rollout.unread import report_unread
+from hybridflow.workers.protocols import HybridPolicyGroup
 
 
 class ColocatedRollout:
-    def __init__(self, group):
+    def __init__(self, group: HybridPolicyGroup):
         self.group = group  # the policy's workers, which also hold the engines
 
     def sync_weights(self, policy: Policy) -> None:

@@ -70,6 +70,7 @@ from hybridflow.trainer.prompts import PromptBatches, StepPrompts
 from hybridflow.trainer.rollout.unread import report_unread
 from hybridflow.utils.imports import first_line
 from hybridflow.utils.tracking import next_free_name
+from hybridflow.workers.protocols import RolloutGroup, TransferPolicyGroup
 
 VERSIONS_LINES_FILE = "policy_versions_lines.json"  # in the rollout's checkpoint part
 RESTARTS_FILE = "engine_restarts.json"  # in the rollout's checkpoint part
@@ -150,7 +151,7 @@ def mixed_version_share(versions: torch.Tensor) -> float:
     return (newest > oldest).float().mean().item()
 
 
-def connect_transfer(policy_group, rollout_group) -> None:
+def connect_transfer(policy_group: TransferPolicyGroup, rollout_group: RolloutGroup) -> None:
     """Build the transfer group: the actor's rank 0 and one member per rollout process."""
     host, port = policy_group.transfer_address()
     rollout_group.start_join_transfer(host, port, 1 + rollout_group.world_size)
@@ -185,7 +186,7 @@ class EngineRestarts:
 
 
 class PoolRollout:
-    def __init__(self, group, output_dir: str, rollout_cfg: RolloutConfig | None = None):
+    def __init__(self, group: RolloutGroup, output_dir: str, rollout_cfg: RolloutConfig | None = None):
         cfg = rollout_cfg or RolloutConfig(max_engine_restarts=0)
         self.group = group  # the rollout workers
         self.versions_file = Path(output_dir) / "policy_versions.jsonl"

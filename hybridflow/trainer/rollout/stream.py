@@ -57,6 +57,7 @@ from hybridflow.trainer.policy import Policy
 from hybridflow.trainer.prompts import PromptBatches, StepPrompts
 from hybridflow.trainer.rollout.pool import PoolRollout, RolloutProcessDied, naming_dead_processes
 from hybridflow.trainer.rollout.unread import STREAM_FILE  # in the rollout's checkpoint directory
+from hybridflow.workers.protocols import RolloutGroup
 
 
 @dataclass
@@ -153,7 +154,7 @@ class RayGroupCalls:
     engine's process is killed, so that its calls fail as a dead process's do and the pool
     restarts it (`result` raises the CallTimeout naming the rank and the call it hung in)."""
 
-    def __init__(self, group, deadlines: EngineDeadlines | None = None, clock=time.monotonic):
+    def __init__(self, group: RolloutGroup, deadlines: EngineDeadlines | None = None, clock=time.monotonic):
         self.group = group  # the rollout RayWorkerGroup (a restarted rank's calls go to its new process)
         self.deadlines = deadlines or EngineDeadlines()
         self.clock = clock
