@@ -1,7 +1,9 @@
-"""Each advantage estimator added beside GRPO (grpo_passk, opo, gpg, gdpo) trains two steps of the
-tiny model through the whole loop (Ray workers, the Megatron actor, the transformers rollout), and so
-does a user's estimator from a file, named by dotted path; one of the wrong signature is refused
-before Ray starts. The runs take tests/two_grpo_steps.py's small recipe."""
+"""Each advantage estimator added beside GRPO (grpo_passk, opo, gpg, gdpo, optimal_token_baseline)
+trains two steps of the tiny model through the whole loop (Ray workers, the Megatron actor, the
+transformers rollout; the optimal token baseline's sum_pi_squared comes from the actor's log-prob
+pass, and the step fails without it), and so does a user's estimator from a file, named by dotted
+path; one of the wrong signature is refused before Ray starts. The runs take
+tests/two_grpo_steps.py's small recipe."""
 
 import pytest
 from entry_point_checks import RayStarted
@@ -55,7 +57,7 @@ def run(local: dict, out, *overrides: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("estimator", ["grpo_passk", "opo", "gpg", "gdpo"])
+@pytest.mark.parametrize("estimator", ["grpo_passk", "opo", "gpg", "gdpo", "optimal_token_baseline"])
 def test_an_estimator_trains_two_steps(estimator, local, tmp_path):
     result = run(local, tmp_path, f"algorithm.adv_estimator={estimator}", *NEEDS.get(estimator, []))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
@@ -84,6 +86,11 @@ REFUSED = {
     ),
     "passk_k_above_n": (["algorithm.adv_estimator=grpo_passk", "algorithm.pass_k=3"], "n=2; got 3"),
     "k_without_passk": (["algorithm.pass_k=2"], "pass_k=2 is read by adv_estimator=grpo_passk only"),
+    "token_baseline_of_one_response": (
+        ["algorithm.adv_estimator=optimal_token_baseline", "rollout.sampling.n=1"],
+        "algorithm.adv_estimator=optimal_token_baseline compares responses to the same prompt: set "
+        "rollout.sampling.n >= 2",
+    ),
     "passk_with_kl_in_reward": (
         ["algorithm.adv_estimator=grpo_passk", "algorithm.pass_k=2", "algorithm.use_kl_in_reward=true"],
         "grpo_passk scores 0 / 1 outcomes, and algorithm.use_kl_in_reward=true adds to them",

@@ -1,6 +1,6 @@
-"""grpo_passk, opo, gpg and gdpo against values worked out by hand from each paper's formula (the
-comments show the arithmetic), and a user's estimator by dotted path: loaded, its signature and its
-outputs checked."""
+"""grpo_passk, opo, gpg, gdpo and the optimal token baseline against values worked out by hand from
+each paper's formula (the comments show the arithmetic), and a user's estimator by dotted path:
+loaded, its signature and its outputs checked."""
 
 import math
 import sys
@@ -17,6 +17,7 @@ from hybridflow.algorithms.advantages import (
     gpg,
     grpo_passk,
     opo,
+    optimal_token_baseline,
 )
 from hybridflow.utils.imports import DottedPathError
 
@@ -90,6 +91,43 @@ def test_opo_weighs_each_score_by_its_response_length():
     expected = _t([[1 / 6] * 3, [-5 / 6, 0, 0], [1 / 6, 1 / 6, 0], [2, 2, 2]])
     torch.testing.assert_close(advantages, expected)
     torch.testing.assert_close(returns, expected)
+
+
+def test_the_optimal_token_baseline_weighs_each_return_by_the_gradient_norm_so_far():
+    # group a: response 1 scores 1 (3 tokens), response 2 scores 0 (2 tokens); group b: one response
+    rewards = _t([[0, 0, 1], [0, 0, 0], [0, 2, 0]])
+    mask = _t([[1, 1, 1], [1, 1, 0], [1, 1, 0]])
+    pi = _t([[1 / 2, 1 / 2, 1 / 2], [1 / 4, 1 / 2, 1], [1 / 2, 1 / 2, 1]])  # the sampled tokens'
+    squares = _t([[1 / 2, 1 / 2, 1 / 2], [1 / 4, 1 / 2, 1], [1 / 2, 1 / 2, 1]])  # sum_v pi_v^2
+    advantages, returns = optimal_token_baseline(rewards, mask, ["a", "a", "b"], pi.log(), squares)
+    # w = 1 - 2 pi + sum pi^2: row 1: 1 - 1 + 1/2 = 1/2 each -> W = 1/2, 1, 3/2
+    #                          row 2: 1 - 1/2 + 1/4 = 3/4, then 1 - 1 + 1/2 = 1/2 -> W = 3/4, 5/4
+    # G: row 1 = 1, 1, 1; row 2 = 0, 0
+    # b_1 = (1/2 * 1 + 3/4 * 0) / (1/2 + 3/4) = 2/5; b_2 = (1 * 1 + 5/4 * 0) / (1 + 5/4) = 4/9;
+    # b_3 = (3/2 * 1) / (3/2) = 1 (row 1 alone); group b has no baseline: A = G = 2, 2
+    expected = _t([[1 - 2 / 5, 1 - 4 / 9, 0], [-2 / 5, -4 / 9, 0], [2, 2, 0]])
+    torch.testing.assert_close(advantages, expected)
+    torch.testing.assert_close(returns, _t([[1, 1, 1], [0, 0, 0], [2, 2, 0]]))
+
+
+def test_the_optimal_token_baseline_with_equal_weights_is_the_group_mean_and_zero_without_gradient():
+    rewards, mask = _t([[0, 3], [0, 1], [0, 5], [0, 1]]), torch.ones(4, 2)
+    # group a: every token pi = 1/2, sum pi^2 = 1/2: w = 1/2 for both rows -> b = mean(3, 1) = 2
+    # group b: every token pi = 1, sum pi^2 = 1: w = 1 - 2 + 1 = 0 (no gradient) -> b = 0, A = G
+    pi = _t([[1 / 2, 1 / 2], [1 / 2, 1 / 2], [1, 1], [1, 1]])
+    advantages, _ = optimal_token_baseline(rewards, mask, ["a", "a", "b", "b"], pi.log(), pi)
+    torch.testing.assert_close(advantages, _t([[1, 1], [-1, -1], [5, 5], [1, 1]]))
+
+
+def test_the_optimal_token_baseline_by_name_needs_sum_pi_squared():
+    rewards, mask, old = _t([[1], [0]]), torch.ones(2, 1), torch.zeros(2, 1)
+    with pytest.raises(ValueError, match=r"'optimal_token_baseline' needs \['sum_pi_squared'\]"):
+        compute_advantage("optimal_token_baseline", rewards, mask, index=["a", "a"], old_log_probs=old)
+    # pi = 1 everywhere: w = 0, no baseline, A = G
+    advantages, _ = compute_advantage(
+        "optimal_token_baseline", rewards, mask, index=["a", "a"], old_log_probs=old, sum_pi_squared=old.exp()
+    )
+    torch.testing.assert_close(advantages, _t([[1], [0]]))
 
 
 def test_gpg_centres_in_the_group_and_scales_by_the_share_of_varied_responses():

@@ -281,6 +281,43 @@ def gdpo(
     return advantages, advantages
 
 
+def optimal_token_baseline(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Sequence,
+    old_log_probs: torch.Tensor,
+    sum_pi_squared: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The optimal token baseline (Li et al. 2026, "The Optimal Token Baseline: Variance Reduction for
+    Long-Horizon LLM-RL", arXiv:2602.07078): a baseline per position of each group's responses,
+    weighted by how large each response's gradient has grown up to there.
+
+    G_t = r_t + ... + r_R is the return-to-go. The log-prob of a token y_t has the gradient
+    e_{y_t} - pi_t in the logits, of squared norm w_t = 1 - 2 pi_t(y_t) + sum_v pi_t(v)^2 (the paper's
+    logit-gradient proxy, from forward-pass probabilities only: `old_log_probs` (B, R) give pi_t(y_t),
+    `sum_pi_squared` (B, R) the sum of squares of the same distribution), and W_t = w_1 + ... + w_t.
+    The variance-minimising baseline at position t is b_t = sum_i W_{i,t} G_{i,t} / sum_i W_{i,t} over
+    the group's responses still running at t, and A_{i,t} = G_{i,t} - b_t: a response alone at its
+    last positions is its own baseline there (A = 0). Where every such W is 0 (each token so far had
+    probability 1, so no gradient), b = 0; a single-response group has no baseline (A = G).
+    Returns (advantages, G), both (B, R) and zero on padding.
+    """
+    _check_index(index, token_level_rewards.size(0))
+    mask = response_mask.to(token_level_rewards.dtype)
+    returns = (token_level_rewards * mask).flip(-1).cumsum(-1).flip(-1) * mask  # (B, R) G_t
+    # a squared norm: clamp the rounding of 1 - 2 + 1 at a token of probability 1
+    norms = (1 - 2 * old_log_probs.exp() + sum_pi_squared).clamp(min=0) * mask  # (B, R) w_t
+    weights = norms.cumsum(-1) * mask  # (B, R) W_t
+    baselines = torch.zeros_like(returns)  # (B, R)
+    for rows in _group_rows(index):
+        if len(rows) > 1:
+            total = weights[rows].sum(dim=0)  # (R,)
+            weighted = (weights[rows] * returns[rows]).sum(dim=0)  # (R,)
+            positive = total.clamp(min=torch.finfo(total.dtype).tiny)
+            baselines[rows] = torch.where(total > 0, weighted / positive, 0.0)  # (R,) for each row
+    return (returns - baselines) * mask, returns
+
+
 # name -> (estimator, the optional inputs it needs besides rewards and mask)
 ADVANTAGE_ESTIMATORS = {
     "gae": (gae, ("values", "gamma", "lam")),
@@ -293,7 +330,14 @@ ADVANTAGE_ESTIMATORS = {
     "opo": (opo, ("index",)),
     "gpg": (gpg, ("index",)),
     "gdpo": (gdpo, ("index", "epsilon")),
+    "optimal_token_baseline": (optimal_token_baseline, ("index", "old_log_probs", "sum_pi_squared")),
 }
+
+
+def estimator_reads(name: str, key: str) -> bool:
+    """Whether the registered estimator `name` takes `key` (e.g. `sum_pi_squared`, which the actor's
+    log-prob pass computes only when asked); False for a user's estimator by dotted path."""
+    return key in ADVANTAGE_ESTIMATORS.get(name, (None, ()))[1]
 
 
 def advantage_estimator_fn(name: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
@@ -344,6 +388,8 @@ def compute_advantage(
     norm_adv_by_std: bool = True,
     epsilon: float = 1e-6,
     k: int | None = None,
+    old_log_probs: torch.Tensor | None = None,
+    sum_pi_squared: torch.Tensor | None = None,
     batch: Mapping | None = None,
     config: object = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -362,6 +408,8 @@ def compute_advantage(
         "norm_adv_by_std": norm_adv_by_std,
         "epsilon": epsilon,
         "k": k,
+        "old_log_probs": old_log_probs,
+        "sum_pi_squared": sum_pi_squared,
     }
     missing = [key for key in needed if given[key] is None]
     if missing:

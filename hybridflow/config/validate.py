@@ -29,7 +29,10 @@ from hybridflow.utils.disk import human_bytes
 from hybridflow.utils.hub import HOW_TO_FETCH
 from hybridflow.utils.imports import DottedPathError
 
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "grpo_passk", "opo", "gpg", "gdpo")
+GROUP_ESTIMATORS = (
+    "grpo", "rloo", "reinforce_plus_plus_baseline", "grpo_passk", "opo", "gpg", "gdpo",
+    "optimal_token_baseline",
+)  # fmt: skip
 UPDATE_SIZES = ("ppo_mini_batch_size", "ppo_micro_batch_size", "ppo_epochs")
 MEGATRON_SIZES = (
     "tensor_model_parallel_size",

@@ -64,6 +64,8 @@ def compute_advantage(batch: DataProto, algorithm: AlgorithmConfig) -> DataProto
         lam=algorithm.lam,
         norm_adv_by_std=algorithm.norm_adv_by_std_in_grpo,
         k=algorithm.pass_k,
+        old_log_probs=tensors.get("old_log_probs", None),
+        sum_pi_squared=tensors.get("sum_pi_squared", None),  # the log-prob pass gives it when read
         batch=tensors,  # a user's estimator reads what else it needs by name
         config=algorithm,
     )

@@ -11,6 +11,7 @@ of Megatron.
 
 import time
 
+from hybridflow.algorithms.advantages import estimator_reads
 from hybridflow.config.schema import RecipeConfig
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller import Dispatch, Worker, register
@@ -102,10 +103,13 @@ class PolicyWorker(Worker):
 
     @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
-        """`old_log_probs` and `entropys` (B, R) of the responses under the current actor, and its
-        view of the engine's top-K tokens when the rollout returned them (rollout.top_k_log_probs)."""
+        """`old_log_probs` and `entropys` (B, R) of the responses under the current actor, its view of
+        the engine's top-K tokens when the rollout returned them (rollout.top_k_log_probs) and
+        `sum_pi_squared` (B, R) when the recipe's estimator reads it (optimal_token_baseline)."""
         self.before_compute()
-        return self.actor.compute_log_prob(self._log_prob_meta(data, self.config.actor), engine_top_k=True)
+        squares = estimator_reads(self.config.algorithm.adv_estimator, "sum_pi_squared")
+        data = self._log_prob_meta(data, self.config.actor)
+        return self.actor.compute_log_prob(data, engine_top_k=True, sum_pi_squared=squares)
 
     @register(dispatch_mode=Dispatch.MEGATRON_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto | None:
