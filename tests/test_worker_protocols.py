@@ -60,9 +60,17 @@ def stub_names(protocol: type) -> set[str]:
     }
 
 
+# Ray's tracing helper (ray/util/tracing/tracing_helper.py) adds this keyword to the signature of
+# every method of a class passed to ray.remote, in place: a worker group made earlier in the same
+# pytest process has done so to the worker classes. No caller passes it.
+RAY_TRACE_PARAMETER = "_ray_trace_ctx"
+
+
 def parameters(function) -> str:
-    """Its signature less `self`, the annotations and the default values (`=Ellipsis`: a default)."""
-    found = [p for p in inspect.signature(function).parameters.values() if p.name != "self"]
+    """Its signature less `self`, Ray's tracing keyword, the annotations and the default values
+    (`=Ellipsis`: a default)."""
+    skipped = ("self", RAY_TRACE_PARAMETER)
+    found = [p for p in inspect.signature(function).parameters.values() if p.name not in skipped]
     bare = [p.replace(annotation=p.empty, default=p.empty if p.default is p.empty else ...) for p in found]
     return str(inspect.Signature(bare))
 
@@ -115,6 +123,20 @@ def test_the_workers_are_found():
 @pytest.mark.parametrize("worker_cls", worker_classes(), ids=lambda cls: cls.__name__)
 def test_each_worker_class_matches_its_protocol(worker_cls):
     assert drift(worker_cls, protocol_of(worker_cls)) == []
+
+
+@pytest.mark.parametrize("worker_cls", worker_classes(), ids=lambda cls: cls.__name__)
+def test_a_worker_class_made_a_ray_actor_class_still_matches(worker_cls):
+    """As after a worker group of it ran in this process: ray.remote traces its methods in place."""
+    import ray
+
+    class Traced(worker_cls):
+        pass
+
+    Traced.__name__ = worker_cls.__name__
+    ray.remote(Traced)
+    assert RAY_TRACE_PARAMETER in str(inspect.signature(Traced.__dict__.get("__init__", Traced.__init__)))
+    assert drift(Traced, protocol_of(worker_cls)) == []
 
 
 class DriftedPolicyWorker(PolicyWorker):
