@@ -12,7 +12,7 @@ import torch
 import yaml
 
 pytest.importorskip(
-    "reasoning_gym", reason="reasoning-gym is not installed (requirements-common.txt pins it)"
+    "reasoning_gym", reason="reasoning-gym is not installed (requirements.txt pins it)"
 )
 
 import reasoning_gym

@@ -31,7 +31,7 @@ from hybridflow.config.schema import ReasoningGymConfig
 
 SOURCE_PREFIX = "reasoning_gym/"
 KEY = "data.source.reasoning_gym"
-INSTALL_HINT = "install it with: pip install reasoning-gym==0.1.25 (pinned in requirements-common.txt)"
+INSTALL_HINT = "install it with: pip install reasoning-gym==0.1.25 (pinned in requirements.txt)"
 SPLITS = ("train", "val")
 
 
