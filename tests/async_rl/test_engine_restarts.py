@@ -36,7 +36,10 @@ pytestmark = pytest.mark.slow
 
 HELD_GENERATION = Path(__file__).parent / "held_generation"  # on the run's path: its sitecustomize
 
-RESTART_KEYS = ("rollout/engine_restarts", "rollout/restart_seconds", "rollout/restart_log_prob_diff")
+RESTART_KEYS = (
+    "rollout/engine_restarts", "rollout/restart_seconds", "rollout/restart_log_prob_diff",
+    "async/weight_syncs",  # a restarted engine's load of the current weights counts as a transfer
+)  # fmt: skip
 OVERRIDES = (
     "trainer.placement=disaggregated", "trainer.n_gpus_per_node=1",
     "actor.megatron.tensor_model_parallel_size=1", "trainer.rollout_pool.n_gpus_per_node=1",
@@ -129,6 +132,8 @@ def test_a_rollout_process_killed_mid_generation_is_restarted_and_the_run_trains
         f"steps {[round(r['timing/step'], 1) for r in records]} s, unkilled {[round(t, 1) for t in seconds]}"
     )
     assert without_restarts(trained_steps(killed)) == without_restarts(trained_steps(plain))
+    syncs = [[r["async/weight_syncs"] for r in step_records(run)] for run in (killed, plain)]
+    assert syncs[0] == [n + (step == 1) for step, n in enumerate(syncs[1])], syncs  # + step 2's restart
     versions = (killed / "policy_versions.jsonl").read_text()
     assert versions == (plain / "policy_versions.jsonl").read_text()
     assert [len(json.loads(line)["sample_versions"]) for line in versions.splitlines()] == [8, 8, 8]
