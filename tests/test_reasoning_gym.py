@@ -11,9 +11,7 @@ import pytest
 import torch
 import yaml
 
-pytest.importorskip(
-    "reasoning_gym", reason="reasoning-gym is not installed (requirements.txt pins it)"
-)
+pytest.importorskip("reasoning_gym", reason="reasoning-gym is not installed (requirements.txt pins it)")
 
 import reasoning_gym
 from recipe_runs import run_recipe_in_process
