@@ -1,6 +1,6 @@
 """Pure RL math (tensors in, tensors out): advantage estimators, policy / value / KL losses,
 KL coefficient control, DAPO's group filter and overlong penalty. Imports only torch (and
-hybridflow.utils.imports, to load a user's policy loss by dotted path)."""
+hybridflow.utils.imports, to load a user's policy loss or estimator by dotted path)."""
 
 from hybridflow.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
