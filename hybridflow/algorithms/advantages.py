@@ -10,7 +10,6 @@ runs a user's estimator named by dotted path (`advantage_estimator_fn`).
 """
 
 import difflib
-import inspect
 import math
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -18,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from hybridflow.algorithms.masked import masked_whiten
-from hybridflow.utils.imports import DottedPathError, import_by_path
+from hybridflow.utils.imports import import_by_path, parameter_names
 
 KEY = "algorithm.adv_estimator"
 # a user's estimator takes these and returns (advantages, returns), both (B, R)
@@ -354,10 +353,7 @@ def advantage_estimator_fn(name: str) -> Callable[..., tuple[torch.Tensor, torch
             + (f"; did you mean {nearest[0]!r}?" if nearest else "")
         )
     fn = import_by_path(name, KEY, "package.module.function")
-    try:
-        names = tuple(inspect.signature(fn).parameters)
-    except (TypeError, ValueError) as err:  # not a callable, or one without a signature
-        raise DottedPathError(f"{KEY}={name!r} names {fn!r}, which is not a function: {err}") from err
+    names = parameter_names(fn, name, KEY)
     if names != ADVANTAGE_PARAMETERS:
         raise ValueError(
             f"{KEY}={name!r}: {getattr(fn, '__name__', fn)} takes {names}; an advantage estimator must "

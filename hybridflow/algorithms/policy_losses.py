@@ -16,7 +16,6 @@ The losses below are written as (B, R) token losses (`PolicyLossTerms`); the reg
 """
 
 import difflib
-import inspect
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -24,7 +23,7 @@ import torch
 
 from hybridflow.algorithms.losses import agg_loss, compute_policy_loss, compute_policy_loss_gspo
 from hybridflow.algorithms.masked import masked_mean
-from hybridflow.utils.imports import DottedPathError, import_by_path
+from hybridflow.utils.imports import import_by_path, parameter_names
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
 POLICY_LOSS_PARAMETERS = (
@@ -318,10 +317,7 @@ def policy_loss_fn(name: str) -> PolicyLossFn:
 
 def check_policy_loss_signature(fn: object, name: str) -> None:
     """ValueError unless `fn` is callable with POLICY_LOSS_PARAMETERS as its parameters' names."""
-    try:
-        names = tuple(inspect.signature(fn).parameters)
-    except (TypeError, ValueError) as err:  # not a callable, or one without a signature
-        raise DottedPathError(f"{KEY}={name!r} names {fn!r}, which is not a function: {err}") from err
+    names = parameter_names(fn, name, KEY)
     if names != POLICY_LOSS_PARAMETERS:
         raise ValueError(
             f"{KEY}={name!r}: {getattr(fn, '__name__', fn)} takes {names}; a policy loss must take "

@@ -7,6 +7,7 @@ first line of the cause, so the driver reports it as one `error:` line before Ra
 """
 
 import importlib
+import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -37,6 +38,15 @@ def load_by_path(path: str, key: str, example: str, build: Callable[[Any], T]) -
         return build(obj)
     except (Exception, SystemExit) as err:
         raise DottedPathError(f"{key}={path!r} cannot be built: {first_line(err)}") from err
+
+
+def parameter_names(fn: object, path: str, key: str) -> tuple[str, ...]:
+    """The names of the parameters of the function `path` named; DottedPathError naming `key` when it
+    is not a callable with a signature."""
+    try:
+        return tuple(inspect.signature(fn).parameters)
+    except (TypeError, ValueError) as err:  # not a callable, or one without a signature
+        raise DottedPathError(f"{key}={path!r} names {fn!r}, which is not a function: {err}") from err
 
 
 def first_line(err: BaseException) -> str:
