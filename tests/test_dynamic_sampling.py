@@ -60,6 +60,7 @@ def test_rounds_are_drawn_until_the_batch_is_full_and_joined_at_one_prompt_width
     # groups a0 and b0 dropped out of the 5 generated
     assert metrics == {
         "dynamic_sampling/gen_batches": 2.0,
+        "dynamic_sampling/generated_groups": 5.0,
         "dynamic_sampling/dropped_groups": 2.0,
         "dynamic_sampling/dropped_group_share": 2 / 5,
     }

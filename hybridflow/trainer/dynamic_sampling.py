@@ -3,6 +3,11 @@ groups whose responses all got the same reward carry no group-relative signal, s
 and more prompts are generated and scored until the step has `data.train_batch_size` groups with
 reward variance, at most `algorithm.filter_groups.max_num_gen_batches` generation rounds per step.
 
+A round is the rollout's next batch, whatever the mode (`rollout.responses`): generated now (sync),
+the next batch launched ahead, with another launched behind it (one_step, async), or the stream's
+next finished groups within the staleness bound (stream). Each round's samples keep the policy
+version that generated them, so the staleness bound and the version stamps hold as in any step.
+
 Rows of a group are adjacent (the driver repeats each prompt n times in place) and stay in order,
 so the first `groups_needed * n` kept rows are whole groups; surplus groups are discarded.
 """
@@ -63,7 +68,8 @@ def collect_varied_groups(
 ) -> tuple[DataProto, dict[str, float]]:
     """`groups_needed` groups of n scored responses with reward variance: `first` filtered, then as
     many `sample_more()` rounds (each a scored batch) as it takes. RuntimeError naming the limit when
-    `max_gen_batches` rounds do not fill the batch. Metrics: rounds used, groups dropped, their share."""
+    `max_gen_batches` rounds do not fill the batch. Metrics: rounds used, groups generated and dropped
+    (the extra generation: generated less `groups_needed`), the dropped share."""
     kept, rounds, dropped, generated = [], 0, 0, 0
     batch = first
     while True:
@@ -86,6 +92,7 @@ def collect_varied_groups(
     merged = concat_rounds([part for part in kept if len(part)], pad_token_id)[: groups_needed * n]
     return merged, {
         "dynamic_sampling/gen_batches": float(rounds),
+        "dynamic_sampling/generated_groups": float(generated),
         "dynamic_sampling/dropped_groups": float(dropped),
         "dynamic_sampling/dropped_group_share": dropped / generated,
     }

@@ -69,7 +69,7 @@ class GeneratingAhead:
         # the rows of each launched generation and its responses (finished ones after a checkpoint)
         self.pending: deque[tuple[DataProto, LaunchedCall | DataProto]] = deque()
         self.work_windows: list[tuple[float, float]] = []  # the driver's work on each step (wall clock)
-        self.step_start = 0.0  # when the step's batch arrived (wall clock)
+        self.step_start: float | None = None  # when the step's first batch arrived (wall clock)
 
     def sync_weights(self, policy: Policy) -> None:
         self.pool.sync_weights(policy, self.sync_every)
@@ -81,7 +81,8 @@ class GeneratingAhead:
         step = prompts.next()
         responses = self.collect(step.rows) if self.pending else self.pool.generate(step.rows)
         self.fill(steps_left)
-        self.step_start = time.time()
+        if self.step_start is None:  # not a dynamic-sampling refill round, whose step began earlier
+            self.step_start = time.time()
         return step, responses
 
     def generate(self, rows: DataProto) -> DataProto:
@@ -108,6 +109,7 @@ class GeneratingAhead:
         driver's work on earlier steps; this step's work ends here."""
         overlap = self.generation_overlap(batch)
         self.work_windows.append((self.step_start, time.time()))
+        self.step_start = None
         return {**self.pool.metrics(batch), **overlap}
 
     def generation_overlap(self, batch: DataProto) -> dict[str, float]:
