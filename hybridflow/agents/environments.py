@@ -174,6 +174,10 @@ def reset_seeds(prompts: DataProto) -> list[int]:
     return [int((info or {}).get("seed", position)) for info, position in zip(extra, index, strict=True)]
 
 
+# the tool loop's counts that an episode has no use for (its observation tokens stay: tool_tokens)
+TOOL_CALL_COUNTS = ("tool_calls", "tool_errors", "tool_responses_truncated")
+
+
 class EnvironmentRollout(SeededGenerationMixin):
     """`generate_sequences` for a chunk: one episode per row, every row's concurrently; the rows
     need their messages (`raw_prompt`). Seeds and the RNG state follow the engines' rules."""
@@ -188,6 +192,8 @@ class EnvironmentRollout(SeededGenerationMixin):
         rows = unpadded_prompts(prompts)
         episodes = asyncio.run(run_episodes(loop, rows, seed, row_messages(prompts), reset_seeds(prompts)))
         batch = trajectories_to_batch(prompts, episodes, self.cfg.response_length, self.pad_token_id)
+        for name in TOOL_CALL_COUNTS:  # an episode calls no tools: zeros would read as failed calls
+            del batch.non_tensor_batch[f"agent_{name}"]
         how = self.cfg.agent.environment.reward
         batch.batch[ENV_SCORES] = place_episode_rewards(episodes, self.cfg.response_length, how)
         batch.non_tensor_batch["agent_env_steps"] = np.array([len(e.step_rewards) for e in episodes])
