@@ -1,0 +1,39 @@
+"""The rollout handle a recipe asks for (see the package docstring for what each one does):
+
+    trainer.placement colocated                 ColocatedRollout(policy group)
+    disaggregated, async_training.mode sync     PoolRollout(rollout group)
+    disaggregated, one_step / async             GeneratingAhead(PoolRollout, depth)
+    disaggregated, stream                       StreamingRollout(PoolRollout)
+
+The recipe check allows the async modes with the disaggregated placement only.
+"""
+
+from hybridflow.config.schema import RecipeConfig
+from hybridflow.trainer.prompts import PromptBatches
+from hybridflow.trainer.rollout.ahead import GeneratingAhead, generation_depth
+from hybridflow.trainer.rollout.base import Rollout
+from hybridflow.trainer.rollout.colocated import ColocatedRollout
+from hybridflow.trainer.rollout.pool import PoolRollout
+from hybridflow.trainer.rollout.stream import EngineDeadlines, RayGroupCalls, StreamingRollout, StreamSettings
+from hybridflow.workers.protocols import HybridPolicyGroup, RolloutGroup
+
+
+def make_rollout(
+    cfg: RecipeConfig,
+    policy_group: HybridPolicyGroup,
+    rollout_group: RolloutGroup | None,
+    prompts: PromptBatches,
+    pad_token_id: int,
+) -> Rollout:
+    """The recipe's rollout: over the policy's own engines when there is no rollout pool
+    (`rollout_group` None), else over the pool, wrapped by the recipe's async mode. `prompts`: the
+    loader's batches the trainer's steps take (a rollout generating ahead draws from them too)."""
+    if rollout_group is None:
+        return ColocatedRollout(policy_group)
+    pool = PoolRollout(rollout_group, cfg.trainer.output_dir, cfg.rollout)
+    if cfg.trainer.async_training.mode == "stream":  # groups generate on as steps take them
+        calls = RayGroupCalls(rollout_group, EngineDeadlines.of(cfg))
+        return StreamingRollout(pool, calls, StreamSettings.of(cfg, pad_token_id))
+    if generation_depth(cfg) > 0:  # one_step / async: the next batches generate during the update
+        return GeneratingAhead(pool, generation_depth(cfg), prompts, cfg.trainer.async_training.sync_every)
+    return pool
