@@ -17,8 +17,8 @@ from hybridflow.algorithms.offpolicy import (
     truncated_is_weights,
 )
 from hybridflow.algorithms.rollout_correction import RolloutCorrectionConfig, validate_rollout_correction
+from hybridflow.checks.recipe import RecipeError, validate_recipe
 from hybridflow.config.loader import load_recipe
-from hybridflow.config.validate import RecipeError, validate_recipe
 from hybridflow.protocol import DataProto
 from hybridflow.utils.tiny_model import make_tiny_model
 

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from hybridflow.checks.recipe import RecipeError, validate_recipe
 from hybridflow.config.loader import load_recipe
-from hybridflow.config.validate import RecipeError, validate_recipe
 from hybridflow.utils.tiny_model import make_tiny_model
 
 # the shipped recipes' relative paths exist, as after `make quickstart` (tests/working_tree.py)

@@ -26,11 +26,11 @@ from entry_point_checks import RayStarted, base_recipe, run_in_process
 from process_group import run_in_own_session
 from safetensors import safe_open
 
+from hybridflow.checks.data import check_reward_inputs
 from hybridflow.config.loader import load_recipe, to_dict, write_resolved_recipe
 from hybridflow.data.arith import ArithConfig, write_arith_parquet
 from hybridflow.data.shapes import ShapesConfig, write_shapes_parquet
 from hybridflow.trainer.checkpoint import CheckpointManager, save_trainer_state
-from hybridflow.trainer.preflight import check_reward_inputs
 from hybridflow.utils.tiny_model import build_tokenizer, make_tiny_model
 from hybridflow.utils.tiny_vlm import make_tiny_vlm
 

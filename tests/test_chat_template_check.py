@@ -10,8 +10,8 @@ import pytest
 from chat_template_stand_ins import BARE_JSON_CALLS, HERMES, NO_TOOL_CONTENT, NO_TOOL_ROLE
 
 from engines.rollout.config import AgentConfig, RolloutConfig
+from hybridflow.checks.agents import check_chat_template
 from hybridflow.config.schema import RecipeConfig
-from hybridflow.trainer.preflight import check_chat_template
 from hybridflow.utils.tiny_model import CHAT_TEMPLATE, build_tokenizer
 
 

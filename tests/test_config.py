@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from hybridflow.checks.recipe import RecipeError, validate_recipe
 from hybridflow.config.loader import load_recipe, write_resolved_recipe
 from hybridflow.config.schema import RecipeConfig
-from hybridflow.config.validate import RecipeError, validate_recipe
 from hybridflow.utils.tiny_model import make_tiny_model
 
 # the shipped recipes' relative paths exist, as after `make quickstart` (tests/working_tree.py)

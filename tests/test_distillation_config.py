@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from hybridflow.checks.recipe import RecipeError, validate_recipe
 from hybridflow.config.loader import load_recipe
-from hybridflow.config.validate import RecipeError, validate_recipe
 from hybridflow.trainer.roles import resource_pool_manager, role_classes
 from hybridflow.utils.tiny_model import make_tiny_model
 

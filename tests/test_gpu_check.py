@@ -105,8 +105,8 @@ def gpu_mode_inputs(tmp_path: Path, task: str) -> tuple[Path, dict]:
 @pytest.mark.usefixtures("in_quickstart_working_tree")
 @pytest.mark.parametrize("task", ["text", "vlm"])
 def test_the_gpu_mode_recipes_pass_the_recipe_checks(tmp_path, task):
+    from hybridflow.checks.recipe import validate_recipe
     from hybridflow.config.loader import load_recipe
-    from hybridflow.config.validate import validate_recipe
 
     model, data = gpu_mode_inputs(tmp_path, task)
     overrides = gpu_check.recipe_overrides(model, data, tmp_path / "out", cuda=True, steps=3, task=task)

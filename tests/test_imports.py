@@ -78,8 +78,8 @@ def test_an_object_that_fails_to_build_is_named_too(modules):
 
 def test_the_recipe_check_names_a_tool_that_cannot_be_built(modules):
     from engines.rollout.config import AgentConfig, RolloutConfig
+    from hybridflow.checks.agents import _check_agent_tools
     from hybridflow.config.schema import RecipeConfig
-    from hybridflow.config.validate import _check_agent_tools
 
     cfg = RecipeConfig()
     tools = [

@@ -14,8 +14,6 @@ HEAVY_MODULES = ("megatron", "sglang", "vllm", "transformer_engine")
 # The bottom layer ("base"): all that engines/ may import from hybridflow (these modules and, for a
 # package, its submodules).
 BASE = ("hybridflow.protocol", "hybridflow.algorithms", "hybridflow.parallel_ranks")
-# The pre-flight checks still under config/: part of "checks", the layer above the recipe schema.
-CHECK_MODULES = ("hybridflow.config.validate", "hybridflow.config.vlm_checks")
 LAYERS_TABLE = "<!-- layers: part | may import -->"  # in docs/design.md, above the table
 
 
@@ -55,8 +53,6 @@ def _part(module: str) -> str | None:
         return None
     if f"{module}.".startswith(tuple(f"{base}." for base in BASE)):
         return "base"
-    if f"{module}.".startswith(tuple(f"{check}." for check in CHECK_MODULES)):
-        return "checks"
     return names[1] if len(names) > 1 else "hybridflow"
 
 
@@ -115,8 +111,8 @@ def test_the_allow_list_has_no_cycle():
 
 
 def test_the_modules_named_here_exist():
-    """The base modules, and the checks still under config/ (drop a name once its module moves)."""
-    for name in BASE + CHECK_MODULES:
+    """The base modules."""
+    for name in BASE:
         path = ROOT.joinpath(*name.split("."))
         assert path.with_suffix(".py").is_file() or (path / "__init__.py").is_file(), name
 

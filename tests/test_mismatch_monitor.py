@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from hybridflow.algorithms.mismatch import log_prob_mismatch
+from hybridflow.checks.algorithm import _check_mismatch_monitor
 from hybridflow.config.schema import RecipeConfig, TrainerConfig
-from hybridflow.config.validate import _check_mismatch_monitor
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.mismatch import TrainInferenceMismatchError, check_mismatch
 

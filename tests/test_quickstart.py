@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from hybridflow.checks.recipe import validate_recipe
 from hybridflow.config.loader import load_recipe
-from hybridflow.config.validate import validate_recipe
 from hybridflow.data.arith import ArithConfig, write_arith_parquet
 from hybridflow.data.sft_dataset import SFTDataset, collate_sft
 from hybridflow.utils.tiny_model import make_tiny_model

@@ -17,9 +17,9 @@ import reasoning_gym
 from recipe_runs import run_recipe_in_process
 from transformers import AutoTokenizer
 
+from hybridflow.checks.recipe import RecipeError, validate_recipe
 from hybridflow.config.loader import load_recipe
 from hybridflow.config.schema import ReasoningGymConfig
-from hybridflow.config.validate import RecipeError, validate_recipe
 from hybridflow.data.reasoning_gym import SOURCE_PREFIX, make_splits, source_problems
 from hybridflow.protocol import DataProto
 from hybridflow.reward.manager import sequence_scores

@@ -266,8 +266,8 @@ DISTILL_KEYS = (
 @pytest.mark.usefixtures("in_quickstart_working_tree")
 @pytest.mark.parametrize("recipe", ["recipes/gsm8k_dapo.yaml", "recipes/gsm8k_gspo.yaml"])
 def test_dapo_and_gspo_recipes_validate_with_their_algorithm_settings(gsm8k_local, tmp_path, recipe):
+    from hybridflow.checks.recipe import validate_recipe
     from hybridflow.config.loader import load_recipe
-    from hybridflow.config.validate import validate_recipe
 
     tiny = ["rollout.sampling.n=2", "actor.update.ppo_mini_batch_size=4", "reward.custom_fn=null"]
     if "dapo" in recipe:

@@ -26,9 +26,9 @@ from multinode_helpers import processes_with_env
 from run_processes import actor_processes, as_from_a_terminal, cleanup, wait_for
 from tiny_run import command, environment, tiny_run_inputs
 
+from hybridflow.checks.recipe import RecipeError
 from hybridflow.config.loader import to_dict
 from hybridflow.config.schema import RecipeConfig
-from hybridflow.config.validate import RecipeError
 from hybridflow.single_controller.errors import worker_error
 from hybridflow.trainer.checkpoint import CheckpointManager, CheckpointSaveError, save_trainer_state
 from hybridflow.trainer.restart import Restarts, WorkerProcessDied, warn_if_restarts_start_over

@@ -21,8 +21,8 @@ from hybridflow.algorithms.rollout_correction import (
     sequence_acceptance,
     validate_rollout_correction,
 )
+from hybridflow.checks.algorithm import _rollout_correction_settings_unread
 from hybridflow.config.schema import RecipeConfig
-from hybridflow.config.validate import _rollout_correction_settings_unread
 
 ROLLOUT = torch.full((2, 3), -1.0)  # (B, R) the engine's log-probs of the sampled tokens
 MASK = torch.tensor([[1, 1, 1], [1, 1, 0]])  # (B, R) the last token of row 1 is padding

@@ -1,4 +1,4 @@
-"""The distillation teacher's tokenizer check (hybridflow/trainer/teacher_check.py): the same
+"""The distillation teacher's tokenizer check (hybridflow/checks/distillation.py): the same
 tokenizer passes; another vocabulary, the same tokens under other ids, other special ids, or too
 few embedding rows are refused naming teacher.path and what differs. (The whole entry point
 refusing such a teacher before Ray starts is a row of docs/bad-inputs.md.)"""
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from hybridflow.trainer.teacher_check import check_teacher_tokenizer, tokenizer_difference
+from hybridflow.checks.distillation import check_teacher_tokenizer, tokenizer_difference
 from hybridflow.utils.tiny_model import build_tokenizer
 
 

@@ -5,9 +5,8 @@ import json
 
 import pytest
 
-from hybridflow.checks.models import check_weight_shapes, checkpoint_bytes, parameter_count
+from hybridflow.checks.models import check_safetensors, check_weight_shapes, checkpoint_bytes, parameter_count
 from hybridflow.config.loader import load_recipe
-from hybridflow.trainer.preflight import check_safetensors
 from hybridflow.utils.tiny_model import ARCHS, MOE_ARCHS, make_tiny_model
 
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from hybridflow.checks.recipe import validate_recipe
 from hybridflow.config.loader import load_recipe
-from hybridflow.config.validate import validate_recipe
 from hybridflow.trainer.resume import plan_resume
 
 TESTS = Path(__file__).resolve().parent

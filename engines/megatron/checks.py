@@ -1,6 +1,6 @@
 """Checks of the Megatron roles' update and optimizer settings, each a ValueError naming the key.
 
-The driver runs them on every recipe before anything starts (hybridflow/config/validate.py) and the
+The driver runs them on every recipe before anything starts (hybridflow/checks/) and the
 engine again on what it is given directly; this module imports nothing from Megatron-Core, whose
 import costs the driver 5-9 s of CPU for a model it never builds.
 """

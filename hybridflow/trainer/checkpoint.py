@@ -26,7 +26,6 @@ import json
 import logging
 import os
 import random
-import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,15 +34,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hybridflow.utils.checkpoint_layout import LATEST, MANIFEST, STEP_DIR
 from hybridflow.utils.disk import NO_SPACE, free_bytes, free_space_text, human_bytes, is_disk_full
 from hybridflow.utils.teardown import one_line
 
 logger = logging.getLogger(__name__)
 
-MANIFEST = "manifest.json"
-LATEST = "latest"
 TRAINER_STATE = "trainer_state.pt"
-STEP_DIR = re.compile(r"^global_step_(\d+)$")
 PARTIAL_SAVE = ".tmp_global_step_*"
 TRAINER_STATE_VERSION = 1
 MANIFEST_VERSION = 2  # 2: size and SHA-256 of every file (1 had sizes only)

@@ -1,24 +1,10 @@
-"""The prompt datasets a recipe trains and validates on, built the same way by the trainer and by
-its preflight checks: a vision-language `model.path` reads image prompts with its own processor
-(hybridflow/data/image_prompts.py), a text model with its tokenizer."""
+"""The prompts a recipe generates instead of reading them from files (data.source), written as
+parquet before the run starts so that the trainer and the resolved recipe read them as files."""
 
 import dataclasses
 from pathlib import Path
 
-from hybridflow.agents.tools.base import prompt_tools
 from hybridflow.config.schema import RecipeConfig
-from hybridflow.data.prompt_dataset import PromptDataset
-
-
-def policy_processor(cfg: RecipeConfig):
-    """The policy's Hugging Face processor when it is a vision-language model, else None."""
-    from engines.model_dir import is_vision_language_dir
-
-    if not is_vision_language_dir(cfg.model.path):
-        return None
-    from transformers import AutoProcessor
-
-    return AutoProcessor.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
 
 
 def with_generated_data(cfg: RecipeConfig) -> RecipeConfig:
@@ -36,13 +22,3 @@ def with_generated_data(cfg: RecipeConfig) -> RecipeConfig:
         print(f"dropped {dropped} of {source.size} generated training prompts: held-out questions too")
     files = {"train_files": [str(paths["train"])], "val_files": [str(paths["val"])] if "val" in paths else []}
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **files))
-
-
-def recipe_prompt_dataset(cfg: RecipeConfig, tokenizer, files: list[str], max_samples: int | None,
-                          processor=None) -> PromptDataset:  # fmt: skip
-    data = cfg.data
-    tools = prompt_tools(cfg.rollout.agent)
-    return PromptDataset(
-        files, tokenizer, data.max_prompt_length, data.prompt_key, max_samples, tools, processor=processor,
-        template_kwargs=cfg.rollout.chat_template_kwargs,
-    )  # fmt: skip

@@ -23,17 +23,17 @@ import signal
 import sys
 from pathlib import Path
 
+from hybridflow.checks.layout import Layout
+from hybridflow.checks.recipe import check_run_inputs, validate_recipe
 from hybridflow.config.loader import load_recipe, write_resolved_recipe
 from hybridflow.config.models import resolve_recipe_models
 from hybridflow.config.schema import RecipeConfig
-from hybridflow.config.validate import Layout, validate_recipe
 from hybridflow.launch.local_ray import start_local_ray
 from hybridflow.reward.manager import RewardFunctionError
 from hybridflow.single_controller.errors import CallTimeout
 from hybridflow.trainer.checkpoint import CheckpointManager, CheckpointSaveError
 from hybridflow.trainer.datasets import with_generated_data
 from hybridflow.trainer.mismatch import TrainInferenceMismatchError
-from hybridflow.trainer.preflight import check_run_inputs
 from hybridflow.trainer.restart import Restarts, WorkerProcessDied, warn_if_restarts_start_over
 from hybridflow.trainer.resume import ResumePlan, plan_resume
 from hybridflow.trainer.rollout.pool import RolloutProcessDied

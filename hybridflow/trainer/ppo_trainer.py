@@ -16,10 +16,12 @@ from pathlib import Path
 
 import torch
 
+from hybridflow.checks.models import checkpoint_size_estimate
 from hybridflow.config.loader import to_dict
 from hybridflow.config.schema import RecipeConfig
 from hybridflow.data.dataloader import ResumableDataLoader
 from hybridflow.data.prompt_dataset import collate_prompts
+from hybridflow.data.recipe_datasets import policy_processor, recipe_prompt_dataset
 from hybridflow.protocol import DataProto, DataProtoConfig
 from hybridflow.reward.manager import compute_rewards, sequence_scores
 from hybridflow.reward.registry import load_reward_fn, rule_reward_fn
@@ -32,10 +34,8 @@ from hybridflow.trainer.checkpoint import (
     restore_rng_state,
     save_trainer_state,
 )
-from hybridflow.trainer.datasets import policy_processor, recipe_prompt_dataset
 from hybridflow.trainer.dynamic_sampling import collect_varied_groups
 from hybridflow.trainer.mismatch import check_mismatch
-from hybridflow.trainer.preflight import checkpoint_size_estimate
 from hybridflow.trainer.prompts import PromptBatches
 from hybridflow.trainer.resume import ResumePlan, plan_resume
 from hybridflow.trainer.roles import Roles, uses_reference

@@ -12,8 +12,8 @@ so the rollout engine sees what memory the others left.
 
 from dataclasses import dataclass, field
 
+from hybridflow.checks.roles import teacher_devices_per_node, uses_teacher
 from hybridflow.config.schema import RecipeConfig
-from hybridflow.config.validate import teacher_devices_per_node, uses_teacher
 from hybridflow.single_controller import RayClassWithInitArgs, WorkerGroup, create_colocated_worker_cls
 from hybridflow.trainer.policy import Policy
 from hybridflow.trainer.rollout.base import Rollout

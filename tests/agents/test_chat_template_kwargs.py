@@ -45,7 +45,7 @@ def test_the_recipe_prompt_dataset_passes_them(tokenizer, tmp_path):
     import pyarrow.parquet as pq
 
     from hybridflow.config.schema import RecipeConfig
-    from hybridflow.trainer.datasets import recipe_prompt_dataset
+    from hybridflow.data.recipe_datasets import recipe_prompt_dataset
 
     path = tmp_path / "p.parquet"
     row = {"prompt": USER, "data_source": "x", "reward_model": {"ground_truth": "4"}}

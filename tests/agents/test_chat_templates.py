@@ -218,10 +218,10 @@ def test_a_message_the_template_cannot_append_starts_a_new_segment():
 
 
 def test_the_recipe_check_refuses_a_template_the_loop_cannot_render_incrementally():
-    """Before any worker starts (hybridflow/trainer/preflight.py), naming the tokenizer's key."""
+    """Before any worker starts (hybridflow/checks/agents.py), naming the tokenizer's key."""
     from engines.rollout.config import AgentConfig, RolloutConfig
+    from hybridflow.checks.agents import check_chat_template
     from hybridflow.config.schema import RecipeConfig
-    from hybridflow.trainer.preflight import check_chat_template
 
     cfg = RecipeConfig()
     cfg.model.path = "/models/qwen"

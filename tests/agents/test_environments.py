@@ -24,8 +24,8 @@ from hybridflow.agents.environments import (
 )
 from hybridflow.agents.openenv_env import OpenEnvEnvironment, check_server
 from hybridflow.agents.template import end_of_turn_ids, message_delta_renderer, tokenize_chat
+from hybridflow.checks.agents import _check_environment
 from hybridflow.config.loader import load_recipe
-from hybridflow.config.validate import _check_environment
 from hybridflow.protocol import DataProto
 from hybridflow.reward.manager import compute_rewards, sequence_scores
 from hybridflow.utils.tiny_model import build_tokenizer

@@ -268,8 +268,8 @@ def test_a_trajectory_with_its_own_prompt_replaces_its_row_and_widens_the_prompt
 
 
 def test_the_recipe_check_loads_the_agent_before_any_worker_starts():
+    from hybridflow.checks.agents import _check_agent_tools
     from hybridflow.config.schema import RecipeConfig
-    from hybridflow.config.validate import _check_agent_tools
 
     cfg = RecipeConfig()
     cfg.rollout = RolloutConfig(

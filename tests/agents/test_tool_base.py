@@ -161,8 +161,8 @@ rollout:
 
 
 def test_a_recipe_passes_a_tools_constructor_arguments_and_they_are_checked_before_workers_start(tmp_path):
+    from hybridflow.checks.agents import _check_agent_tools
     from hybridflow.config.loader import load_recipe
-    from hybridflow.config.validate import _check_agent_tools
 
     recipe = tmp_path / "tools.yaml"
     recipe.write_text(RECIPE_TOOLS)

@@ -77,8 +77,8 @@ def test_the_default_bound_is_the_machines_cores():
 
 
 def test_the_bound_without_the_tool_loop_is_named_as_unread():
+    from hybridflow.checks.agents import _agent_settings_unread
     from hybridflow.config.schema import RecipeConfig
-    from hybridflow.config.validate import _agent_settings_unread
 
     cfg = RecipeConfig()
     cfg.rollout.agent = AgentConfig(max_concurrent_tool_calls=4)

@@ -136,21 +136,21 @@ def _recipe(fmt: str = "auto"):
 
 @pytest.mark.parametrize("family", sorted(FAMILY_FORMATS))
 def test_the_recipe_check_accepts_each_family_template(family):
-    from hybridflow.trainer.preflight import check_chat_template
+    from hybridflow.checks.agents import check_chat_template
 
     check_chat_template(_recipe(), BY_NAME[family].tokenizer())
     check_chat_template(_recipe(FAMILY_FORMATS[family]), BY_NAME[family].tokenizer())
 
 
 def test_the_recipe_check_names_the_format_a_template_writes_when_the_recipe_names_another():
-    from hybridflow.trainer.preflight import check_chat_template
+    from hybridflow.checks.agents import check_chat_template
 
     with pytest.raises(ValueError, match=r"set rollout\.agent\.tool_call_format: mistral"):
         check_chat_template(_recipe("hermes"), BY_NAME["mistral-v0.3"].tokenizer())
 
 
 def test_the_recipe_check_refuses_a_call_format_no_parser_knows():
-    from hybridflow.trainer.preflight import check_chat_template
+    from hybridflow.checks.agents import check_chat_template
 
     with pytest.raises(ValueError) as err:
         check_chat_template(_recipe(), UNKNOWN_FAMILY.tokenizer())
@@ -171,8 +171,8 @@ def test_the_endpoint_returns_the_familys_calls_as_openai_tool_calls(family):
 
 
 def test_a_format_without_an_agent_loop_is_reported_as_unread():
+    from hybridflow.checks.agents import _agent_settings_unread
     from hybridflow.config.schema import RecipeConfig
-    from hybridflow.config.validate import _agent_settings_unread
 
     cfg = RecipeConfig()
     cfg.rollout.agent = AgentConfig(tool_call_format="mistral")

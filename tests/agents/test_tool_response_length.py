@@ -88,8 +88,8 @@ def test_none_leaves_tool_responses_unbounded():
 
 
 def test_the_limit_without_the_tool_loop_is_reported_as_unread():
+    from hybridflow.checks.agents import _agent_settings_unread
     from hybridflow.config.schema import RecipeConfig
-    from hybridflow.config.validate import _agent_settings_unread
 
     cfg = RecipeConfig()
     cfg.rollout.agent = AgentConfig(max_tool_response_length=64)

@@ -20,8 +20,8 @@ from gsm8k_tiny import cpu_overrides
 from recipe_runs import run_recipe_in_process
 from stream_fakes import check_batch, stream_trainer, train_step
 
+from hybridflow.checks.recipe import RecipeError, validate_recipe
 from hybridflow.config.loader import load_recipe
-from hybridflow.config.validate import RecipeError, validate_recipe
 from hybridflow.trainer.rollout.pool import sync_due
 from hybridflow.utils.tiny_model import make_tiny_model
 

@@ -152,8 +152,8 @@ def test_moe_models_take_attention_adapters():
 def test_lora_with_param_offload_is_refused():
     from pathlib import Path
 
+    from hybridflow.checks.recipe import RecipeError, validate_recipe
     from hybridflow.config.loader import load_recipe
-    from hybridflow.config.validate import RecipeError, validate_recipe
 
     recipe = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml"
     overrides = ["actor.lora.rank=8", "actor.megatron.param_offload=true"]

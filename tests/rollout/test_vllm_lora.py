@@ -70,8 +70,8 @@ def test_adapter_sync_is_refused_where_it_cannot_work(settings, expected):
 
 @pytest.mark.usefixtures("in_quickstart_working_tree")
 def test_recipe_validation_refuses_adapter_sync_without_vllm_and_unknown_modes():
+    from hybridflow.checks.recipe import RecipeError, validate_recipe
     from hybridflow.config.loader import load_recipe
-    from hybridflow.config.validate import RecipeError, validate_recipe
 
     quickstart = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml"
     lora = ["actor.lora.rank=4", "rollout.name=hf"]

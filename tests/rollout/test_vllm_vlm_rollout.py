@@ -159,8 +159,8 @@ OWN_LLAVA = (
 )
 @pytest.mark.usefixtures("in_quickstart_working_tree")  # the shipped recipe, read as a user's run would
 def test_a_vision_language_recipe_names_the_engines_it_can_use(overrides, problem):
+    from hybridflow.checks.vlm import vision_language_problems
     from hybridflow.config.loader import load_recipe
-    from hybridflow.config.vlm_checks import vision_language_problems
 
     recipe = Path(__file__).resolve().parents[2] / "recipes/vlm_quickstart.yaml"
     problems = vision_language_problems(load_recipe(recipe, overrides), "vlm")
