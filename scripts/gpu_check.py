@@ -111,14 +111,13 @@ def train(recipe: str, overrides: list[str]):
     from hybridflow.trainer.policy import Policy
     from hybridflow.trainer.ppo_trainer import PPOTrainer
     from hybridflow.trainer.roles import Roles
-    from hybridflow.trainer.rollout.colocated import ColocatedRollout
     from hybridflow.workers.hybrid_policy import HybridPolicyWorker
 
     cfg, layout = prepare([str(REPO / "recipes" / recipe), *overrides])
     group = LocalWorkerGroup(ray_cls_with_init=RayClassWithInitArgs(HybridPolicyWorker, cfg))
     try:
         group.init_model()
-        roles = Roles(Policy(group), ColocatedRollout(group), critic=None, reward_model=None, groups=[group])
+        roles = Roles(Policy(group), rollout_group=None, critic=None, reward_model=None, groups=[group])
         PPOTrainer(cfg, roles, actor_dp=layout.actor_dp).fit(None)
     finally:
         group.shutdown()

@@ -81,8 +81,10 @@ def main(workdir: Path) -> int:
     policy = Policy(group)
     try:
         group.init_model()
-        roles = Roles(policy, CorruptedSyncRollout(group), critic=None, reward_model=None, groups=[group])
-        PPOTrainer(cfg, roles, actor_dp=layout.actor_dp).fit(None)
+        roles = Roles(policy, rollout_group=None, critic=None, reward_model=None, groups=[group])
+        trainer = PPOTrainer(cfg, roles, actor_dp=layout.actor_dp)
+        trainer.rollout = CorruptedSyncRollout(group)  # the recipe's colocated rollout, corrupted
+        trainer.fit(None)
         code = 0
     except RUN_STOPPING_ERRORS as err:
         code = stopped(err)

@@ -18,7 +18,6 @@ from hybridflow.trainer.main import prepare
 from hybridflow.trainer.policy import Policy
 from hybridflow.trainer.ppo_trainer import PPOTrainer
 from hybridflow.trainer.roles import Roles
-from hybridflow.trainer.rollout.colocated import ColocatedRollout
 from hybridflow.utils.tiny_model import make_tiny_model
 from hybridflow.workers.hybrid_policy import HybridPolicyWorker
 
@@ -57,7 +56,7 @@ def main(workdir: Path, engine: str, extra: list[str]) -> None:
     group = LocalWorkerGroup(ray_cls_with_init=RayClassWithInitArgs(HybridPolicyWorker, cfg))
     try:
         group.init_model()
-        roles = Roles(Policy(group), ColocatedRollout(group), critic=None, reward_model=None, groups=[group])
+        roles = Roles(Policy(group), rollout_group=None, critic=None, reward_model=None, groups=[group])
         PPOTrainer(cfg, roles, actor_dp=layout.actor_dp).fit(None)
     finally:
         group.shutdown()

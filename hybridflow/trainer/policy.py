@@ -1,14 +1,14 @@
 """The driver's policy handle: the actor worker group as the training loop uses it.
 
     policy.log_probs(batch)        old log-probs and entropy of the responses
-    policy.ref_log_probs(batch)    the frozen reference's log-probs (KL)
     policy.update(batch)           PPO epochs; `version` counts the updates applied
     policy.save(path) / load(path) / export_hf(out_dir)
 
 `version` is the number of updates that changed the weights: an update all of whose optimizer
 steps the guards refused (a NaN / inf grad norm, or beyond max_update_ratio) leaves it as it
 was, so no rollout engine re-syncs for it and no sample is counted staler for it. The rollout
-handle reads it when it syncs (hybridflow/trainer/rollout/).
+handle reads it when it syncs (hybridflow/trainer/rollout/). The frozen reference lives in the
+same workers; its handle is `handles.Reference` over this group.
 """
 
 import json
@@ -37,9 +37,6 @@ class Policy:
 
     def log_probs(self, batch: DataProto) -> DataProto:
         return self.group.compute_log_prob(batch)
-
-    def ref_log_probs(self, batch: DataProto) -> DataProto:
-        return self.group.compute_ref_log_prob(batch)
 
     def update(self, batch: DataProto) -> DataProto:
         """PPO epochs over the batch; metrics in meta_info["metrics"]."""

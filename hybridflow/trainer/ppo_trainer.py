@@ -1,15 +1,16 @@
-"""The PPO/GRPO driver: a plain loop over the RL dataflow with two handles, the policy and the rollout.
+"""The PPO/GRPO driver: a plain loop over the RL dataflow with a handle per role.
 
     trainer = PPOTrainer(cfg, start_roles(cfg), actor_dp); trainer.fit()
 
 `step()` reads like the algorithm: the rollout takes the policy's newest weights (a timed phase of
 its own, `timing/weight_sync`), the step's prompts and responses come from the rollout (generated
-now, launched steps earlier when generating ahead, or a stream's next finished groups), then
-reward, old log-probs, reference, values, advantages and the updates, with a timer around each
-stage. Where the responses come from and
-when weights move are the rollout handle's (hybridflow/trainer/rollout/); what the policy is, the
-policy handle's (hybridflow/trainer/policy.py). Everything else is setup, validation, logging and
-checkpoint hooks.
+now, launched steps earlier when generating ahead, or a stream's next finished groups), then the
+reward, DAPO's dynamic sampling, old log-probs, reference, teacher, values, advantages and the
+updates, each a line with a timer around it. Where the responses come from and when weights reach
+the engines are the rollout handle's (hybridflow/trainer/rollout/, the recipe's one from
+`make_rollout`); what the policy is, the policy handle's (hybridflow/trainer/policy.py); the other
+roles' handles are in hybridflow/trainer/handles.py. Everything else is setup, validation, logging
+and checkpoint hooks.
 """
 
 from pathlib import Path
@@ -35,12 +36,12 @@ from hybridflow.trainer.checkpoint import (
     save_trainer_state,
 )
 from hybridflow.trainer.dynamic_sampling import collect_varied_groups
+from hybridflow.trainer.handles import Reference
 from hybridflow.trainer.mismatch import check_mismatch
 from hybridflow.trainer.prompts import PromptBatches
 from hybridflow.trainer.resume import ResumePlan, plan_resume
 from hybridflow.trainer.roles import Roles, uses_reference
-from hybridflow.trainer.rollout.ahead import GeneratingAhead, generation_depth
-from hybridflow.trainer.rollout.stream import EngineDeadlines, RayGroupCalls, StreamingRollout, StreamSettings
+from hybridflow.trainer.rollout.make import make_rollout
 from hybridflow.trainer.validation import run_validation
 from hybridflow.utils.nonfinite import (
     NonFiniteError,
@@ -62,6 +63,8 @@ class PPOTrainer:
         self.cfg, self.actor_dp = cfg, actor_dp
         self.policy, self.critic, self.reward_model = roles.policy, roles.critic, roles.reward_model
         self.teacher = roles.teacher  # on-policy distillation: scores the student's responses
+        # the frozen reference, in the policy's processes, when KL is in the reward or the loss
+        self.reference = Reference(roles.policy.group) if uses_reference(cfg) else None
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
         self.processor = policy_processor(cfg)  # a vision-language policy's, for its image prompts
         custom = load_reward_fn(cfg.reward.custom_fn) if cfg.reward.custom_fn else None
@@ -71,19 +74,11 @@ class PPOTrainer:
         self.val_loader = (
             self._loader(cfg.data.val_files, cfg.data.val_max_samples) if cfg.data.val_files else None
         )
-        self.use_ref = uses_reference(cfg)
         # the agent, or the environment loop, reads each row's messages
         self.rollout_reads_rows = cfg.rollout.agent.loop in ("openai", "environment")
         self.prompts = PromptBatches(self.train_loader, cfg.rollout.sampling.n, self.rollout_reads_rows)
-        self.rollout = roles.rollout
-        if cfg.trainer.async_training.mode == "stream":  # groups generate on as steps take them
-            settings = StreamSettings.of(cfg, self.tokenizer.pad_token_id)
-            self.rollout = StreamingRollout(
-                roles.rollout, RayGroupCalls(roles.rollout.group, EngineDeadlines.of(cfg)), settings
-            )
-        elif generation_depth(cfg) > 0:  # one_step / async: the next batches generate during the update
-            every = cfg.trainer.async_training.sync_every
-            self.rollout = GeneratingAhead(roles.rollout, generation_depth(cfg), self.prompts, every)
+        pad_token_id = self.tokenizer.pad_token_id
+        self.rollout = make_rollout(cfg, roles.policy.group, roles.rollout_group, self.prompts, pad_token_id)
         self.kl_ctrl = core.make_kl_controller(cfg.algorithm.kl_ctrl)
         self.total_steps = (
             cfg.trainer.total_training_steps or len(self.train_loader) * cfg.trainer.total_epochs
@@ -178,26 +173,29 @@ class PPOTrainer:
         timings = {}
         with metrics.timer("step", timings):
             self.sync_weights(timings)  # the rollout takes the policy's newest weights
-            batch, sampling_metrics = self.sample(timings)  # responses from the rollout
+            batch = self.generate(timings)  # responses from the rollout
+            batch = self.reward(batch, timings)  # their scores: rule or reward model, overlong penalty
+            batch, sampling_metrics = self.dynamic_sampling(batch, timings)  # DAPO: more groups as needed
+            self.balance(batch)
             with metrics.timer("old_log_prob", timings):
                 log_probs = self.policy.log_probs(batch)
                 batch = batch.union(log_probs)
             mismatch_metrics = check_mismatch(batch, self.cfg.trainer, self.global_step)  # may stop the run
             mismatch_metrics |= metrics.mean_worker_metrics(log_probs)  # MoE routing replay's agreement
-            if self.use_ref:
+            if self.reference is not None:
                 with metrics.timer("ref", timings):
-                    batch = batch.union(self.policy.ref_log_probs(batch))
+                    batch = batch.union(self.reference.log_probs(batch))
             if self.teacher is not None:
                 with metrics.timer("teacher", timings):
-                    batch = batch.union(self.teacher.compute_teacher_log_prob(batch))
+                    batch = batch.union(self.teacher.log_probs(batch))
             if self.critic is not None:
                 with metrics.timer("values", timings):
-                    batch = batch.union(self.critic.compute_values(batch))
+                    batch = batch.union(self.critic.values(batch))
             with metrics.timer("adv", timings):
                 rewards, kl_metrics = core.token_level_rewards(batch, self.cfg.algorithm, self.kl_ctrl)
                 batch = batch.union(rewards)
                 batch = batch.union(core.compute_advantage(batch, self.cfg.algorithm))
-            update_metrics = self.update_models(batch, timings)
+            update_metrics = self.update_models(batch, timings)  # the critic's and the policy's weights move
         return {
             **metrics.batch_metrics(batch),
             **kl_metrics,
@@ -215,32 +213,12 @@ class PPOTrainer:
         with metrics.timer("weight_sync", timings):
             self.rollout.sync_weights(self.policy)
 
-    def sample(self, timings: dict[str, float]) -> tuple[DataProto, dict[str, float]]:
-        """Scored responses to the step's prompts (with DAPO's dynamic sampling: only groups whose
-        rewards differ, drawing more prompts as needed), ordered so that every data-parallel rank
-        gets a similar number of tokens."""
-        batch, sampling_metrics = self.generate_and_score(timings), {}
-        dynamic = self.cfg.algorithm.filter_groups
-        if dynamic.enable:
-            batch, sampling_metrics = collect_varied_groups(
-                batch,
-                lambda: self.generate_and_score(timings),
-                groups_needed=self.cfg.data.train_batch_size,
-                n=self.cfg.rollout.sampling.n,
-                max_gen_batches=dynamic.max_num_gen_batches,
-                pad_token_id=self.tokenizer.pad_token_id,
-            )
-        if self.cfg.trainer.balance_batch:
-            batch.reorder(balanced_order(batch.batch["attention_mask"].sum(-1).tolist(), self.actor_dp))
-        return batch, sampling_metrics
-
-    def generate_and_score(self, timings: dict[str, float]) -> DataProto:
-        """Responses to the next batch of prompts with `token_level_scores` (rule or reward model,
-        plus DAPO's overlong penalty when enabled)."""
-        batch = self.generate(timings)
+    def reward(self, batch: DataProto, timings: dict[str, float]) -> DataProto:
+        """`token_level_scores` of the responses (rule or reward model, plus DAPO's overlong
+        penalty when enabled)."""
         with metrics.timer("reward", timings):
             if self.reward_model is not None:
-                batch = batch.union(self.reward_model.compute_rm_score(batch))
+                batch = batch.union(self.reward_model.scores(batch))
             batch = batch.union(compute_rewards(batch, self.tokenizer, self.reward_fn))
             overlong = self.cfg.algorithm.overlong_buffer
             if overlong.enable:
@@ -248,6 +226,29 @@ class PPOTrainer:
                 scores = batch.batch["token_level_scores"]
                 batch.batch["token_level_scores"] = scores + core.overlong_scores(batch, overlong, limit)
         return batch
+
+    def dynamic_sampling(
+        self, batch: DataProto, timings: dict[str, float]
+    ) -> tuple[DataProto, dict[str, float]]:
+        """With DAPO's dynamic sampling (algorithm.filter_groups) only the groups whose rewards
+        differ, drawing, generating and scoring more prompts as needed; else the batch as it is."""
+        dynamic = self.cfg.algorithm.filter_groups
+        if not dynamic.enable:
+            return batch, {}
+        return collect_varied_groups(
+            batch,
+            lambda: self.reward(self.generate(timings), timings),
+            groups_needed=self.cfg.data.train_batch_size,
+            n=self.cfg.rollout.sampling.n,
+            max_gen_batches=dynamic.max_num_gen_batches,
+            pad_token_id=self.tokenizer.pad_token_id,
+        )
+
+    def balance(self, batch: DataProto) -> None:
+        """With trainer.balance_batch, the rows ordered so that every data-parallel rank gets a
+        similar number of tokens."""
+        if self.cfg.trainer.balance_batch:
+            batch.reorder(balanced_order(batch.batch["attention_mask"].sum(-1).tolist(), self.actor_dp))
 
     def generate(self, timings: dict[str, float]) -> DataProto:
         """The step's prompts with n responses each (grouped by `uid`), and ReMax's greedy baseline
@@ -268,7 +269,7 @@ class PPOTrainer:
         pool of its own the critic updates while the policy does."""
         out = {}
         with metrics.timer("update", timings):
-            critic_update = self.critic.update_critic_async(batch) if self.critic is not None else None
+            critic_update = self.critic.start_update(batch) if self.critic is not None else None
             if self.global_step > self.cfg.critic.warmup_steps:
                 with metrics.timer("update_actor", timings):
                     out.update(metrics.mean_worker_metrics(self.policy.update(batch)))
@@ -290,7 +291,7 @@ class PPOTrainer:
         if self.reward_model is None:
             return sequence_scores(greedy, self.tokenizer, self.reward_fn)
         greedy.meta_info[DataProtoConfig.auto_padding_key] = True
-        return self.reward_model.compute_rm_score(greedy).batch["rm_scores"].sum(dim=-1)
+        return self.reward_model.scores(greedy).batch["rm_scores"].sum(dim=-1)
 
     def validate(self) -> dict[str, float]:
         """One pass over the validation set (its loader is unshuffled: every pass is the same),
@@ -310,7 +311,7 @@ class PPOTrainer:
             (directory / "rollout").mkdir()
             self.rollout.save(str(directory / "rollout"))
             if self.critic is not None:
-                self.critic.save_checkpoint(str(directory / "critic"))
+                self.critic.save(str(directory / "critic"))
             save_trainer_state(
                 directory / "trainer_state.pt",
                 self.global_step,
@@ -333,7 +334,7 @@ class PPOTrainer:
         self.policy.load(str(point.part("actor")))
         self.rollout.load(str(point.part("rollout")))
         if self.critic is not None:
-            self.critic.load_checkpoint(str(point.part("critic")))
+            self.critic.load(str(point.part("critic")))
         restore_rng_state(state["rng"])
         self.train_loader.load_state_dict(state["dataloader"])
         self.kl_ctrl.value = state["extra"]["kl_coef"]

@@ -2,12 +2,12 @@
 
 One pool ("global_pool") holds one process per device with the policy (actor, reference and, in
 the colocated placement, the rollout engines: `HybridPolicyWorker`), and the critic and reward
-model too unless the critic asks for its own pool. The driver gets a `Policy` handle, a rollout
-handle (`ColocatedRollout` over the same workers; with trainer.placement=disaggregated a
-`PoolRollout` over the rollout pool "rollout_pool", fed by a `TransferPolicyWorker`), and a
-worker-group view per other role (the distillation teacher's: in the global pool, or its own
-"teacher_pool" when teacher.n_gpus_per_node > 0). Models are built critic first and policy last,
-so the rollout engine sees what memory the others left.
+model too unless the critic asks for its own pool. The driver gets a `Policy` handle, with
+trainer.placement=disaggregated the rollout pool's group ("rollout_pool", fed by a
+`TransferPolicyWorker`; the trainer builds its rollout handle with `rollout.make.make_rollout`),
+and a handle per other role (hybridflow/trainer/handles.py; the distillation teacher's in the
+global pool, or its own "teacher_pool" when teacher.n_gpus_per_node > 0). Models are built critic
+first and policy last, so the rollout engine sees what memory the others left.
 """
 
 from dataclasses import dataclass, field
@@ -15,13 +15,12 @@ from dataclasses import dataclass, field
 from hybridflow.checks.roles import teacher_devices_per_node, uses_teacher
 from hybridflow.config.schema import RecipeConfig
 from hybridflow.single_controller import RayClassWithInitArgs, WorkerGroup, create_colocated_worker_cls
+from hybridflow.trainer.handles import Critic, RewardModel, Teacher
 from hybridflow.trainer.policy import Policy
-from hybridflow.trainer.rollout.base import Rollout
-from hybridflow.trainer.rollout.colocated import ColocatedRollout
-from hybridflow.trainer.rollout.pool import PoolRollout, connect_transfer
+from hybridflow.trainer.rollout.pool import connect_transfer
 from hybridflow.workers.critic import CriticWorker
 from hybridflow.workers.hybrid_policy import HybridPolicyWorker
-from hybridflow.workers.protocols import CriticGroup, RewardModelGroup, TeacherGroup
+from hybridflow.workers.protocols import RolloutGroup
 from hybridflow.workers.reward_model import RewardModelWorker
 from hybridflow.workers.rollout_worker import RolloutWorker
 from hybridflow.workers.rollout_worker import actor_options as rollout_actor_options
@@ -35,11 +34,11 @@ class Roles:
     or a LocalWorkerGroup for a one-process run without Ray (scripts/gpu_check.py)."""
 
     policy: Policy
-    rollout: Rollout
-    critic: CriticGroup | None
-    reward_model: RewardModelGroup | None
+    rollout_group: RolloutGroup | None  # the rollout pool's workers; None: the engines are the policy's
+    critic: Critic | None
+    reward_model: RewardModel | None
     groups: list[WorkerGroup]  # the underlying groups, for shutdown
-    teacher: TeacherGroup | None = None  # on-policy distillation's teacher (workers/teacher.py)
+    teacher: Teacher | None = None  # on-policy distillation's teacher (workers/teacher.py)
     resource_pools: list = field(default_factory=list)  # their slots (Ray placement groups)
 
     def shutdown(self) -> None:
@@ -118,7 +117,7 @@ def start_roles(cfg: RecipeConfig) -> Roles:
     pools, groups = list(manager.resource_pool_dict.values()), []
     try:
         views = spawn_groups(cfg, manager, groups)
-        return handles(cfg, views, groups, pools)
+        return handles(views, groups, pools)
     except BaseException:
         stop_and_release(groups, pools)
         raise
@@ -144,17 +143,17 @@ def spawn_groups(cfg: RecipeConfig, manager, groups: list[WorkerGroup]) -> dict[
     return views
 
 
-def handles(cfg: RecipeConfig, views: dict, groups: list[WorkerGroup], pools: list) -> Roles:
+def handles(views: dict, groups: list[WorkerGroup], pools: list) -> Roles:
     """Builds every role's models and the driver's handles over them."""
     # The rollout pool last: its vLLM engines pick free ports of their own, which must not be the
     # ones the other groups were given for their process groups but have not bound yet.
     for role in ("critic", "reward_model", "teacher", "policy", "rollout"):
         if role in views:
             views[role].init_model()
-    policy = views["policy"]
-    rollout = ColocatedRollout(policy)
-    if "rollout" in views:
-        connect_transfer(policy, views["rollout"])
-        rollout = PoolRollout(views["rollout"], cfg.trainer.output_dir, cfg.rollout)
-    critic, reward_model, teacher = views.get("critic"), views.get("reward_model"), views.get("teacher")
+    policy, rollout = views["policy"], views.get("rollout")
+    if rollout is not None:
+        connect_transfer(policy, rollout)
+    critic = Critic(views["critic"]) if "critic" in views else None
+    reward_model = RewardModel(views["reward_model"]) if "reward_model" in views else None
+    teacher = Teacher(views["teacher"]) if "teacher" in views else None
     return Roles(Policy(policy), rollout, critic, reward_model, groups, teacher, resource_pools=pools)
