@@ -105,11 +105,6 @@ def test_defaults_are_synchronous_and_colocated(base):
             "flight when weights arrive",
         ),
         (
-            (*DISAGGREGATED, "trainer.async_training.mode=one_step", "algorithm.filter_groups.enable=true"),
-            "with algorithm.filter_groups.enable=true (dynamic sampling draws more prompts inside a step) "
-            "is not supported yet",
-        ),
-        (
             (*DISAGGREGATED, "trainer.async_training.mode=one_step", "algorithm.adv_estimator=remax"),
             "the greedy baseline would come from newer weights than the samples",
         ),
@@ -175,7 +170,11 @@ def test_disaggregated_modes_validate(base):
     assert errors(base, *asynchronous, *partial) == []
     stream = (*DISAGGREGATED, *STREAM, "trainer.async_training.max_staleness=2")
     assert errors(base, *stream, "trainer.async_training.stale_groups=regenerate") == []
-    assert errors(base, *stream, "algorithm.filter_groups.enable=true") == []  # dynamic sampling streams on
+    # dynamic sampling refills a step's batch in every mode
+    dynamic = "algorithm.filter_groups.enable=true"
+    assert errors(base, *DISAGGREGATED, "trainer.async_training.mode=one_step", dynamic) == []
+    assert errors(base, *asynchronous, dynamic) == []
+    assert errors(base, *stream, dynamic) == []
 
 
 def test_a_bare_off_is_not_a_mode(base):

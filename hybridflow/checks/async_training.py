@@ -72,11 +72,6 @@ def _check_async_training(cfg: RecipeConfig) -> list[str]:
             f"{key}.mode={settings.mode} with algorithm.adv_estimator=remax: the greedy baseline would come "
             "from newer weights than the samples it is a baseline for; use mode=sync"
         )
-    if settings.mode not in ("sync", "stream") and cfg.algorithm.filter_groups.enable:
-        errors.append(
-            f"{key}.mode={settings.mode} with algorithm.filter_groups.enable=true (dynamic sampling draws "
-            "more prompts inside a step) is not supported yet; use mode=sync"
-        )
     if settings.mode == "async" and settings.max_staleness < 0:
         errors.append(f"{key}.max_staleness must be >= 0 (0: as fresh as sync), got {settings.max_staleness}")
     if settings.mode not in ("async", "stream") and settings.max_staleness != 1:
