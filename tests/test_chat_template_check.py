@@ -55,7 +55,7 @@ def test_a_template_that_renders_tools_and_calls_as_the_parser_reads_them_passes
             BARE_JSON_CALLS,
             'model.path=/models/tiny: the chat template writes a tool call as \'{"name": "calculator", '
             '"parameters": {}}\', which no tool-call format reads (known: hermes, qwen3_coder, llama3_json, '
-            "mistral, deepseek_v3)",
+            "mistral, deepseek_v3, harmony)",
         ),
     ],
 )

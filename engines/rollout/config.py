@@ -33,7 +33,9 @@ EnvironmentName = Literal["openenv"]
 # sum: the episode's step rewards added, on its last sampled token | final: the last step's reward
 # there | per_turn: each step's reward on the last sampled token of the turn it answers
 EpisodeReward = Literal["sum", "final", "per_turn"]
-ToolCallFormatName = Literal["auto", "hermes", "qwen3_coder", "llama3_json", "mistral", "deepseek_v3"]
+ToolCallFormatName = Literal[
+    "auto", "hermes", "qwen3_coder", "llama3_json", "mistral", "deepseek_v3", "harmony"
+]
 LoadFormat = Literal["dummy", "auto"]  # dummy: random init, weights arrive with the first sync
 # vLLM's CPU build: packed (oneDNN, vLLM's default) | plain (engines/rollout/vllm_cpu_weights.py)
 VLLMCPUWeights = Literal["packed", "plain"]

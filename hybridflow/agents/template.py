@@ -62,10 +62,28 @@ def template_end_of_turn(tokenizer, template_kwargs: dict | None = None) -> tupl
     return str(tokenizer.added_tokens_decoder[ids[0]]), ids[0]
 
 
+def template_end_of_call(tokenizer, template_kwargs: dict | None = None) -> tuple[str, int]:
+    """(text, id) of the special token that ends an assistant turn calling a tool: the last one the
+    template writes after the call (gpt-oss's `<|call|>`; the end of turn in the other families).
+    The end of turn where the template writes no calls or cannot render one."""
+    call = {"id": call_id(0, 0), "type": "function", "function": {"name": "probe", "arguments": {"q": MARK}}}
+    turn = [STAND_IN_USER, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    try:
+        text = _render(tokenizer, turn, PROBE_TOOLS, False, template_kwargs)
+    except Exception:  # a chat-only template: its turns never end on a call
+        return template_end_of_turn(tokenizer, template_kwargs)
+    ids = tokenizer(text[text.rfind(MARK) + len(MARK) :], add_special_tokens=False)["input_ids"]
+    special = [i for i in ids if i in tokenizer.added_tokens_decoder]
+    if MARK not in text or not special:
+        return template_end_of_turn(tokenizer, template_kwargs)
+    return str(tokenizer.added_tokens_decoder[special[-1]]), special[-1]
+
+
 def end_of_turn_ids(tokenizer, eos_token_ids: Iterable[int] = ()) -> frozenset[int]:
     """Ids that close an assistant turn: the model's EOS ids (its generation config) and the
-    template's end-of-turn token."""
-    return frozenset(eos_token_ids) | {template_end_of_turn(tokenizer)[1]}
+    template's end of a call (`template_end_of_call`: its end of turn, but for gpt-oss, whose
+    `<|end|>` ends one message of a turn that goes on, and whose answers end on its EOS)."""
+    return frozenset(eos_token_ids) | {template_end_of_call(tokenizer)[1]}
 
 
 def stand_in_assistant(messages: list[dict[str, Any]]) -> dict[str, Any]:
@@ -95,10 +113,14 @@ def message_delta_renderer(tokenizer, template_kwargs: dict | None = None) -> Re
     messages can follow), up to and including the next assistant prompt. `closed`: the turn
     ended on the end-of-turn token, and the ids start after it; otherwise they start with it.
     `template_kwargs`: extra variables of every render (rollout.chat_template_kwargs)."""
-    end_text = template_end_of_turn(tokenizer, template_kwargs)[0]
+    end_texts = {
+        False: template_end_of_turn(tokenizer, template_kwargs)[0],
+        True: template_end_of_call(tokenizer, template_kwargs)[0],
+    }  # by whether the assistant turn calls tools
 
     def render(messages: list[dict], tools=None, closed: bool = True, after: dict | None = None) -> list[int]:
         head = [STAND_IN_USER, after or stand_in_assistant(messages)]
+        end_text = end_texts[bool(head[1].get("tool_calls"))]
         before = _render(tokenizer, head[:1], tools, False, template_kwargs)
         text = _render(tokenizer, head + messages, tools, True, template_kwargs)
         if not text.startswith(before):

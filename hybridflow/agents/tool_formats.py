@@ -9,6 +9,7 @@ content before its calls and the calls, in order.
 | mistral | `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` |
 | deepseek_v3 | `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` + a ```json |
 |  | block of the arguments + `<｜tool▁call▁end｜>`, ..., `<｜tool▁calls▁end｜>` |
+| harmony | `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>` (gpt-oss) |
 
 `rollout.agent.tool_call_format: auto` picks the format from markers in the tokenizer's chat
 template (`detect_format`); Hermes where none is found. A call that cannot be run is a
@@ -193,6 +194,59 @@ def _deepseek_call(body: str) -> Call:
     return call_from_payload({"name": match.group(1).strip(), "arguments": arguments}, body, "arguments")
 
 
+# gpt-oss (the harmony format): a turn is messages, each `<|channel|>NAME[ to=RECIPIENT]
+# [<|constrain|>json]<|message|>BODY` ended by <|end|> (more follows), <|call|> (a tool call: its
+# recipient is `functions.NAME`, its body the JSON arguments) or <|return|> (the final answer); the
+# messages after the first start with `<|start|>assistant` (the recipient may stand there too).
+HARMONY_MESSAGE, HARMONY_CALL, HARMONY_START = "<|message|>", "<|call|>", "<|start|>"
+HARMONY_ENDS = re.compile(r"<\|(?:end|call|return)\|>")
+HARMONY_RECIPIENT = re.compile(r"to=functions\.([^\s<]+)")
+
+
+def parse_harmony(text: str) -> ParsedTurn:
+    """Content: the bodies of the turn's messages to no one on the final and commentary channels
+    (the answer and preambles; analysis is reasoning); a call: a message to `functions.NAME`."""
+    if HARMONY_MESSAGE not in text:
+        return ParsedTurn(text.strip(), [])
+    content, calls = [], []
+    for header, body, end in _harmony_messages(text):
+        recipient = HARMONY_RECIPIENT.search(header)
+        if recipient is None:
+            if "analysis" not in header:
+                content.append(body.strip())
+        elif end != HARMONY_CALL:
+            calls.append(
+                MalformedToolCall(
+                    "unclosed_tag",
+                    f"a call to functions.{recipient.group(1)} must end with {HARMONY_CALL}",
+                    body,
+                )
+            )
+        else:
+            calls.append(_harmony_call(recipient.group(1), body))
+    return ParsedTurn("\n".join(c for c in content if c), calls)
+
+
+def _harmony_messages(text: str) -> list[tuple[str, str, str]]:
+    """(header, body, end token or "" at the text's end) of each message of a sampled turn."""
+    messages = []
+    for piece in text.split(HARMONY_START):
+        header, marked, rest = piece.partition(HARMONY_MESSAGE)
+        if not marked:
+            continue
+        end = HARMONY_ENDS.search(rest)
+        messages.append((header, rest[: end.start()] if end else rest, end.group(0) if end else ""))
+    return messages
+
+
+def _harmony_call(name: str, body: str) -> Call:
+    try:
+        arguments = json.loads(body)
+    except json.JSONDecodeError as err:
+        return MalformedToolCall("bad_json", f"the arguments are not valid JSON ({err})", body)
+    return call_from_payload({"name": name, "arguments": arguments}, body, "arguments")
+
+
 @dataclass(frozen=True)
 class ToolCallFormat:
     name: str
@@ -208,11 +262,12 @@ FORMATS: dict[str, ToolCallFormat] = {
         ToolCallFormat("llama3_json", parse_llama3_json, (PYTHON_TAG, "ipython")),
         ToolCallFormat("mistral", parse_mistral, (TOOL_CALLS,)),
         ToolCallFormat("deepseek_v3", parse_deepseek_v3, (DS_BEGIN, "tool▁calls▁begin")),
+        ToolCallFormat("harmony", parse_harmony, ("to=functions.", HARMONY_CALL)),
     )
 }
 # the first whose marker a template holds is its format (Qwen3-Coder before Hermes: both write
 # <tool_call>; a template may describe <tool_call> in a system prompt beside another format)
-DETECTION_ORDER = ("deepseek_v3", "mistral", "qwen3_coder", "hermes", "llama3_json")
+DETECTION_ORDER = ("harmony", "deepseek_v3", "mistral", "qwen3_coder", "hermes", "llama3_json")
 DEFAULT_FORMAT = "hermes"
 
 

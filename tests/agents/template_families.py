@@ -15,6 +15,8 @@ tokenizers are the tiny model's one-token-per-byte vocabulary plus each family's
 | mistral-v0.3 | strict user/assistant alternation, 9-character call ids, [TOOL_RESULTS], no prompt |
 | deepseek-v3 | tool calls and outputs in blocks, no assistant prompt after tool outputs |
 | hermes | tool messages in a tool role, each naming its tool (raises without `name`) |
+| gpt-oss | harmony: channels, a call is a message to functions.NAME ending on <|call|> (not the |
+|  | <|end|> of other messages), one call a sampled turn, a tool answers as the role functions.NAME |
 """
 
 from dataclasses import dataclass
@@ -217,6 +219,39 @@ HERMES = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
+# gpt-oss (the harmony format): every message is <|start|>ROLE ... <|message|>BODY<|end|>; the
+# assistant writes on a channel (final: answers, commentary: preambles and tool calls, addressed
+# `to=functions.NAME`, which end on <|call|>); a tool answers as the role functions.NAME.
+GPT_OSS = (
+    "{%- set ns = namespace(system='', last_call='') %}"
+    "{%- if messages[0].role == 'system' %}{%- set ns.system = messages[0].content %}{%- endif %}"
+    "{{- '<|start|>system<|message|>You answer on channels: analysis, commentary or final; '"
+    " + 'tools are called on commentary.<|end|>' }}"
+    "{%- if ns.system or tools %}{{- '<|start|>developer<|message|>' }}"
+    "{%- if ns.system %}{{- '# Instructions\\n\\n' + ns.system + '\\n\\n' }}{%- endif %}"
+    "{%- if tools %}{{- '# Tools\\n\\nnamespace functions {\\n' }}"
+    "{%- for tool in tools %}{{- '// ' + tool.function.description + '\\ntype ' + tool.function.name }}"
+    "{{- ' = (_: ' + (tool.function.parameters | tojson) + ') => any;\\n' }}{%- endfor %}"
+    "{{- '} // functions' }}{%- endif %}{{- '<|end|>' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' %}{{- '<|start|>user<|message|>' + message.content + '<|end|>' }}"
+    "{%- elif message.role == 'assistant' and message.tool_calls %}"
+    "{%- if message.content %}"
+    "{{- '<|start|>assistant<|channel|>commentary<|message|>' + message.content + '<|end|>' }}{%- endif %}"
+    "{%- for call in message.tool_calls %}{%- set args = call.function.arguments %}"
+    "{{- '<|start|>assistant<|channel|>commentary to=functions.' + call.function.name }}"
+    "{{- ' <|constrain|>json<|message|>' + (args if args is string else (args | tojson)) + '<|call|>' }}"
+    "{%- set ns.last_call = call.function.name %}{%- endfor %}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|start|>assistant<|channel|>final<|message|>' + message.content + '<|end|>' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{{- '<|start|>functions.' + (message.name or ns.last_call) + ' to=assistant<|channel|>commentary' }}"
+    "{{- '<|message|>' + message.content + '<|end|>' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}"
+)
+
 DEEPSEEK_TOKENS = [
     "<｜begin▁of▁sentence｜>",
     "<｜end▁of▁sentence｜>",
@@ -240,6 +275,17 @@ LLAMA_TOKENS = [
     "<|end_header_id|>",
     "<|eot_id|>",
     "<|eom_id|>",
+]
+GPT_OSS_TOKENS = [
+    "<|startoftext|>",
+    "<|endoftext|>",
+    "<|start|>",
+    "<|end|>",
+    "<|message|>",
+    "<|channel|>",
+    "<|constrain|>",
+    "<|call|>",
+    "<|return|>",
 ]
 MISTRAL_TOKENS = [
     "[INST]",
@@ -293,4 +339,6 @@ FAMILIES = [
         "<｜begin▁of▁sentence｜>",
     ),
     Family("hermes", HERMES, CHATML_TOKENS, "<|im_end|>", "<|im_end|>"),
+    # a sampled turn ends on <|call|> after a call (and on its EOS <|return|> after an answer)
+    Family("gpt-oss", GPT_OSS, GPT_OSS_TOKENS, "<|return|>", "<|call|>", "<|startoftext|>", False),
 ]
