@@ -31,6 +31,11 @@ arrival to its `metrics`, after the update) and reports how many seconds of the 
 ran during earlier steps' work (`timing/gen_overlap`, `perf/gen_overlap_share` of
 `timing/rollout_gen`).
 
+DAPO's dynamic sampling (hybridflow/trainer/dynamic_sampling.py) calls `responses` again within a
+step for each refill round: it takes the next launched batch and launches one behind it with the
+step's weights. A batch is then taken no later than without refills, so still at most `depth`
+versions stale, and the step's work window starts at its first batch.
+
 Checkpoints: what is in flight is saved (finished first), not discarded; see `save`.
 """
 
