@@ -27,11 +27,12 @@ from run_processes import actor_processes, as_from_a_terminal, cleanup, wait_for
 from tiny_run import command, environment, tiny_run_inputs
 
 from hybridflow.checks.recipe import RecipeError
+from hybridflow.checks.resume import warn_if_restarts_start_over
 from hybridflow.config.loader import to_dict
 from hybridflow.config.schema import RecipeConfig
 from hybridflow.single_controller.errors import worker_error
 from hybridflow.trainer.checkpoint import CheckpointManager, CheckpointSaveError, save_trainer_state
-from hybridflow.trainer.restart import Restarts, WorkerProcessDied, warn_if_restarts_start_over
+from hybridflow.trainer.restart import Restarts, WorkerProcessDied
 from hybridflow.utils.nonfinite import NonFiniteError
 from hybridflow.utils.tracking import read_metrics
 

@@ -1,11 +1,15 @@
 """The checkpoint a run would resume from, before Ray starts: an explicit
-trainer.resume_from_path is a finished checkpoint directory, and `latest` names one.
+trainer.resume_from_path is a finished checkpoint directory, and `latest` names one; restarts that
+would find no checkpoint to restart from are warned of.
 """
 
+import logging
 from pathlib import Path
 
 from hybridflow.config.schema import RecipeConfig
 from hybridflow.utils.checkpoint_layout import LATEST, MANIFEST, STEP_DIR
+
+logger = logging.getLogger(__name__)
 
 
 def check_resume_point(cfg: RecipeConfig) -> None:
@@ -32,3 +36,17 @@ def check_resume_point(cfg: RecipeConfig) -> None:
                 f"{latest} should name a global_step_N directory, it holds {latest.read_text()[:80]!r}; "
                 "write the newest complete checkpoint's name there, or set trainer.resume_mode=disable"
             )
+
+
+def warn_if_restarts_start_over(cfg: RecipeConfig) -> None:
+    """A warning, not a refusal, for restarts without checkpoints: each restart then trains from
+    step 0 again, which still finishes the run (a short run, or one whose checkpoints would not
+    fit, may choose that), only later."""
+    trainer = cfg.trainer
+    if trainer.restart_on_failure > 0 and trainer.save_freq == 0:
+        logger.warning(
+            "trainer.restart_on_failure=%d with trainer.save_freq=0: no checkpoint is written, so every "
+            "restart trains from step 0 again; set trainer.save_freq (e.g. 10) to restart from the newest "
+            "checkpoint",
+            trainer.restart_on_failure,
+        )

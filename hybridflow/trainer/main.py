@@ -25,6 +25,7 @@ from pathlib import Path
 
 from hybridflow.checks.layout import Layout
 from hybridflow.checks.recipe import check_run_inputs, validate_recipe
+from hybridflow.checks.resume import warn_if_restarts_start_over
 from hybridflow.config.loader import load_recipe, write_resolved_recipe
 from hybridflow.config.models import resolve_recipe_models
 from hybridflow.config.schema import RecipeConfig
@@ -34,7 +35,7 @@ from hybridflow.single_controller.errors import CallTimeout
 from hybridflow.trainer.checkpoint import CheckpointManager, CheckpointSaveError
 from hybridflow.trainer.datasets import with_generated_data
 from hybridflow.trainer.mismatch import TrainInferenceMismatchError
-from hybridflow.trainer.restart import Restarts, WorkerProcessDied, warn_if_restarts_start_over
+from hybridflow.trainer.restart import Restarts, WorkerProcessDied
 from hybridflow.trainer.resume import ResumePlan, plan_resume
 from hybridflow.trainer.rollout.pool import RolloutProcessDied
 from hybridflow.utils import warning_filters

@@ -17,7 +17,6 @@ point, or step 0 with the driver's random state as it was then).
 """
 
 import dataclasses
-import logging
 import re
 from pathlib import Path
 
@@ -26,8 +25,6 @@ from hybridflow.single_controller.errors import WorkerError
 from hybridflow.trainer.checkpoint import LATEST, CheckpointSaveError, capture_rng_state, restore_rng_state
 from hybridflow.trainer.resume import ResumePlan, plan_resume
 from hybridflow.utils.imports import first_line
-
-logger = logging.getLogger(__name__)
 
 
 class WorkerProcessDied(RuntimeError):
@@ -146,17 +143,3 @@ def auto_resume(cfg: RecipeConfig) -> RecipeConfig:
     """`cfg` resuming from the newest complete checkpoint, whatever it says (this run's own)."""
     trainer = dataclasses.replace(cfg.trainer, resume_mode="auto", resume_from_path=None)
     return dataclasses.replace(cfg, trainer=trainer)
-
-
-def warn_if_restarts_start_over(cfg: RecipeConfig) -> None:
-    """A warning, not a refusal, for restarts without checkpoints: each restart then trains from
-    step 0 again, which still finishes the run (a short run, or one whose checkpoints would not
-    fit, may choose that), only later."""
-    trainer = cfg.trainer
-    if trainer.restart_on_failure > 0 and trainer.save_freq == 0:
-        logger.warning(
-            "trainer.restart_on_failure=%d with trainer.save_freq=0: no checkpoint is written, so every "
-            "restart trains from step 0 again; set trainer.save_freq (e.g. 10) to restart from the newest "
-            "checkpoint",
-            trainer.restart_on_failure,
-        )
