@@ -1,6 +1,7 @@
 """DAPO's dynamic sampling in the asynchronous modes, run in process (tests/recipe_runs.py): the DAPO
 recipe made tiny (actor 1 process, vLLM rollout 1 process, 4 prompt groups of 2 a step) for 2 steps
-in one_step, async (max_staleness 2) and stream (max_staleness 1), with a reward under which every
+in async (max_staleness 2) and stream (max_staleness 1) (one_step is async at depth 1: its refill
+rounds are tests/async_rl/test_dynamic_sampling_ahead.py's), with a reward under which every
 prompt whose answer is even gets one score for all its responses (its group is dropped), the others
 a score per response (the response's length in characters, which differs between samples).
 
@@ -29,11 +30,10 @@ def even_answers_alike(data_source, solution_str, ground_truth, extra_info):
 @pytest.mark.parametrize(
     ("mode", "bound"),
     [
-        (["trainer.async_training.mode=one_step"], 1),
         (["trainer.async_training.mode=async", "trainer.async_training.max_staleness=2"], 2),
         (["trainer.async_training.mode=stream", "trainer.async_training.max_staleness=1"], 1),
     ],
-    ids=["one_step", "async-max_staleness-2", "stream"],
+    ids=["async-max_staleness-2", "stream"],
 )
 def test_dynamic_sampling_refills_the_batch_in_async_modes(gsm8k_local, tmp_path, mode, bound):
     (tmp_path / "parity_reward.py").write_text(PARITY_REWARD)
