@@ -79,7 +79,8 @@ def test_a_local_worker_group_starts_torch_distributed_on_its_published_port(spm
 def test_the_weight_transfer_group_starts_on_the_address_the_sender_published(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    sender = TransferPolicyWorker(SimpleNamespace(rollout=SimpleNamespace(weight_sync_bucket_mb=1.0)))
+    rollout = SimpleNamespace(weight_sync_bucket_mb=1.0, weight_sync_delta=False)
+    sender = TransferPolicyWorker(SimpleNamespace(rollout=rollout))
     host, port = sender.transfer_address()
     received, receiver_error = [], []
 

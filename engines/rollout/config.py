@@ -279,6 +279,9 @@ class RolloutConfig:
     # (the opt-in full-distribution mismatch check)
     top_k_log_probs: int = 0
     weight_sync_bucket_mb: int = 512  # weights reach the engine in buckets of at most this many MiB
+    # trainer.placement=disaggregated: a sync sends only the elements that changed since the version the
+    # engines hold, checked by checksum (a full sync after a restart); a CPU copy of the weights per process
+    weight_sync_delta: bool = False
     # after every sync: hf compares every tensor's checksum; vllm its log-probs of fixed tokens
     verify_weight_sync: bool = False
     # the share of GPU memory the engine may hold (SGLang's mem_fraction_static, vLLM's

@@ -14,6 +14,14 @@ One transfer is a sequence of broadcasts from rank 0, one header and one payload
     ...
     header             {"version": v, "tensors": None}: the transfer is over
 
+With delta transfers (`delta_dtype`, rollout.weight_sync_delta), each transfer starts with an
+all-gather of the version every member's `DeltaBase` is complete for (-1: none, as after a
+restart); when every receiver holds the sender's, each tensor goes as its changed elements against
+that base, else every tensor goes whole (engines/weight_sync/delta.py). Such a header also carries
+each tensor's entry (name, shape, dtype, checksum of the new tensor, kind), the payload its
+positions and values; the receiver rebuilds each tensor from its copy, checks it against the
+checksum, and loads it whole into its engine.
+
 Buckets are those of the colocated sync (`bucket_named_tensors`, `rollout.weight_sync_bucket_mb`).
 Each receiver loads the buckets into its engine inside one weight-update session (the engine's own
 load path, as the colocated sync does) and then serves policy version v. A receiver
@@ -38,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from engines.weight_sync.common import WeightSyncError, bucket_named_tensors, tensor_nbytes
+from engines.weight_sync.delta import DeltaBase, DeltaStats, pack_deltas, unpack_deltas
 
 ALIGN = 16  # bytes: every tensor of a payload starts at a multiple, so its dtype view is aligned
 SENDER = 0
@@ -140,45 +149,76 @@ def _aligned(offset: int) -> int:
 class WeightSender:
     """Rank 0 of a transfer group: broadcasts the actor's named tensors, bucket by bucket."""
 
-    def __init__(self, group: TransferGroup, bucket_mb: float):
+    def __init__(self, group: TransferGroup, bucket_mb: float, delta_dtype: torch.dtype | None = None):
         if group.rank != SENDER:
             raise ValueError(f"the weight sender is rank {SENDER} of its transfer group, not {group.rank}")
         self.group = group
         self.bucket_mb = bucket_mb
+        self.base = None if delta_dtype is None else DeltaBase(delta_dtype)  # what it last sent
+        self.stats = DeltaStats()  # of the last transfer
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
         """Every tensor of the stream to every receiver, as policy `version`; the bytes sent."""
-        sent = 0
-        for bucket in bucket_named_tensors(named_tensors, self.bucket_mb):
-            specs, flat = pack_bucket([(name, t.to(self.group.device)) for name, t in bucket])
-            _broadcast_object(self.group, {"version": version, "tensors": specs})
-            _broadcast(self.group, flat)
-            sent += flat.numel()
+        self.stats = DeltaStats()
+        if self.base is not None:
+            self._send_deltas(named_tensors, version)
+        else:
+            for bucket in bucket_named_tensors(named_tensors, self.bucket_mb):
+                for _, tensor in bucket:
+                    self.stats.add_whole(tensor)
+                self._send_bucket(version, bucket, {})
         _broadcast_object(self.group, {"version": version, "tensors": None})
-        return sent
+        return self.stats.sent_bytes
+
+    def _send_deltas(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Each tensor as its changed elements against what every receiver holds, or whole."""
+        held = _gather_versions(self.group, self.base.version)[1:]
+        against_base = self.base.version is not None and all(v == self.base.version for v in held)
+        self.base.version = None  # until this transfer is sent in full
+        for bucket in bucket_named_tensors(named_tensors, self.bucket_mb):
+            deltas = [(name, self.base.encode(name, tensor, against_base)) for name, tensor in bucket]
+            for _, delta in deltas:
+                self.stats.add(delta)
+            entries, parts = pack_deltas(deltas)
+            self._send_bucket(version, [("", part) for part in parts], {"deltas": entries})
+        self.base.version = version
+
+    def _send_bucket(self, version: int, bucket: list[tuple[str, torch.Tensor]], extra: dict) -> None:
+        """One header (with `extra`), then the tensors' payload unless there are none."""
+        moved = [(name, tensor.to(self.group.device)) for name, tensor in bucket]
+        specs, flat = pack_bucket(moved) if moved else ([], None)
+        _broadcast_object(self.group, {"version": version, "tensors": specs, **extra})
+        if flat is not None:
+            _broadcast(self.group, flat)
 
 
 class WeightReceiver:
     """A rollout engine's end of a transfer group."""
 
-    def __init__(self, group: TransferGroup):
+    def __init__(self, group: TransferGroup, delta_dtype: torch.dtype | None = None):
         if group.rank == SENDER:
             raise ValueError(f"rank {SENDER} of a transfer group sends; receivers are 1..{group.size - 1}")
         self.group = group
+        self.base = None if delta_dtype is None else DeltaBase(delta_dtype)  # what it last loaded
         self.version: int | None = None  # of the transfer under way (once a header came) or last received
         self.serving: int | None = None  # the version the engine holds in full; None after a failure
         self.failure: WeightSyncError | None = None  # the last transfer's error; None after a success
+        self.header: dict = {}  # of the bucket last received
 
-    def receive(self) -> Iterator[tuple[list[tuple], torch.Tensor]]:
-        """The buckets of one transfer, in order, as they arrive: (specs, (N,) uint8 payload)."""
+    def receive(self) -> Iterator[tuple[list[tuple], torch.Tensor | None]]:
+        """The buckets of one transfer, in order, as they arrive: (specs, (N,) uint8 payload), the
+        payload None for a delta bucket whose tensors all stayed the same; `header` is the bucket's."""
         while True:
-            header = _broadcast_object(self.group, None)
-            self.version = header["version"]
-            if header["tensors"] is None:
+            self.header = _broadcast_object(self.group, None)
+            self.version = self.header["version"]
+            specs = self.header["tensors"]
+            if specs is None:
                 return
-            flat = torch.empty(payload_size(header["tensors"]), dtype=torch.uint8, device=self.group.device)
-            _broadcast(self.group, flat)
-            yield header["tensors"], flat
+            flat = None
+            if specs:
+                flat = torch.empty(payload_size(specs), dtype=torch.uint8, device=self.group.device)
+                _broadcast(self.group, flat)
+            yield specs, flat
 
     def load_into(self, engine) -> int:
         """One transfer into `engine` through its own load path (a weight-update session, then its
@@ -206,18 +246,32 @@ class WeightReceiver:
             self.serving = None
             raise self.failure from steps.error
         self.serving = self.version
+        if self.base is not None:
+            self.base.version = self.serving
         return self.serving
 
     def _load_buckets(self, engine, steps: "_FirstFailure") -> None:
         """Each bucket into `engine` until a step fails; the buckets after that are only received."""
+        if self.base is not None:  # complete again only once this transfer is loaded in full
+            held, self.base.version = self.base.version, None
+            _gather_versions(self.group, held)
         for index, (specs, flat) in enumerate(self.receive()):
             if steps.error is None:
-                step = f"bucket {index} ({specs[0][0]} .. {specs[-1][0]})"
-                steps.run(step, _load_bucket, engine, specs, flat)
+                names = [entry[0] for entry in self.header.get("deltas", specs)]
+                step = f"bucket {index} ({names[0]} .. {names[-1]})"
+                steps.run(step, self._load_bucket, engine, specs, flat, self.header.get("deltas"))
 
-
-def _load_bucket(engine, specs: list[tuple], flat: torch.Tensor) -> None:
-    engine.update_weights(unpack_bucket(specs, flat))
+    def _load_bucket(self, engine, specs: list[tuple], flat: torch.Tensor | None, entries: list | None):
+        """A bucket's tensors into `engine`; a delta bucket's (`entries`) rebuilt from this receiver's
+        copy first, each checked against the sender's checksum (`DeltaBase.decode`)."""
+        received = unpack_bucket(specs, flat) if flat is not None else []
+        if entries is None:
+            engine.update_weights(received)
+            return
+        if self.base is None:
+            raise WeightSyncError("a delta transfer reached a receiver without rollout.weight_sync_delta")
+        deltas = unpack_deltas(entries, [tensor.cpu() for _, tensor in received])  # the copy is on the CPU
+        engine.update_weights([(name, self.base.decode(name, delta)) for name, delta in deltas])
 
 
 class _FirstFailure:
@@ -254,6 +308,16 @@ def _broadcast(group: TransferGroup, tensor: torch.Tensor) -> None:
     if group.group is None:
         raise RuntimeError("a weight transfer over a closed transfer group")
     group.group.broadcast([tensor], dist.BroadcastOptions()).wait()
+
+
+def _gather_versions(group: TransferGroup, version: int | None) -> list[int]:
+    """Every member's version (None as -1), in rank order: what each one's `DeltaBase` holds."""
+    mine = torch.tensor([-1 if version is None else version], dtype=torch.int64, device=group.device)
+    every = [torch.empty_like(mine) for _ in range(group.size)]
+    if group.group is None:
+        raise RuntimeError("a weight transfer over a closed transfer group")
+    group.group.allgather([every], [mine]).wait()
+    return [int(v.item()) for v in every]
 
 
 def _broadcast_object(group: TransferGroup, obj):

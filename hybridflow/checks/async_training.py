@@ -13,12 +13,7 @@ def _check_placement(cfg: RecipeConfig) -> list[str]:
     """A rollout pool exactly when the placement is disaggregated, and one the engines split over."""
     trainer, pool = cfg.trainer, cfg.trainer.rollout_pool
     if trainer.placement == "colocated":
-        if pool.n_gpus_per_node == 0:
-            return []
-        return [
-            f"trainer.rollout_pool.n_gpus_per_node={pool.n_gpus_per_node} gives the rollout its own devices, "
-            "which only trainer.placement=disaggregated uses: set that, or set n_gpus_per_node to 0"
-        ]
+        return _colocated_unused(cfg)
     if trainer.mode != "rl":
         return ["trainer.placement=disaggregated applies to trainer.mode=rl only; set it to colocated"]
     if pool.nnodes < 1 or pool.n_gpus_per_node < 1:
@@ -40,6 +35,22 @@ def _check_placement(cfg: RecipeConfig) -> list[str]:
             f"rollout.tensor_model_parallel_size=1, got {engine_tp}"
         )
     return errors + _disaggregated_not_built(cfg)
+
+
+def _colocated_unused(cfg: RecipeConfig) -> list[str]:
+    """Settings of the rollout pool's transfers, which a colocated rollout never makes."""
+    pool, errors = cfg.trainer.rollout_pool, []
+    if pool.n_gpus_per_node != 0:
+        errors.append(
+            f"trainer.rollout_pool.n_gpus_per_node={pool.n_gpus_per_node} gives the rollout its own devices, "
+            "which only trainer.placement=disaggregated uses: set that, or set n_gpus_per_node to 0"
+        )
+    if cfg.rollout.weight_sync_delta:
+        errors.append(
+            "rollout.weight_sync_delta=true applies to trainer.placement=disaggregated (a colocated sync "
+            "loads the weights in the actor's own processes, sending nothing): set it to false"
+        )
+    return errors
 
 
 def _disaggregated_not_built(cfg: RecipeConfig) -> list[str]:

@@ -52,9 +52,10 @@ class Policy:
             self.version += 1
         return output
 
-    def send_weights(self) -> None:
-        """The current weights to a rollout pool's transfer group, as `version` (collective)."""
-        self.group.send_weights(self.version)
+    def send_weights(self) -> list | None:
+        """The current weights to a rollout pool's transfer group, as `version` (collective); each
+        rank's answer (rank 0's: what it sent, a DeltaStats)."""
+        return self.group.send_weights(self.version)
 
     def save(self, path: str) -> None:
         """Model, optimizer, LR schedule and RNG (a Megatron dist checkpoint) and the version."""

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from engines.rollout.base import SamplingPosition
+from engines.rollout.config import RolloutConfig
 from hybridflow.config.schema import RecipeConfig
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller import Dispatch, Worker, register
@@ -48,6 +49,13 @@ def actor_options(cfg: RecipeConfig) -> dict:
         pool = cfg.trainer.rollout_pool.nnodes * cfg.trainer.rollout_pool.n_gpus_per_node
         return {"max_concurrency": -(-settings.groups_outstanding(cfg.data.train_batch_size) // pool) + 2}
     return {"max_concurrency": settings.max_staleness + 2} if settings.partial_rollout else {}
+
+
+def delta_dtype(rollout: RolloutConfig) -> torch.dtype | None:
+    """The dtype delta transfers are taken in (the engine's), None for full transfers."""
+    from engines.weight_sync.common import torch_dtype
+
+    return torch_dtype(rollout.dtype) if rollout.weight_sync_delta else None
 
 
 class RolloutWorker(Worker):
@@ -81,9 +89,11 @@ class RolloutWorker(Worker):
         from engines.weight_sync.transfer import WeightReceiver, transfer_group
 
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+        delta = delta_dtype(self.config.rollout)
 
         def join() -> None:
-            self.receiver = WeightReceiver(transfer_group(host, port, 1 + self.rank, size, backend))
+            group = transfer_group(host, port, 1 + self.rank, size, backend)
+            self.receiver = WeightReceiver(group, delta_dtype=delta)
 
         self._start(lambda: self._background.submit(join))
 

@@ -34,25 +34,29 @@ class TransferPolicyWorker(PolicyWorker):
         import torch
 
         from engines.weight_sync.transfer import WeightSender, transfer_group
+        from hybridflow.workers.rollout_worker import delta_dtype
 
         if self.transfer_store is None:
             raise RuntimeError("join_transfer on rank 0 needs transfer_address first: rank 0 hosts its store")
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         store, self.transfer_store = self.transfer_store, None  # the group holds it from here
         group = transfer_group(host, port, 0, size, backend, store=store)
-        self.sender = WeightSender(group, bucket_mb=self.config.rollout.weight_sync_bucket_mb)
+        rollout = self.config.rollout
+        self.sender = WeightSender(group, rollout.weight_sync_bucket_mb, delta_dtype=delta_dtype(rollout))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def send_weights(self, version: int) -> None:
-        """The current weights to every rollout engine, as policy `version` (collective)."""
+    def send_weights(self, version: int):
+        """The current weights to every rollout engine, as policy `version` (collective); rank 0
+        answers what it sent (a DeltaStats), the others None."""
         from engines.megatron.weights import iter_hf_tensors
 
         stream = iter_hf_tensors(self.actor_chunks, self.hf_config)
-        if self.sender is not None:
-            self.sender.send(stream, version)
-        else:
+        if self.sender is None:
             for _ in stream:  # the stream's gathers need every model-parallel rank
                 pass
+            return None
+        self.sender.send(stream, version)
+        return self.sender.stats
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def leave_transfer(self) -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engines.weight_sync.common import WeightSyncError, tensor_checksum
-from engines.weight_sync.delta import DeltaStats, bits, decode_tensor, encode_tensor
+from engines.weight_sync.delta import DeltaStats, bits, decode_tensor, delta_positions, encode_tensor
 
 
 def adam_like_steps(steps: int, lr: float, shape=(64, 96), seed: int = 0) -> list[torch.Tensor]:
@@ -58,13 +58,27 @@ def test_a_receiver_applying_each_steps_delta_holds_the_senders_bits_at_every_st
     assert all(0 < share < 0.5 for share in shares), shares
 
 
+def test_many_changed_positions_go_as_a_bitmask_where_that_is_fewer_bytes():
+    base = torch.zeros(64, dtype=torch.bfloat16)
+    new = base.clone()
+    new[[1, 9, 17, 63]] = 1.0  # 4 of 64: a list takes 16 bytes, a bitmask 8
+    delta = encode_tensor(base, new)
+    assert delta.indices.dtype == torch.uint8 and delta.indices.tolist() == [2, 2, 2, 0, 0, 0, 0, 128]
+    assert delta.nbytes() == 8 + 4 * 2
+    assert delta_positions(delta.indices, 64).tolist() == [1, 9, 17, 63]
+    assert torch.equal(bits(decode_tensor("w", base, delta)), bits(new))
+    few = base.clone()
+    few[5] = 1.0  # 1 of 64: a list of 4 bytes is smaller
+    assert encode_tensor(base, few).indices.tolist() == [5]
+
+
 def test_bits_not_values_decide_what_changed():
     """-0.0 == 0.0 and NaN != NaN as values; as bits, the first pair differs and a NaN equals itself."""
     base = torch.tensor([0.0, float("nan"), 1.0, 2.0, 3.0, 4.0, 5.0, 6.0], dtype=torch.bfloat16)
     new = base.clone()
     new[0] = -0.0
     delta = encode_tensor(base, new)
-    assert delta.indices.tolist() == [0]  # the NaN unchanged, the sign of zero changed
+    assert delta_positions(delta.indices, 8).tolist() == [0]  # the NaN unchanged, the sign of zero changed
     out = decode_tensor("w", base, delta)
     assert torch.equal(bits(out), bits(new))
     payload = torch.tensor([0x7FC1], dtype=torch.int16).view(torch.bfloat16)  # a NaN with a payload

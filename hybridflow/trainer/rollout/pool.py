@@ -18,7 +18,9 @@ policy_versions.jsonl.<k>), as metrics.jsonl does.
 
 `metrics` gives `async/staleness_mean`, `async/staleness_max`, the histogram `async/staleness/<s>`
 (share of samples s updates old), `async/weight_syncs` (transfers to the engines since the last
-step's metrics), `async/engine_lag` (updates the engines' weights trailed the trained policy by at
+step's metrics), with what they moved (`weight_sync/bytes_sent`, `weight_sync/bytes_full`: a full
+transfer's, `weight_sync/changed_share`: of the elements, 1.0 without rollout.weight_sync_delta),
+`async/engine_lag` (updates the engines' weights trailed the trained policy by at
 the step's sync) and, with partial rollouts (a sample's version is that of its
 oldest token), `async/mixed_version_share`: the share of samples whose tokens come from more than
 one version (`rollout_versions`, per token).
@@ -63,6 +65,7 @@ import torch
 from engines.rollout.base import ROW_KEY, SamplingPosition, is_validation
 from engines.rollout.config import RolloutConfig
 from engines.weight_sync.common import WeightSyncError
+from engines.weight_sync.delta import DeltaStats
 from hybridflow.protocol import DataProto, DataProtoFuture
 from hybridflow.single_controller.errors import CallDeadline, CallTimeout, WorkerError, call_timeout
 from hybridflow.trainer.policy import Policy
@@ -202,6 +205,7 @@ class PoolRollout:
             cfg.weight_transfer_timeout_s, "rollout.weight_transfer_timeout_s"
         )
         self.position = SamplingPosition()  # generation calls sent to the pool (each engine's)
+        self.sent = DeltaStats()  # what the transfers since the last step's metrics moved
 
     def sync_weights(self, policy: Policy, every: int = 1) -> None:
         """The policy's weights to the engines when they trail it by `every` updates or more
@@ -238,12 +242,15 @@ class PoolRollout:
     def send(self, policy: Policy) -> None:
         """The policy's side of a transfer; when it fails, a dead receiver is the cause named."""
         try:
-            policy.send_weights()
+            answers = policy.send_weights()
         except WorkerError:
             self.group.ping()  # raises for a dead rollout process (the sender's error is its echo)
             raise
         except CallTimeout as err:  # the actor's, not a rollout process to restart: the run stops
             raise RuntimeError(f"weight transfer to the rollout pool: {err}") from err
+        for sent in answers or []:
+            if isinstance(sent, DeltaStats):
+                self.sent.merge(sent)
 
     def responses(self, prompts: PromptBatches, steps_left: int) -> tuple[StepPrompts, DataProto]:
         step = prompts.next()
@@ -383,7 +390,9 @@ class PoolRollout:
         if "rollout_versions" in batch.batch:  # partial rollouts
             metrics["async/mixed_version_share"] = mixed_version_share(batch.batch["rollout_versions"])
         metrics |= {"async/weight_syncs": float(self.transfers), "async/engine_lag": float(self.lag)}
-        self.transfers = 0
+        if self.sent.elements:
+            metrics |= self.sent.metrics()
+        self.transfers, self.sent = 0, DeltaStats()
         return {**metrics, **self.restarts.metrics()}
 
     def record_versions(self, line: dict) -> None:
