@@ -7,6 +7,7 @@ receivers in threads), into hf engines of the tiny model in bf16:
   every tensor whole; the syncs between send a small share of the bytes.
 """
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -114,3 +115,42 @@ def test_delta_transfers_with_a_colocated_rollout_are_refused_by_name():
         "rollout.weight_sync_delta=true applies to trainer.placement=disaggregated" in e
         for e in refused.value.errors
     )
+
+
+STEPS = 10
+
+
+@pytest.mark.slow
+def test_a_ten_step_run_with_delta_syncs_loads_each_version_bit_identical(gsm8k_local, tmp_path):
+    """GRPO in process, disaggregated, hf engine in bf16, lr 1e-5: the first sync sends every tensor
+    whole, each later one a share of the bytes; every tensor of every sync is checked by the receiver
+    against the sender's checksum of the full tensor (a mismatch fails the transfer, and the run)."""
+    from gsm8k_tiny import cpu_overrides
+    from recipe_runs import run_recipe_in_process
+
+    out = tmp_path / "run"
+    overrides = [
+        *cpu_overrides(gsm8k_local, out, tp=1),
+        "trainer.n_gpus_per_node=1",
+        "trainer.placement=disaggregated",
+        "trainer.rollout_pool.n_gpus_per_node=1",
+        f"trainer.total_training_steps={STEPS}",
+        f"trainer.test_freq={STEPS}",  # after the last step's metrics: no step counts its transfer
+        "trainer.save_freq=0",
+        "rollout.dtype=bfloat16",
+        "rollout.weight_sync_delta=true",
+        "rollout.sampling.n=2",
+        "actor.optim.lr=1e-5",
+        "actor.update.ppo_mini_batch_size=4",
+    ]
+    result = run_recipe_in_process("recipes/gsm8k_grpo.yaml", overrides, pythonpath=gsm8k_local["root"])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "reward/mean" in r]
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    assert all(r["async/weight_syncs"] == 1.0 and "timing/weight_sync" in r for r in steps)
+    full = steps[0]["weight_sync/bytes_full"]
+    assert steps[0]["weight_sync/bytes_sent"] == full and steps[0]["weight_sync/changed_share"] == 1.0
+    for r in steps[1:]:
+        assert r["weight_sync/bytes_full"] == full
+        assert r["weight_sync/bytes_sent"] < full and r["weight_sync/changed_share"] < 1.0, r
