@@ -17,7 +17,9 @@ The ways weights move:
 - `transfer` (trainer.placement=disaggregated): a process group of its own from the actor's rank 0
   to a pool of engines in other processes, one header and one payload broadcast per bucket
   (`WeightSender` / `WeightReceiver`; the policy worker's rank 0 sends, each rollout worker
-  receives into its engine).
+  receives into its engine). With rollout.weight_sync_delta each tensor goes as its elements that
+  changed since the version every receiver holds (`delta`: lossless, checked by checksum), whole
+  after a restart.
 - `adapters` (`actor.lora.sync=adapters`, vLLM): the frozen base weights streamed once, then only
   the LoRA adapters under peft's names at each sync (`AdapterWeightSync`).
 
