@@ -1,7 +1,7 @@
-"""The driver's two handles: the policy version counts only updates that changed the weights, and
-the rollout pool receives a transfer only when the policy's version is new to it; both through the
-trainer's own `update_models` and `sync_weights` (the lines of its loop), over worker groups that
-stand in for Ray's (the real ones run in the recipe tests)."""
+"""The policy handle and the rollout pool: the policy version counts only updates that changed the
+weights, and the rollout pool receives a transfer only when the policy's version is new to it; both
+through the trainer's own `update_models` and `sync_weights` (the lines of its loop), over worker
+groups that stand in for Ray's (the real ones run in the recipe tests)."""
 
 from types import SimpleNamespace
 

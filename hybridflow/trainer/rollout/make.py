@@ -15,19 +15,20 @@ from hybridflow.trainer.rollout.base import Rollout
 from hybridflow.trainer.rollout.colocated import ColocatedRollout
 from hybridflow.trainer.rollout.pool import PoolRollout
 from hybridflow.trainer.rollout.stream import EngineDeadlines, RayGroupCalls, StreamingRollout, StreamSettings
-from hybridflow.workers.protocols import HybridPolicyGroup, RolloutGroup
+from hybridflow.workers.protocols import HybridPolicyGroup, RolloutGroup, TransferPolicyGroup
 
 
 def make_rollout(
     cfg: RecipeConfig,
-    policy_group: HybridPolicyGroup,
+    policy_group: HybridPolicyGroup | TransferPolicyGroup,
     rollout_group: RolloutGroup | None,
     prompts: PromptBatches,
     pad_token_id: int,
 ) -> Rollout:
     """The recipe's rollout: over the policy's own engines when there is no rollout pool
-    (`rollout_group` None), else over the pool, wrapped by the recipe's async mode. `prompts`: the
-    loader's batches the trainer's steps take (a rollout generating ahead draws from them too)."""
+    (`rollout_group` None, a HybridPolicyGroup), else over the pool, wrapped by the recipe's async
+    mode. `prompts`: the loader's batches the trainer's steps take (a rollout generating ahead draws
+    from them too)."""
     if rollout_group is None:
         return ColocatedRollout(policy_group)
     pool = PoolRollout(rollout_group, cfg.trainer.output_dir, cfg.rollout)
