@@ -14,9 +14,11 @@ refusal to generate, and the version served after the second transfer.
 import os
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
 
+from engines.rollout.config import RolloutConfig
 from engines.weight_sync.transfer import WeightSender, transfer_group
 from hybridflow.workers.rollout_worker import RolloutWorker
 
@@ -83,7 +85,8 @@ def send(port: int, out_file: str) -> None:
 
 def receive(port: int, failing_call: str, out_file: str) -> None:
     os.environ.update(RANK="0", WORLD_SIZE="1")  # the rollout pool's only process
-    worker = RolloutWorker(config=None)  # only init_model reads the config
+    # the rollout defaults (full transfers, no deltas); the engine is set below, not by init_model
+    worker = RolloutWorker(config=SimpleNamespace(rollout=RolloutConfig()))
     worker.engine = engine = EngineDouble(failing_call)
     worker.start_join_transfer(HOST, port, 2)
     worker.finish_transfer()
