@@ -1,14 +1,15 @@
 """One end of a weight transfer whose receiver fails (test_weight_transfer.py), run as its own process:
 
-    python tests/async_rl/_receiver_failure_worker.py send    PORT OUT_FILE
+    python tests/async_rl/_receiver_failure_worker.py send    OUT_FILE
     python tests/async_rl/_receiver_failure_worker.py receive PORT FAILING_CALL OUT_FILE
 
-The sender sends policy versions 1 and 2 of `version_tensors` (3 buckets each) and writes the
-seconds each `send` took. The receiver is a `RolloutWorker` whose engine is an `EngineDouble`
-raising RuntimeError in FAILING_CALL during version 1; it takes each transfer as the driver makes
-it (`PoolRollout.sync_weights`: start the receive, the actor's send returns,
-then `finish_transfer`) and writes what it saw: the error, the engine's state and calls, its
-refusal to generate, and the version served after the second transfer.
+The sender hosts the group's store at a port the OS gave it and prints that port as its first line
+of output (the receiver's PORT). It sends policy versions 1 and 2 of `version_tensors` (3 buckets
+each) and writes the seconds each `send` took. The receiver is a `RolloutWorker` whose engine is
+an `EngineDouble` raising RuntimeError in FAILING_CALL during version 1; it takes each transfer as
+the driver makes it (`PoolRollout.sync_weights`: start the receive, the actor's send returns, then
+`finish_transfer`) and writes what it saw: the error, the engine's state and calls, its refusal to
+generate, and the version served after the second transfer.
 """
 
 import os
@@ -19,7 +20,7 @@ from types import SimpleNamespace
 import torch
 
 from engines.rollout.config import RolloutConfig
-from engines.weight_sync.transfer import WeightSender, transfer_group
+from engines.weight_sync.transfer import WeightSender, sender_store, transfer_group
 from hybridflow.workers.rollout_worker import RolloutWorker
 
 HOST = "127.0.0.1"
@@ -69,8 +70,10 @@ class EngineDouble:
             raise RuntimeError(f"{name} failed on purpose")
 
 
-def send(port: int, out_file: str) -> None:
-    group = transfer_group(HOST, port, 0, 2, "gloo", timeout_s=GROUP_TIMEOUT_S)
+def send(out_file: str) -> None:
+    store = sender_store(HOST, timeout_s=GROUP_TIMEOUT_S)
+    print(store.port, flush=True)  # held by the store from now on: the receiver meets there
+    group = transfer_group(HOST, store.port, 0, 2, "gloo", timeout_s=GROUP_TIMEOUT_S, store=store)
     sender = WeightSender(group, bucket_mb=BUCKET_MB)
     seconds = []
     for version in VERSIONS:
@@ -121,7 +124,7 @@ def refusal(worker: RolloutWorker) -> str:
 
 if __name__ == "__main__":
     if sys.argv[1] == "send":
-        send(int(sys.argv[2]), sys.argv[3])
+        send(sys.argv[2])
     else:
         receive(int(sys.argv[2]), sys.argv[3], sys.argv[4])
     print(f"OK {sys.argv[1]}", flush=True)

@@ -1,12 +1,13 @@
 """One end of a weight transfer (test_weight_transfer.py), run as its own process:
 
-    python tests/async_rl/_transfer_worker.py send    PORT SIZE MODEL_DIR
+    python tests/async_rl/_transfer_worker.py send    SIZE MODEL_DIR
     python tests/async_rl/_transfer_worker.py receive PORT SIZE MODEL_DIR RANK ENGINE OUT_FILE
 
-The sender streams the model's tensors perturbed as policy versions 1 and 2 (`versioned_tensors`),
-in small buckets; each receiver holds a rollout engine (hf or vllm) started from the unperturbed
-model, loads each transfer and, after the last, writes the versions it served, its greedy
-responses to `PROMPTS` and its log-probs of them to OUT_FILE (torch.save).
+The sender hosts the group's store at a port the OS gave it and prints that port as its first line
+of output (the receivers' PORT). It streams the model's tensors perturbed as policy versions 1
+and 2 (`versioned_tensors`), in small buckets; each receiver holds a rollout engine (hf or vllm)
+started from the unperturbed model, loads each transfer and, after the last, writes the versions
+it served, its greedy responses to `PROMPTS` and its log-probs of them to OUT_FILE (torch.save).
 """
 
 import sys
@@ -16,9 +17,10 @@ import torch
 
 from engines.rollout.config import RolloutConfig, SamplingConfig
 from engines.rollout.hf_rollout import checkpoint_tensors
-from engines.weight_sync.transfer import WeightReceiver, WeightSender, transfer_group
+from engines.weight_sync.transfer import WeightReceiver, WeightSender, sender_store, transfer_group
 from hybridflow.protocol import DataProto
 
+HOST = "127.0.0.1"
 VERSIONS = (1, 2)
 BUCKET_MB = 0.05  # several buckets for the tiny model
 RESPONSE_LENGTH = 8
@@ -54,8 +56,11 @@ def prompts() -> DataProto:
     return DataProto.from_dict(tensors, meta_info={"validate": True, "n": 1})
 
 
-def send(port: int, size: int, model_dir: str) -> None:
-    sender = WeightSender(transfer_group("127.0.0.1", port, 0, size, "gloo"), bucket_mb=BUCKET_MB)
+def send(size: int, model_dir: str) -> None:
+    store = sender_store(HOST)
+    print(store.port, flush=True)  # held by the store from now on: the receivers meet there
+    group = transfer_group(HOST, store.port, 0, size, "gloo", store=store)
+    sender = WeightSender(group, bucket_mb=BUCKET_MB)
     for version in VERSIONS:
         sender.send(versioned_tensors(model_dir, version), version)
     sender.group.close()
@@ -65,7 +70,7 @@ def receive(port: int, size: int, model_dir: str, rank: int, engine_name: str, o
     from engines.rollout.factory import create_rollout_engine
 
     engine = create_rollout_engine(rollout_cfg(engine_name), model_dir)
-    receiver = WeightReceiver(transfer_group("127.0.0.1", port, rank, size, "gloo"))
+    receiver = WeightReceiver(transfer_group(HOST, port, rank, size, "gloo"))
     served = [receiver.load_into(engine) for _ in VERSIONS]
     out = engine.generate_sequences(prompts())
     result = {
@@ -79,9 +84,11 @@ def receive(port: int, size: int, model_dir: str, rank: int, engine_name: str, o
 
 
 if __name__ == "__main__":
-    role, port, size, model_dir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    role = sys.argv[1]
     if role == "send":
-        send(port, size, model_dir)
+        model_dir = sys.argv[3]
+        send(int(sys.argv[2]), model_dir)
     else:
-        receive(port, size, model_dir, int(sys.argv[5]), sys.argv[6], sys.argv[7])
+        model_dir = sys.argv[4]
+        receive(int(sys.argv[2]), int(sys.argv[3]), model_dir, int(sys.argv[5]), sys.argv[6], sys.argv[7])
     print(f"OK {role} {Path(model_dir).name}", flush=True)

@@ -1,13 +1,15 @@
 """Weights from a sender process to rollout engines in other processes over a process group of
-their own (gloo, from a TCPStore rendezvous): the engines then generate exactly what an engine
-that loaded the same tensors the colocated way generates, and know the version they serve. A
-receiver whose engine fails drains the transfer, so the driver gets its error, not a timeout."""
+their own (gloo, from a TCPStore rendezvous the sender hosts at a port the OS gave it): the engines
+then generate exactly what an engine that loaded the same tensors the colocated way generates, and
+know the version they serve. A receiver whose engine fails drains the transfer, so the driver gets
+its error, not a timeout."""
 
 import os
-import socket
+import select
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -45,25 +47,21 @@ def test_a_packed_bucket_unpacks_bit_identical_at_aligned_offsets():
         assert torch.equal(got, tensor)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def worker_env() -> dict[str, str]:
     """This process's environment for a worker script: the repository importable, warnings off."""
     return {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
 
 
 CLOSE_SCRIPT = """
-import os, sys, torch
-from engines.weight_sync.transfer import WeightSender, transfer_group
+import os, torch
+from engines.weight_sync.transfer import WeightSender, sender_store, transfer_group
 def threads():
     return len(os.listdir("/proc/self/task"))
 torch.ones(1 << 22).add_(1)  # torch's intra-op threads start here, outside the counts
 before = threads()
-group = transfer_group("127.0.0.1", int(sys.argv[1]), 0, 1, "gloo")
+store = sender_store("127.0.0.1")
+group = transfer_group("127.0.0.1", store.port, 0, 1, "gloo", store=store)
+del store  # the group holds the store's last reference: closing the group ends the store too
 sender = WeightSender(group, bucket_mb=1)
 sender.send([("w", torch.ones(3))], version=1)
 during = threads()
@@ -82,7 +80,7 @@ def test_closing_a_transfer_group_ends_its_threads_and_refuses_a_later_transfer(
     workers close theirs: closing joins the group's threads and store (a process of its own, so
     that no other thread comes or goes) and a transfer after it is refused by name."""
     out = subprocess.run(
-        [sys.executable, "-c", CLOSE_SCRIPT, str(free_port())],
+        [sys.executable, "-c", CLOSE_SCRIPT],
         capture_output=True,
         text=True,
         env=worker_env(),
@@ -95,32 +93,26 @@ def test_closing_a_transfer_group_ends_its_threads_and_refuses_a_later_transfer(
 
 def run_transfer(model_dir: str, engines: list[str], out_dir: Path) -> list[dict]:
     """A sender and one receiver process per engine; each receiver's results."""
-    port, size = free_port(), 1 + len(engines)
-    commands = [[sys.executable, WORKER, "send", str(port), str(size), model_dir]]
+    size = 1 + len(engines)
     outs = [out_dir / f"receiver_{rank}.pt" for rank in range(1, size)]
-    for rank, (engine, out) in enumerate(zip(engines, outs, strict=True), start=1):
-        commands.append(
+
+    def receivers(port: int) -> list[list]:
+        return [
             [sys.executable, WORKER, "receive", str(port), str(size), model_dir, str(rank), engine, out]
-        )
-    run_processes(commands, timeout_s=300)
+            for rank, (engine, out) in enumerate(zip(engines, outs, strict=True), start=1)
+        ]
+
+    run_processes([sys.executable, WORKER, "send", str(size), model_dir], receivers, timeout_s=300)
     return [torch.load(out, weights_only=True) for out in outs]
 
 
-def run_processes(commands: list[list], timeout_s: float) -> None:
-    """Every command at once, each in a session of its own; each must exit 0 within timeout_s."""
-    env = worker_env()
-    procs = [
-        subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-            start_new_session=True,
-        )
-        for cmd in commands
-    ]
+def run_processes(sender: list, receivers: Callable[[int], list[list]], timeout_s: float) -> None:
+    """The sender, then the commands `receivers` makes of the port it published (held by its store
+    from before it printed it: no other process can take it first), each in a session of its own;
+    each must exit 0 within timeout_s."""
+    procs = [start(sender)]
     try:
+        procs += [start(cmd) for cmd in receivers(published_port(procs[0], timeout_s))]
         for proc in procs:
             stdout, stderr = proc.communicate(timeout=timeout_s)
             assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
@@ -129,6 +121,38 @@ def run_processes(commands: list[list], timeout_s: float) -> None:
             if proc.poll() is None:
                 stop_process_tree(proc, grace_s=10)
                 read_rest(proc)
+
+
+def start(cmd: list) -> subprocess.Popen:
+    return subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=worker_env(),
+        start_new_session=True,
+    )
+
+
+def published_port(sender: subprocess.Popen, timeout_s: float) -> int:
+    """The port the sender printed as its first line, read byte by byte so that the rest of its
+    output stays in the pipe for `communicate`; AssertionError with its output when it exits first
+    or prints none within timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    line = b""
+    while not line.endswith(b"\n"):
+        ready, _, _ = select.select([sender.stdout], [], [], max(deadline - time.monotonic(), 0))
+        byte = os.read(sender.stdout.fileno(), 1) if ready else b""
+        if not byte:
+            break
+        line += byte
+    if not line.strip().isdigit():
+        stop_process_tree(sender, grace_s=10)
+        stdout, stderr = read_rest(sender)
+        raise AssertionError(
+            f"the sender published no port within {timeout_s} s ({line!r}): {stdout[-2000:]}{stderr[-4000:]}"
+        )
+    return int(line)
 
 
 def colocated_engine(model_dir: str, version: int) -> HFRolloutEngine:
@@ -176,12 +200,12 @@ FAILURES = {  # failing call: the step named, the calls of the failed transfer, 
 def run_failing_transfer(failing_call: str, out_dir: Path) -> tuple[dict, dict]:
     """The sender's and the receiver's results (`_receiver_failure_worker.py`); exiting after
     half the group's timeout fails the test: a sender left waiting would only return at the timeout."""
-    port, sent, received = free_port(), out_dir / "sender.pt", out_dir / "receiver.pt"
-    commands = [
-        [sys.executable, FAILURE_WORKER, "send", str(port), sent],
-        [sys.executable, FAILURE_WORKER, "receive", str(port), failing_call, received],
-    ]
-    run_processes(commands, timeout_s=GROUP_TIMEOUT_S / 2)
+    sent, received = out_dir / "sender.pt", out_dir / "receiver.pt"
+
+    def receivers(port: int) -> list[list]:
+        return [[sys.executable, FAILURE_WORKER, "receive", str(port), failing_call, received]]
+
+    run_processes([sys.executable, FAILURE_WORKER, "send", sent], receivers, timeout_s=GROUP_TIMEOUT_S / 2)
     return torch.load(sent, weights_only=True), torch.load(received, weights_only=True)
 
 

@@ -1,15 +1,15 @@
 """Run a worker script under `torchrun --nproc_per_node N` and fail loudly with its output.
 
-`run_distributed(script, nproc, *args, timeout=300)` picks a free port, runs the script with
-the repo's Python (OMP_NUM_THREADS=1), and returns the combined stdout+stderr on success; on a
-non-zero exit or timeout it raises `RuntimeError` carrying the output's tail, so pytest shows
-which rank failed and why. torchrun runs in its own session and, on a timeout or an exception
-(Ctrl-C included), is stopped with every worker it started (tests/process_group.py): its workers
-run in sessions of their own and would outlive a plain `subprocess.run` timeout.
+`run_distributed(script, nproc, *args, timeout=300)` runs the script with the repo's Python
+(OMP_NUM_THREADS=1; torchrun's rendezvous on a port of the OS's choice) and returns the combined
+stdout+stderr on success; on a non-zero exit or timeout it raises `RuntimeError` carrying the
+output's tail, so pytest shows which rank failed and why. torchrun runs in its own session and,
+on a timeout or an exception (Ctrl-C included), is stopped with every worker it started
+(tests/process_group.py): its workers run in sessions of their own and would outlive a plain
+`subprocess.run` timeout.
 """
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,12 +18,6 @@ from process_group import run_in_own_session
 
 TESTS_MEGATRON_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_MEGATRON_DIR.parents[1]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_distributed(script, nproc: int, *args, timeout: float = 300, env: dict | None = None) -> str:
