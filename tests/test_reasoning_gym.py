@@ -279,3 +279,14 @@ def test_each_row_draws_its_task_by_weight_from_the_seed():
     splits, _ = make_splits(settings)
     drawn = random.Random(7).choices(["chain_sum", "basic_arithmetic"], weights=[1.0, 3.0], k=60)
     assert [row["extra_info"]["task"] for row in splits["train"]] == drawn
+
+
+def test_the_runs_resolved_recipe_checks_as_a_recipe_again(two_step_run):
+    """config.yaml names the source and the files it generated: fed back, it is a valid recipe (the
+    source's own files, regenerated the same), while other files beside the source stay refused."""
+    out, _ = two_step_run
+    validate_recipe(load_recipe(out / "config.yaml"), cuda_available=False)
+    with pytest.raises(RecipeError, match=r"data\.train_files names files, but data\.source\.reasoning_gym"):
+        validate_recipe(
+            load_recipe(out / "config.yaml", ["data.train_files=[other.parquet]"]), cuda_available=False
+        )

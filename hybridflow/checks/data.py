@@ -5,6 +5,7 @@ workers costs minutes.
 """
 
 import logging
+from pathlib import Path
 
 from hybridflow.checks.settings import _get
 from hybridflow.config.schema import RecipeConfig
@@ -14,7 +15,7 @@ from hybridflow.data.prompt_dataset import (
     check_chat_prompt,
     read_located_rows,
 )
-from hybridflow.data.reasoning_gym import source_problems
+from hybridflow.data.reasoning_gym import package_missing, source_problems, split_paths
 from hybridflow.data.recipe_datasets import policy_processor, recipe_prompt_dataset
 from hybridflow.reward.registry import known_sources, rule_for
 
@@ -22,16 +23,26 @@ logger = logging.getLogger(__name__)
 
 
 def _check_data_source(cfg: RecipeConfig) -> list[str]:
-    """The prompts come from parquet files or from a generated source (data.source), not both."""
+    """The prompts come from parquet files or from a generated source (data.source), not both; the
+    files a run's resolved recipe names beside its source (the source's own output) are no others."""
     source = cfg.data.source.reasoning_gym
     if not source.enabled():
         empty = "data.train_files is empty; list the training parquet files, or generate prompts: data.source"
         return [] if cfg.data.train_files else [empty]
     return [
         f"{key} names files, but data.source.reasoning_gym generates the prompts; remove {key} or the source"
-        for key in ("data.train_files", "data.val_files")
-        if _get(cfg, key)
+        for key, split in (("data.train_files", "train"), ("data.val_files", "val"))
+        if _get(cfg, key) and _get(cfg, key) != _generated_file(cfg, split)
     ] + source_problems(source)
+
+
+def _generated_file(cfg: RecipeConfig, split: str) -> list[str] | None:
+    """[the file data.source writes for `split`] under <trainer.output_dir>/data (None without the
+    package, whose version names the files)."""
+    if package_missing():
+        return None
+    paths = split_paths(cfg.data.source.reasoning_gym, Path(cfg.trainer.output_dir) / "data")
+    return [str(paths[split])] if split in paths else None
 
 
 def check_data(cfg: RecipeConfig, tokenizer) -> int:

@@ -205,19 +205,23 @@ def source_digest(cfg: ReasoningGymConfig) -> str:
     return hashlib.sha256(settings.encode()).hexdigest()[:8]
 
 
+def split_paths(cfg: ReasoningGymConfig, out_dir: str | Path) -> dict[str, Path]:
+    """<out_dir>/reasoning_gym-<digest>/{train,val}.parquet by split (val only with val_size > 0)."""
+    directory = Path(out_dir) / f"reasoning_gym-{source_digest(cfg)}"
+    return {split: directory / f"{split}.parquet" for split in SPLITS if split == "train" or cfg.val_size}
+
+
 def write_splits(cfg: ReasoningGymConfig, out_dir: str | Path) -> tuple[dict[str, Path], int]:
-    """Writes <out_dir>/reasoning_gym-<digest>/{train,val}.parquet (val only with val_size > 0),
-    unless an earlier run wrote them; returns their paths by split and the dropped training rows
-    (0 when the files were already there)."""
+    """Writes the splits at their `split_paths` unless an earlier run wrote them; returns their
+    paths by split and the dropped training rows (0 when the files were already there)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    directory = Path(out_dir) / f"reasoning_gym-{source_digest(cfg)}"
-    paths = {split: directory / f"{split}.parquet" for split in SPLITS if split == "train" or cfg.val_size}
+    paths = split_paths(cfg, out_dir)
     if all(path.is_file() for path in paths.values()):
         return paths, 0
     splits, dropped = make_splits(cfg)
-    directory.mkdir(parents=True, exist_ok=True)
+    next(iter(paths.values())).parent.mkdir(parents=True, exist_ok=True)
     for split, path in paths.items():
         tmp = path.with_name(f".{path.name}.tmp")  # a run stopped mid-write leaves no partial file
         pq.write_table(pa.Table.from_pylist(splits[split]), tmp)
