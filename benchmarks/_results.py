@@ -18,6 +18,7 @@ RESULTS_DIR = ROOT / "docs" / "results"
 PAGES = {
     "async": "async.md",
     "attention": "packing.md",
+    "delta_sync": "delta-sync.md",
     "dispatch": "dataproto.md",
     "lora_sync": "lora.md",
     "megatron": "packing.md",
