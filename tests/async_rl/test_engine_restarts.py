@@ -38,7 +38,8 @@ HELD_GENERATION = Path(__file__).parent / "held_generation"  # on the run's path
 
 RESTART_KEYS = (
     "rollout/engine_restarts", "rollout/restart_seconds", "rollout/restart_log_prob_diff",
-    "async/weight_syncs",  # a restarted engine's load of the current weights counts as a transfer
+    # a restarted engine's load of the current weights counts as a transfer, its bytes too
+    "async/weight_syncs", "weight_sync/bytes_sent", "weight_sync/bytes_full",
 )  # fmt: skip
 OVERRIDES = (
     "trainer.placement=disaggregated", "trainer.n_gpus_per_node=1",
@@ -134,6 +135,8 @@ def test_a_rollout_process_killed_mid_generation_is_restarted_and_the_run_trains
     assert without_restarts(trained_steps(killed)) == without_restarts(trained_steps(plain))
     syncs = [[r["async/weight_syncs"] for r in step_records(run)] for run in (killed, plain)]
     assert syncs[0] == [n + (step == 1) for step, n in enumerate(syncs[1])], syncs  # + step 2's restart
+    sent = [[r["weight_sync/bytes_sent"] for r in step_records(run)] for run in (killed, plain)]
+    assert sent[0] == [n * (1 + (step == 1)) for step, n in enumerate(sent[1])], sent  # one full load more
     versions = (killed / "policy_versions.jsonl").read_text()
     assert versions == (plain / "policy_versions.jsonl").read_text()
     assert [len(json.loads(line)["sample_versions"]) for line in versions.splitlines()] == [8, 8, 8]
