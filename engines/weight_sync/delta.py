@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engines.weight_sync.common import WeightSyncError, tensor_checksum
+from engines.weight_sync.common import WeightSyncError, tensor_checksum, torch_dtype
 
 BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # element size -> its bits' type
 
@@ -222,3 +222,9 @@ def unpack_deltas(entries: list[tuple], parts: list[torch.Tensor]) -> list[tuple
             indices, values = torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=dtype)
         deltas.append((name, TensorDelta(tuple(shape), dtype, indices, values, checksum)))
     return deltas
+
+
+def delta_dtype(rollout) -> torch.dtype | None:
+    """The dtype a rollout config's delta transfers are taken in (the engine's, rollout.dtype),
+    None for full transfers (rollout.weight_sync_delta off); both ends of a transfer call it."""
+    return torch_dtype(rollout.dtype) if rollout.weight_sync_delta else None

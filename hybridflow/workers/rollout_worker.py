@@ -31,7 +31,6 @@ from pathlib import Path
 import torch
 
 from engines.rollout.base import SamplingPosition
-from engines.rollout.config import RolloutConfig
 from hybridflow.config.schema import RecipeConfig
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller import Dispatch, Worker, register
@@ -49,13 +48,6 @@ def actor_options(cfg: RecipeConfig) -> dict:
         pool = cfg.trainer.rollout_pool.nnodes * cfg.trainer.rollout_pool.n_gpus_per_node
         return {"max_concurrency": -(-settings.groups_outstanding(cfg.data.train_batch_size) // pool) + 2}
     return {"max_concurrency": settings.max_staleness + 2} if settings.partial_rollout else {}
-
-
-def delta_dtype(rollout: RolloutConfig) -> torch.dtype | None:
-    """The dtype delta transfers are taken in (the engine's), None for full transfers."""
-    from engines.weight_sync.common import torch_dtype
-
-    return torch_dtype(rollout.dtype) if rollout.weight_sync_delta else None
 
 
 class RolloutWorker(Worker):
@@ -86,6 +78,7 @@ class RolloutWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def start_join_transfer(self, host: str, port: int, size: int) -> None:
         """Join the transfer group as member 1 + this rank (in the background)."""
+        from engines.weight_sync.delta import delta_dtype
         from engines.weight_sync.transfer import WeightReceiver, transfer_group
 
         backend = "nccl" if torch.cuda.is_available() else "gloo"

@@ -33,8 +33,8 @@ class TransferPolicyWorker(PolicyWorker):
             return
         import torch
 
+        from engines.weight_sync.delta import delta_dtype
         from engines.weight_sync.transfer import WeightSender, transfer_group
-        from hybridflow.workers.rollout_worker import delta_dtype
 
         if self.transfer_store is None:
             raise RuntimeError("join_transfer on rank 0 needs transfer_address first: rank 0 hosts its store")
