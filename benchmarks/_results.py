@@ -55,9 +55,9 @@ def git_commit(root: Path = ROOT) -> str:
     return f"{commit} with uncommitted changes" if changed else commit
 
 
-def provenance(name: str) -> Provenance:
+def provenance(command: str) -> Provenance:
     return Provenance(
-        command=f"python -m benchmarks {name}",
+        command=command,
         date=datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         machine=cpu_model(),
         commit=git_commit(),
@@ -106,5 +106,5 @@ def refresh_page(page: Path, name: str, block: str) -> None:
 def write_results(name: str, title: str, rows: list[dict], results_dir: Path = RESULTS_DIR) -> Path:
     """Write benchmark `name`'s table into its results page; returns the page."""
     page = results_dir / PAGES.get(name, f"{name}.md")
-    refresh_page(page, name, render_block(name, title, rows, provenance(name)))
+    refresh_page(page, name, render_block(name, title, rows, provenance(f"python -m benchmarks {name}")))
     return page

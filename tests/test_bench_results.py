@@ -68,3 +68,16 @@ def test_every_benchmark_has_a_results_page():
     names = {p.stem.removeprefix("bench_") for p in (ROOT / "benchmarks").glob("bench_*.py")}
     assert names == set(_results.PAGES)
     assert all((ROOT / "docs" / "results" / page).is_file() for page in _results.PAGES.values())
+
+
+def test_a_learning_row_reads_accuracy_at_the_first_and_last_validation():
+    from benchmarks.learning import gain_row, median_step_s
+
+    records = [
+        {"step": 0, "val/accuracy": 0.365},
+        {"step": 1, "timing/step": 4.0},
+        {"step": 2, "timing/step": 9.0},
+        {"step": 20, "timing/step": 5.0, "val/accuracy": 0.6},
+    ]
+    assert gain_row(records) == {"step 0": "36.5%", "step 20": "60.0%", "gain": "+23.5"}
+    assert median_step_s(records) == 5.0
