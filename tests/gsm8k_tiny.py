@@ -36,6 +36,14 @@ def gsm8k_inputs(root: Path) -> dict:
     return {"model": str(make_tiny_model(root / "tiny")), "data": root / "gsm8k", "root": root}
 
 
+# the actor on one process and a rollout pool of one process beside it (trainer.placement)
+ACTOR_AND_POOL_OF_ONE = [
+    "trainer.n_gpus_per_node=1",
+    "trainer.placement=disaggregated",
+    "trainer.rollout_pool.n_gpus_per_node=1",
+]
+
+
 def cpu_overrides(local: dict, output_dir: Path, tp: int) -> list[str]:
     """The GPU recipe made tiny: 2 CPU processes, batch 4, 16-token responses, 2 steps."""
     return [

@@ -125,15 +125,13 @@ def test_a_ten_step_run_with_delta_syncs_loads_each_version_bit_identical(gsm8k_
     """GRPO in process, disaggregated, hf engine in bf16, lr 1e-5: the first sync sends every tensor
     whole, each later one a share of the bytes; every tensor of every sync is checked by the receiver
     against the sender's checksum of the full tensor (a mismatch fails the transfer, and the run)."""
-    from gsm8k_tiny import cpu_overrides
+    from gsm8k_tiny import ACTOR_AND_POOL_OF_ONE, cpu_overrides
     from recipe_runs import run_recipe_in_process
 
     out = tmp_path / "run"
     overrides = [
         *cpu_overrides(gsm8k_local, out, tp=1),
-        "trainer.n_gpus_per_node=1",
-        "trainer.placement=disaggregated",
-        "trainer.rollout_pool.n_gpus_per_node=1",
+        *ACTOR_AND_POOL_OF_ONE,
         f"trainer.total_training_steps={STEPS}",
         f"trainer.test_freq={STEPS}",  # after the last step's metrics: no step counts its transfer
         "trainer.save_freq=0",

@@ -12,7 +12,7 @@ step's metrics, and the first steps drop some (the loader's first batches hold e
 import json
 
 import pytest
-from gsm8k_tiny import cpu_overrides
+from gsm8k_tiny import ACTOR_AND_POOL_OF_ONE, cpu_overrides
 from recipe_runs import run_recipe_in_process
 
 GROUPS, N = 4, 2  # data.train_batch_size (cpu_overrides), rollout.sampling.n
@@ -41,9 +41,7 @@ def test_dynamic_sampling_refills_the_batch_in_async_modes(gsm8k_local, tmp_path
     overrides = [
         *cpu_overrides(gsm8k_local, out, tp=1),
         *mode,
-        "trainer.n_gpus_per_node=1",
-        "trainer.placement=disaggregated",
-        "trainer.rollout_pool.n_gpus_per_node=1",
+        *ACTOR_AND_POOL_OF_ONE,
         "trainer.test_freq=0",
         "trainer.save_freq=0",
         "rollout.name=vllm",

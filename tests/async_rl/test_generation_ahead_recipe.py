@@ -6,7 +6,7 @@ the run's policy_versions.jsonl: the first batch is fresh, later ones as stale a
 import json
 
 import pytest
-from gsm8k_tiny import cpu_overrides
+from gsm8k_tiny import ACTOR_AND_POOL_OF_ONE, cpu_overrides
 from recipe_runs import run_recipe_in_process
 
 
@@ -60,9 +60,7 @@ def run_ahead(local: dict, out, mode: list[str]) -> tuple[list[dict], list[dict]
     overrides = [
         *cpu_overrides(local, out, tp=1),
         *mode,
-        "trainer.n_gpus_per_node=1",
-        "trainer.placement=disaggregated",
-        "trainer.rollout_pool.n_gpus_per_node=1",
+        *ACTOR_AND_POOL_OF_ONE,
         "trainer.total_training_steps=4",
         "trainer.test_freq=4",
         "trainer.save_freq=0",

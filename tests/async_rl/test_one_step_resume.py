@@ -4,7 +4,7 @@ rollout engine's sampling position and the policy version come back, and steps 2
 numbers and end with bit-identical weights. Actor 1 process, vLLM rollout 1 process."""
 
 import pytest
-from gsm8k_tiny import cpu_overrides
+from gsm8k_tiny import ACTOR_AND_POOL_OF_ONE, cpu_overrides
 from recipe_runs import run_recipe_in_process
 from run_outputs import exported, trained_steps
 
@@ -12,9 +12,7 @@ from run_outputs import exported, trained_steps
 def one_step_run(files: dict, out, *extra: str) -> None:
     overrides = [
         *cpu_overrides(files, out, tp=1),
-        "trainer.n_gpus_per_node=1",
-        "trainer.placement=disaggregated",
-        "trainer.rollout_pool.n_gpus_per_node=1",
+        *ACTOR_AND_POOL_OF_ONE,
         "trainer.async_training.mode=one_step",
         "trainer.total_training_steps=3",
         "trainer.test_freq=0",

@@ -6,7 +6,7 @@ bit (verl#6780 reports theirs is not): the same numbers, sample versions and exp
 import json
 
 import pytest
-from gsm8k_tiny import cpu_overrides
+from gsm8k_tiny import ACTOR_AND_POOL_OF_ONE, cpu_overrides
 from recipe_runs import run_recipe_in_process
 from run_outputs import exported, trained_steps
 
@@ -15,9 +15,7 @@ def run(files: dict, out, *mode: str) -> None:
     overrides = [
         *cpu_overrides(files, out, tp=1),
         *mode,
-        "trainer.n_gpus_per_node=1",
-        "trainer.placement=disaggregated",
-        "trainer.rollout_pool.n_gpus_per_node=1",
+        *ACTOR_AND_POOL_OF_ONE,
         "trainer.test_freq=0",
         "trainer.save_freq=0",
         "trainer.export_hf=true",

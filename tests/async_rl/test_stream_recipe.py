@@ -11,7 +11,7 @@ from itertools import pairwise
 
 import pytest
 import torch
-from gsm8k_tiny import cpu_overrides
+from gsm8k_tiny import ACTOR_AND_POOL_OF_ONE, cpu_overrides
 from process_group import recipe_command, recipe_environment, run_and_kill_at_step
 from recipe_runs import run_recipe_in_process
 
@@ -26,9 +26,7 @@ def stream_overrides(files: dict, out) -> list[str]:
     """A streaming GRPO run of STEPS steps, a checkpoint every 3."""
     return [
         *cpu_overrides(files, out, tp=1),
-        "trainer.n_gpus_per_node=1",
-        "trainer.placement=disaggregated",
-        "trainer.rollout_pool.n_gpus_per_node=1",
+        *ACTOR_AND_POOL_OF_ONE,
         "trainer.async_training.mode=stream",
         f"trainer.async_training.max_staleness={BOUND}",
         f"trainer.total_training_steps={STEPS}",

@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from gsm8k_tiny import cpu_overrides
+from gsm8k_tiny import ACTOR_AND_POOL_OF_ONE, cpu_overrides
 from recipe_runs import run_recipe_in_process
 from stream_fakes import check_batch, stream_trainer, train_step
 
@@ -75,9 +75,7 @@ def base(tmp_path_factory) -> list[str]:
         f"data.train_files=[{root / 'train.parquet'}]",
         f"data.val_files=[{root / 'test.parquet'}]",
         "trainer.use_gpu=false",
-        "trainer.n_gpus_per_node=1",
-        "trainer.placement=disaggregated",
-        "trainer.rollout_pool.n_gpus_per_node=1",
+        *ACTOR_AND_POOL_OF_ONE,
         "rollout.name=vllm",
         "rollout.tensor_model_parallel_size=1",
         "actor.megatron.tensor_model_parallel_size=1",
@@ -184,9 +182,7 @@ def run_grpo(local: dict, out: Path, mode: list[str]) -> tuple[list[dict], list[
         *cpu_overrides(local, out, tp=1),
         *mode,
         f"{KEY}.sync_every=2",
-        "trainer.n_gpus_per_node=1",
-        "trainer.placement=disaggregated",
-        "trainer.rollout_pool.n_gpus_per_node=1",
+        *ACTOR_AND_POOL_OF_ONE,
         f"trainer.total_training_steps={STEPS}",
         f"trainer.test_freq={STEPS}",  # after the last step's metrics: no step counts its transfer
         "trainer.save_freq=0",
