@@ -25,13 +25,26 @@ from hybridflow.utils.tracking import read_metrics
 SEEDS = [(1, 42), (2, 2), (3, 3)]  # data.seed / rollout.seed; 1 / 42 are the recipes' own
 LOSSES = ["vanilla", "cispo", "sapo", "gmpo", "dppo_tv"]  # actor.update.policy_loss
 LOSS_STEPS = 20  # the learning tests' length (tests/learning_runs.py)
+# Two optimizer steps per RL step (256 sequences), the second off-policy by one update: in one
+# on-policy step (r = 1) vanilla, cispo, sapo and dppo_tv have the same gradient, -A grad log pi.
+LOSS_SETTINGS = ["actor.update.ppo_mini_batch_size=128"]
 PAGE = "learning.md"  # in docs/results/
 RG_TASKS = ["chain_sum", "basic_arithmetic"]  # recipes/reasoning_gym_quickstart.yaml's
 
 
+class RunStopped(RuntimeError):
+    """A run that ended with an error: its error line and the metrics it logged before."""
+
+    def __init__(self, recipe: str, log: Path, records: list[dict]):
+        errors = [line for line in log.read_text().splitlines() if line.startswith("error:")]
+        self.line = errors[-1] if errors else f"no error line: see {log}"
+        self.records = records
+        super().__init__(f"{recipe} stopped ({self.line}): see {log}")
+
+
 def run_recipe(recipe: str, out: Path, overrides: list[str]) -> list[dict]:
     """`bash scripts/run_recipe.sh <recipe> <overrides>` into `out` on a local Ray cluster of its
-    own; its metrics records. A failed run raises with its log's path."""
+    own; its metrics records. A failed run raises RunStopped."""
     out.mkdir(parents=True, exist_ok=True)
     log = out / "run.log"
     env = {**os.environ, "RAY_ADDRESS": "local", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
@@ -47,7 +60,9 @@ def run_recipe(recipe: str, out: Path, overrides: list[str]) -> list[dict]:
             [*command, *overrides], cwd=ROOT, env=env, stdout=stream, stderr=subprocess.STDOUT
         )
     if done.returncode != 0:
-        raise RuntimeError(f"{recipe} {' '.join(overrides)} failed (exit {done.returncode}): see {log}")
+        raise RunStopped(
+            recipe, log, read_metrics(out / "metrics.jsonl") if (out / "metrics.jsonl").exists() else []
+        )
     return read_metrics(out / "metrics.jsonl")
 
 
@@ -66,7 +81,8 @@ def accuracy_by_step(records: list[dict], key: str = "val/accuracy") -> dict[int
 
 
 def median_step_s(records: list[dict]) -> float:
-    return statistics.median(r["timing/step"] for r in records if "timing/step" in r)
+    times = [r["timing/step"] for r in records if "timing/step" in r]
+    return statistics.median(times) if times else float("nan")
 
 
 def gain_row(records: list[dict], key: str = "val/accuracy") -> dict:
@@ -80,6 +96,17 @@ def gain_row(records: list[dict], key: str = "val/accuracy") -> dict:
     }
 
 
+def stopped_row(stopped: RunStopped) -> dict:
+    """A stopped run's cells beside `gain_row`'s: the step it reached and its error line."""
+    accuracy = accuracy_by_step(stopped.records)
+    steps = [r["step"] for r in stopped.records]
+    return {
+        "step 0": f"{accuracy[0]:.1%}" if 0 in accuracy else "-",
+        f"step {LOSS_STEPS}": f"stopped after step {max(steps, default=0)}: {stopped.line}",
+        "gain": "-",
+    }
+
+
 def losses_table(out: Path) -> list[dict]:
     """recipes/quickstart.yaml for LOSS_STEPS steps from the quickstart's warm start, once per loss
     and seed pair, everything else the recipe's."""
@@ -89,13 +116,19 @@ def losses_table(out: Path) -> list[dict]:
     rows = []
     for loss in LOSSES:
         for data_seed, rollout_seed in SEEDS:
-            records = run_recipe("recipes/quickstart.yaml", out / f"{loss}-{data_seed}-{rollout_seed}", [
-                f"model.path={hf}", *data_overrides, f"actor.update.policy_loss={loss}",
+            run = out / f"{loss}-{data_seed}-{rollout_seed}"
+            overrides = [
+                f"model.path={hf}", *data_overrides, *LOSS_SETTINGS, f"actor.update.policy_loss={loss}",
                 f"data.seed={data_seed}", f"rollout.seed={rollout_seed}",
                 f"trainer.total_training_steps={LOSS_STEPS}", f"trainer.test_freq={LOSS_STEPS}",
                 "trainer.save_freq=0", "trainer.export_hf=false",
-            ])  # fmt: skip
-            rows.append({"policy_loss": loss, "seeds": f"{data_seed} / {rollout_seed}", **gain_row(records),
+            ]  # fmt: skip
+            try:
+                records = run_recipe("recipes/quickstart.yaml", run, overrides)
+                outcome = gain_row(records)
+            except RunStopped as stopped:  # e.g. the update-size guard: a result of the loss, in the table
+                records, outcome = stopped.records, stopped_row(stopped)
+            rows.append({"policy_loss": loss, "seeds": f"{data_seed} / {rollout_seed}", **outcome,
                          "median step s": median_step_s(records)})  # fmt: skip
             print(rows[-1], flush=True)
     return rows

@@ -81,3 +81,24 @@ def test_a_learning_row_reads_accuracy_at_the_first_and_last_validation():
     ]
     assert gain_row(records) == {"step 0": "36.5%", "step 20": "60.0%", "gain": "+23.5"}
     assert median_step_s(records) == 5.0
+
+
+def test_a_stopped_learning_run_is_a_row_with_its_error_line(tmp_path):
+    from benchmarks.learning import LOSS_STEPS, RunStopped, stopped_row
+
+    log = tmp_path / "run.log"
+    log.write_text(
+        "step 1 | reward 0.2\nerror: the update would change the weights by 31% (max_update_ratio 0.25)\n"
+    )
+    records = [
+        {"step": 0, "val/accuracy": 0.4},
+        {"step": 1, "reward/mean": 0.2},
+        {"step": 2, "reward/mean": 0.3},
+    ]
+    row = stopped_row(RunStopped("recipes/quickstart.yaml", log, records))
+    assert row == {
+        "step 0": "40.0%",
+        f"step {LOSS_STEPS}": "stopped after step 2: error: the update would change the weights by 31% "
+        "(max_update_ratio 0.25)",
+        "gain": "-",
+    }
