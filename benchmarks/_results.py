@@ -45,13 +45,15 @@ def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
 
 
 def git_commit(root: Path = ROOT) -> str:
-    """`git rev-parse --short HEAD`, marked when the working tree has uncommitted changes."""
+    """`git rev-parse --short HEAD`, marked when the working tree has uncommitted changes outside
+    docs/results/."""
 
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True).stdout.strip()
 
     commit = git("rev-parse", "--short", "HEAD") or "unknown"
-    changed = git("status", "--porcelain", "--untracked-files=no")
+    # the results pages themselves do not change what is measured (a table written before another)
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)docs/results")
     return f"{commit} with uncommitted changes" if changed else commit
 
 

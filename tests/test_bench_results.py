@@ -102,3 +102,20 @@ def test_a_stopped_learning_run_is_a_row_with_its_error_line(tmp_path):
         "(max_update_ratio 0.25)",
         "gain": "-",
     }
+
+
+def test_a_change_to_the_results_pages_alone_leaves_the_commit_unmarked(tmp_path):
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)  # fmt: skip
+
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    (tmp_path / "docs" / "results" / "learning.md").write_text("# Learning\n")
+    (tmp_path / "code.py").write_text("A = 1\n")
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-q", "-m", "first")
+    (tmp_path / "docs" / "results" / "learning.md").write_text("# Learning\n\na table written\n")
+    assert "uncommitted" not in git_commit(tmp_path)
+    (tmp_path / "code.py").write_text("A = 2\n")
+    assert git_commit(tmp_path).endswith(" with uncommitted changes")
