@@ -59,11 +59,10 @@ def run_recipe(recipe: str, out: Path, overrides: list[str]) -> list[dict]:
         done = subprocess.run(
             [*command, *overrides], cwd=ROOT, env=env, stdout=stream, stderr=subprocess.STDOUT
         )
+    records = read_metrics(out / "metrics.jsonl")  # [] when the run stopped before its first record
     if done.returncode != 0:
-        raise RunStopped(
-            recipe, log, read_metrics(out / "metrics.jsonl") if (out / "metrics.jsonl").exists() else []
-        )
-    return read_metrics(out / "metrics.jsonl")
+        raise RunStopped(recipe, log, records)
+    return records
 
 
 def warm_start(root: Path, sft_recipe: str, data_overrides: list[str]) -> Path:
@@ -147,8 +146,8 @@ def reasoning_gym_table(out: Path) -> list[dict]:
         ])  # fmt: skip
         row = {"seeds": f"{data_seed} / {rollout_seed}", **gain_row(records)}
         for task in RG_TASKS:
-            task_accuracy = accuracy_by_step(records, f"val/reasoning_gym/{task}/accuracy")
-            row[task] = f"{min(task_accuracy.items())[1]:.1%} -> {max(task_accuracy.items())[1]:.1%}"
+            accuracy = accuracy_by_step(records, f"val/reasoning_gym/{task}/accuracy")
+            row[task] = f"{accuracy[min(accuracy)]:.1%} -> {accuracy[max(accuracy)]:.1%}"
         rows.append({**row, "median step s": median_step_s(records)})
         print(rows[-1], flush=True)
     return rows
