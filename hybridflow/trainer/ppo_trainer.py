@@ -295,10 +295,12 @@ class PPOTrainer:
 
     def validate(self) -> dict[str, float]:
         """One pass over the validation set (its loader is unshuffled: every pass is the same),
-        with the policy's current weights."""
+        with the policy's current weights: `val/policy_version` their version (a rollout pool's
+        engines report the version they served)."""
         self.rollout.sync_weights(self.policy)
         rows = self.rollout_reads_rows
-        return run_validation(self.rollout, self.val_loader, self.tokenizer, self.val_reward_fn, rows)
+        scored = run_validation(self.rollout, self.val_loader, self.tokenizer, self.val_reward_fn, rows)
+        return {"val/policy_version": float(self.policy.version), **scored}
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:

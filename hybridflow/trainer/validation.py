@@ -39,8 +39,9 @@ def run_validation(
 ) -> dict[str, float]:
     """Generates with the rollout handle's validation sampling (greedy by default) for every batch of
     prompts and scores the responses. With the rule reward and format_score 0 the mean score is
-    the accuracy."""
-    scores, sources, agent_counts = [], [], defaultdict(list)
+    the accuracy. Where the engines stamp each response with the policy version that produced it
+    (rollout pools), `val/policy_version` is the newest of them."""
+    scores, sources, versions, agent_counts = [], [], [], defaultdict(list)
     for batch_dict in batches:
         batch = DataProto.from_single_dict(batch_dict)
         prompts = pop_prompts(batch, with_rows)
@@ -49,8 +50,11 @@ def run_validation(
         batch = batch.union(rollout.generate(prompts))
         scores += sequence_scores(batch, tokenizer, reward_fn).tolist()
         sources += list(batch.non_tensor_batch["data_source"])
+        if "policy_version" in batch.batch:
+            versions += batch.batch["policy_version"].tolist()
         for key, values in batch.non_tensor_batch.items():
             if key.startswith("agent_"):
                 agent_counts[key] += values.tolist()
     agent = agent_metrics({key: np.array(values) for key, values in agent_counts.items()}, "val/agent")
-    return accuracy_metrics(scores, sources) | agent
+    served = {"val/policy_version": float(max(versions))} if versions else {}
+    return accuracy_metrics(scores, sources) | agent | served

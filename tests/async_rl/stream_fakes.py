@@ -1,7 +1,8 @@
 """Fake rollout engines on a virtual clock behind the real PoolRollout and StreamingRollout, for
 the stream-mode tests (tests/async_rl/test_stream_rollout.py, test_pool_records.py): a group
 finishes `length(problem)` ticks after it starts, its tokens of the version served when it was
-submitted; a training step (`train_step`) advances the clock by TRAIN_TICKS."""
+submitted; a training step (`train_step`) advances the clock by TRAIN_TICKS, a direct call on
+every rank (validation) by VALIDATION_TICKS while the groups in flight generate on."""
 
 from types import SimpleNamespace
 
@@ -18,6 +19,7 @@ from hybridflow.trainer.rollout.pool import PoolRollout
 from hybridflow.trainer.rollout.stream import StreamingRollout, StreamSettings
 
 PROMPTS, N, TRAIN_TICKS = 4, 2, 10  # prompts per step (train_batch_size), samples per prompt
+VALIDATION_TICKS = 10 * TRAIN_TICKS  # long enough for some of the long groups in flight to end
 
 
 def length(problem: int) -> int:
@@ -89,6 +91,14 @@ class RolloutGroup:
 
     def finish_transfer(self) -> list[int]:
         return [self.engines.serving]
+
+    def generate_sequences(self, rows: DataProto) -> DataProto:
+        """A call on every rank (validation): VALIDATION_TICKS, during which the groups in flight
+        generate on; responses of the version served."""
+        self.engines.clock += VALIDATION_TICKS
+        versions = torch.full((len(rows),), self.engines.serving)  # (B,)
+        batch = {"responses": rows.batch["input_ids"][:, -1:], "policy_version": versions}
+        return DataProto.from_dict(batch, meta_info=dict(rows.meta_info))
 
     def dead_ranks(self) -> list[int]:
         return sorted(self.engines.dead)

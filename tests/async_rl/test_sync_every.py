@@ -16,12 +16,14 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 from gsm8k_tiny import ACTOR_AND_POOL_OF_ONE, cpu_overrides
 from recipe_runs import run_recipe_in_process
-from stream_fakes import check_batch, stream_trainer, train_step
+from stream_fakes import PROMPTS, VALIDATION_TICKS, check_batch, stream_trainer, train_step
 
 from hybridflow.checks.recipe import RecipeError, validate_recipe
 from hybridflow.config.loader import load_recipe
+from hybridflow.protocol import DataProto
 from hybridflow.trainer.rollout.pool import sync_due
 from hybridflow.utils.tiny_model import make_tiny_model
 
@@ -173,6 +175,46 @@ def test_validation_gets_the_newest_weights_whatever_sync_every(tmp_path):
     assert (metrics["async/weight_syncs"], metrics["async/engine_lag"]) == (1.0, 0.0)  # validation's
 
 
+def validation_rows() -> DataProto:
+    ids = torch.arange(PROMPTS)[:, None]  # (P, 1)
+    return DataProto.from_dict({"input_ids": ids}, meta_info={"validate": True, "n": 1})
+
+
+# after 1, 2, 3 steps the long groups in flight end 108; 96, 108; 85, 97, 109 ticks later
+@pytest.mark.parametrize(("steps_before", "ending"), [(1, 0), (2, 1), (3, 2)])
+def test_validation_generates_beside_the_groups_in_flight_which_go_on(tmp_path, steps_before, ending):
+    """The pipeline is not drained for validation: the groups in flight when it begins keep
+    generating during it; the next step's metrics count them and those that finished meanwhile, as
+    read off the fake engines' clock; validation's responses are of the newest version."""
+    trainer = stream_trainer(tmp_path, bound=2)
+    trainer.rollout.settings = replace(trainer.rollout.settings, sync_every=2)
+    for _ in range(steps_before):
+        train_step(trainer)
+    engines, start = trainer.engines, trainer.engines.clock
+    generating = [h for h in trainer.rollout.in_flight if engines.calls[h]["end"] > start]
+    finishing = [h for h in generating if engines.calls[h]["end"] <= start + VALIDATION_TICKS]
+    assert (len(generating), len(finishing)) == (steps_before, ending)
+    responses = trainer.rollout.generate(validation_rows())
+    assert responses.batch["policy_version"].tolist() == [trainer.policy.version] * PROMPTS
+    assert engines.clock == start + VALIDATION_TICKS
+    _, metrics = train_step(trainer)
+    assert metrics["stream/groups_generating_at_validation"] == len(generating)
+    assert metrics["stream/groups_finished_during_validation"] == len(finishing)
+    _, metrics = train_step(trainer)  # counted once: the step after has no validation
+    assert metrics["stream/groups_generating_at_validation"] == 0
+    assert metrics["stream/groups_finished_during_validation"] == 0
+
+
+def test_a_direct_call_that_is_not_validation_is_not_counted_as_one(tmp_path):
+    trainer = stream_trainer(tmp_path, bound=2)
+    train_step(trainer)
+    rows = validation_rows()
+    rows.meta_info["validate"] = False  # e.g. ReMax's greedy baseline
+    trainer.rollout.generate(rows)
+    _, metrics = train_step(trainer)
+    assert metrics["stream/groups_generating_at_validation"] == 0
+
+
 STEPS = 5
 
 
@@ -198,6 +240,7 @@ def run_grpo(local: dict, out: Path, mode: list[str]) -> tuple[list[dict], list[
     steps = [r for r in records if "reward/mean" in r]
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
     assert "val/accuracy" in steps[-1]  # validated with the newest weights, transferred for it
+    assert steps[-1]["val/policy_version"] == STEPS  # as the engines stamped the responses
     assert [v["trained_on"] for v in versions] == list(range(STEPS))
     return steps, versions
 

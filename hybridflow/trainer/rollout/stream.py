@@ -50,6 +50,7 @@ from typing import Any, Literal, Protocol
 
 import torch
 
+from engines.rollout.base import is_validation
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller.errors import CallDeadline, WorkerError, call_timeout
 from hybridflow.trainer.dynamic_sampling import PROMPT_SIDE, concat_rounds
@@ -289,6 +290,8 @@ class StreamCounts:
     finished: int = 0  # groups finished (taken or not)
     dropped: int = 0  # stale: dropped, or regenerated
     windows: list[tuple[int, float, float]] = field(default_factory=list)  # rank, call start, end
+    generating_at_validation: int = 0  # most groups in flight when a validation call began
+    finished_during_validation: int = 0  # groups that finished while validation generated
 
 
 class StreamingRollout:
@@ -307,9 +310,19 @@ class StreamingRollout:
 
     def generate(self, rows: DataProto) -> DataProto:
         """Now, with the newest weights (transferred first where sync_every left the engines
-        behind), beside the groups in flight."""
+        behind), beside the groups in flight, which generate on: the pipeline is not drained. For a
+        validation call, the groups in flight at its start and those that finished during it are
+        counted (the next step's metrics)."""
         self.pool.newest_weights()
-        return self.pool.generate(rows)
+        self.collect(block=False)  # groups finished before the call: not counted as during it
+        generating, finished = len(self.in_flight), self.counts.finished
+        responses = self.pool.generate(rows)
+        self.collect(block=False)
+        if is_validation(rows.meta_info):
+            counts = self.counts
+            counts.generating_at_validation = max(counts.generating_at_validation, generating)
+            counts.finished_during_validation += counts.finished - finished
+        return responses
 
     def responses(self, prompts: PromptBatches, steps_left: int) -> tuple[StepPrompts, DataProto]:
         """The next `groups_per_step` finished groups fresh enough to train with the version last
@@ -428,6 +441,8 @@ class StreamingRollout:
             "stream/finished_queue": float(len(self.finished)),  # finished, not taken yet
             "stream/engine_busy_share": self.busy_seconds(counts, now) / seconds / self.calls.ranks,
             "stream/samples_per_s": counts.finished * self.settings.n / seconds,
+            "stream/groups_generating_at_validation": float(counts.generating_at_validation),
+            "stream/groups_finished_during_validation": float(counts.finished_during_validation),
         }
 
     def busy_seconds(self, counts: StreamCounts, now: float) -> float:
