@@ -5,6 +5,9 @@ sends the policy last synced, checks the fresh engine's log-probs of fixed token
 the lost rows again with the lost call's seed; one death beyond rollout.max_engine_restarts, or
 any with 0, is one RolloutProcessDied naming the process and the call."""
 
+import json
+from pathlib import Path
+
 import pytest
 import ray.exceptions
 import torch
@@ -14,7 +17,7 @@ from engines.weight_sync.common import WeightSyncError
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller.errors import worker_error
 from hybridflow.trainer.policy import Policy
-from hybridflow.trainer.rollout.pool import PoolRollout, RolloutProcessDied
+from hybridflow.trainer.rollout.pool import RESTARTS_FILE, PoolRollout, RolloutProcessDied
 
 PROBE = [[1, 2, 3, 4], [5, 6, 7, 8]]
 ACTOR_LOG_PROBS = torch.tensor([[-1.0, -2.0], [-0.5, -0.25]])  # (B, R): the probe's last 2 tokens
@@ -48,7 +51,8 @@ class RolloutGroup:
 
     def __init__(self, calls: list, deaths: set[int], engine_error: float = 0.0):
         self.calls, self.deaths, self.engine_error = calls, deaths, engine_error
-        self.generated = 0
+        self.save_deaths: set[int] = set()  # the save calls (1-based) the process dies in
+        self.generated = self.saved = 0
         self.dead = False
         self.seeds: list[int] = []
 
@@ -68,6 +72,16 @@ class RolloutGroup:
 
     def dead_ranks(self) -> list[int]:
         return [0] if self.dead else []
+
+    def advance_rng_state(self, position: dict) -> None:
+        if self.dead:
+            raise self.died("advance_rng_state")
+
+    def save_rng_state(self, path: str) -> None:
+        self.saved += 1
+        if self.dead or self.saved in self.save_deaths:
+            raise self.died("save_rng_state")
+        (Path(path) / "rng_state_0.json").write_text("{}")
 
     def restart_rank(self, rank: int) -> None:
         self.dead = False
@@ -149,6 +163,25 @@ def test_a_launched_generation_whose_process_died_is_collected_from_its_rows(tmp
     out = pool.collect(lost)
     assert torch.equal(out.batch["responses"], rows(0).batch["input_ids"] + 100)
     assert group.seeds == [42]
+
+
+def test_a_save_that_meets_a_dead_process_saves_again_after_a_checked_restart(tmp_path):
+    pool, _, group, calls = pool_over(tmp_path / "run", deaths=set(), max_engine_restarts=1)
+    group.save_deaths = {1}
+    calls.clear()
+    saved = tmp_path / "checkpoint"
+    saved.mkdir()
+    pool.save(str(saved))
+    assert calls[:2] == [("restart", 0), ("init_model", 0)] and ("send", 0) in calls
+    assert (saved / "rng_state_0.json").is_file()  # the restarted process's state, saved again
+    assert json.loads((saved / RESTARTS_FILE).read_text()) == {"count": 1}  # the save's restart too
+
+
+def test_a_save_that_meets_a_death_beyond_the_limit_is_one_named_error(tmp_path):
+    pool, _, group, _ = pool_over(tmp_path, deaths=set(), max_engine_restarts=0)
+    group.save_deaths = {1}
+    with pytest.raises(RolloutProcessDied, match=r"^rollout pool process 0 died during `save_rng_state`"):
+        pool.save(str(tmp_path))
 
 
 def test_one_death_beyond_the_limit_is_one_named_error(tmp_path):

@@ -405,11 +405,15 @@ class PoolRollout:
 
     def save(self, path: str) -> None:
         """Each engine's sampling position: the pool's count of calls (a restarted engine's too);
-        how many lines policy_versions.jsonl has; the run's engine restarts so far."""
-        self.group.advance_rng_state(self.position.state())
-        self.group.save_rng_state(path)
+        how many lines policy_versions.jsonl has; the run's engine restarts so far. A process that
+        dies during it is restarted (within rollout.max_engine_restarts) and every state saved again."""
+        self._retrying(lambda: self.save_positions(path))
         (Path(path) / VERSIONS_LINES_FILE).write_text(json.dumps({"lines": count_lines(self.versions_file)}))
         (Path(path) / RESTARTS_FILE).write_text(json.dumps({"count": self.restarts.count}))
+
+    def save_positions(self, path: str) -> None:
+        self.group.advance_rng_state(self.position.state())
+        self.group.save_rng_state(path)
 
     def load(self, path: str, reads: str | None = None) -> None:
         """What `save` wrote. `reads`: the file of drawn-ahead prompts the calling mode takes from

@@ -1,0 +1,89 @@
+"""Holds chosen calls of a run's rollout processes, for tests/async_rl/test_pool_deaths.py (test
+code only, never on a product run's path): a process can then be killed while it is inside a
+checkpoint save or a weight transfer, as a condition, not a timing.
+
+Python imports `sitecustomize` from the path as every process starts, so a run whose PYTHONPATH
+names this directory loads it in each of its processes, Ray's workers included. HOLD_DIR_ENV names
+a directory; HOLD_CALLS_ENV lists `method:n` pairs (comma-separated) of HELD_METHODS. As a method's
+module is imported, the method is wrapped: its n-th call in a process (counted per process, from 1)
+writes <dir>/held-<method>.<pid>.<n> and waits, before running, until
+<dir>/release-<method>.<pid>.<n> or <dir>/release exists.
+"""
+
+import functools
+import importlib.abc
+import importlib.machinery
+import itertools
+import os
+import sys
+import time
+from pathlib import Path
+
+HOLD_DIR_ENV = "HYBRIDFLOW_TEST_HOLD_DIR"
+HOLD_CALLS_ENV = "HYBRIDFLOW_TEST_HOLD_CALLS"
+POLL_S = 0.05  # how often a held call looks for its release file
+# method -> (module, class): a rollout process's checkpoint save, and its receive of a transfer
+# (in the worker's background thread, while the actor's sender streams the buckets)
+HELD_METHODS = {
+    "save_rng_state": ("hybridflow.workers.rollout_worker", "RolloutWorker"),
+    "load_into": ("engines.weight_sync.transfer", "WeightReceiver"),
+}
+
+
+def hold(folder: Path, name: str) -> None:
+    """Announce the held call, then wait until the test releases it (or kills the process)."""
+    (folder / f"held-{name}").touch()
+    while not ((folder / f"release-{name}").exists() or (folder / "release").exists()):
+        time.sleep(POLL_S)
+
+
+def held(method, name: str, numbers: set[int]):
+    """`method`, its calls numbered `numbers` held before they run."""
+    calls = itertools.count(1)
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        number = next(calls)
+        if number in numbers:
+            hold(Path(os.environ[HOLD_DIR_ENV]), f"{name}.{os.getpid()}.{number}")
+        return method(self, *args, **kwargs)
+
+    return wrapper
+
+
+def held_calls(spec: str) -> dict[str, set[int]]:
+    """The spec `save_rng_state:1,load_into:3` -> {"save_rng_state": {1}, "load_into": {3}}."""
+    out: dict[str, set[int]] = {}
+    for item in filter(None, spec.split(",")):
+        method, number = item.split(":")
+        out.setdefault(method, set()).add(int(number))
+    return out
+
+
+class HoldOnImport(importlib.abc.MetaPathFinder):
+    """Finds a held method's module as the path would, and wraps the method once the module ran."""
+
+    def __init__(self, calls: dict[str, set[int]]):
+        self.by_module: dict[str, list[tuple[str, str, set[int]]]] = {}
+        for method, numbers in calls.items():
+            module, cls = HELD_METHODS[method]
+            self.by_module.setdefault(module, []).append((cls, method, numbers))
+
+    def find_spec(self, name, path, target=None):
+        if name not in self.by_module:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        run_module = spec.loader.exec_module
+
+        def exec_module(module) -> None:
+            run_module(module)
+            for cls_name, method, numbers in self.by_module[name]:
+                cls = getattr(module, cls_name)
+                setattr(cls, method, held(getattr(cls, method), method, numbers))
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if HOLD_DIR_ENV in os.environ:
+    sys.meta_path.insert(0, HoldOnImport(held_calls(os.environ.get(HOLD_CALLS_ENV, ""))))
