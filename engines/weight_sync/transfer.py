@@ -28,6 +28,10 @@ load path, as the colocated sync does) and then serves policy version v. A recei
 whose engine fails still receives the rest of the transfer, so the sender returns and the driver
 gets the receiver's error (WeightSyncError, from the rollout worker's `finish_transfer`) instead of
 a collective timeout; that engine then serves no known version until a transfer succeeds.
+A failure of the transfer itself (a member died: its connections closed) breaks the collective for
+every member, so the member that meets it closes its end at once: the members waiting on it fail
+in turn instead of blocking until the group's timeout, and every end of the broken group is
+closed within moments (the driver then rebuilds it).
 
     store = sender_store(host)  # listening from now on; tell the receivers store.port
     group = transfer_group(host, store.port, 0, 1 + engines, "gloo", store=store)
@@ -158,8 +162,21 @@ class WeightSender:
         self.stats = DeltaStats()  # of the last transfer
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
-        """Every tensor of the stream to every receiver, as policy `version`; the bytes sent."""
+        """Every tensor of the stream to every receiver, as policy `version`; the bytes sent. When a
+        broadcast fails, the group is closed and the rest of the stream drained (its gathers need
+        every model-parallel rank) before the error is raised."""
         self.stats = DeltaStats()
+        stream = iter(named_tensors)
+        try:
+            self._send_all(stream, version)
+        except Exception:
+            self.group.close()  # the receivers waiting on this end fail now, not at the timeout
+            for _ in stream:
+                pass
+            raise
+        return self.stats.sent_bytes
+
+    def _send_all(self, named_tensors: Iterator[tuple[str, torch.Tensor]], version: int) -> None:
         if self.base is not None:
             self._send_deltas(named_tensors, version)
         else:
@@ -168,7 +185,6 @@ class WeightSender:
                     self.stats.add_whole(tensor)
                 self._send_bucket(version, bucket, {})
         _broadcast_object(self.group, {"version": version, "tensors": None})
-        return self.stats.sent_bytes
 
     def _send_deltas(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Each tensor as its changed elements against what every receiver holds, or whole."""
@@ -231,12 +247,14 @@ class WeightReceiver:
         version, the bucket or call that failed and the cause (chained). Buckets loaded before the
         failure stay loaded: the engine holds a mix of versions, so `serving` is None until a
         transfer succeeds. A failure of the transfer itself (a collective of the group, a receive
-        buffer's allocation) cannot be drained: it raises the same way, and the group is unusable.
+        buffer's allocation) cannot be drained: the group is unusable, so it is closed at once (the
+        members waiting on this end fail too), and the error raises the same way.
         """
         self.version = None
         steps = _FirstFailure()
         opened = steps.run("begin_weight_update", engine.begin_weight_update)
-        steps.run("receiving the transfer", self._load_buckets, engine, steps)
+        if not steps.run("receiving the transfer", self._load_buckets, engine, steps):
+            self.group.close()  # unusable: the members waiting on this end fail now, not at the timeout
         if opened:
             steps.run("end_weight_update", engine.end_weight_update)
         if steps.error is None:

@@ -1,20 +1,23 @@
 """A rollout pool of two vLLM CPU processes (trainer.placement=disaggregated, actor 1 process,
 through scripts/run_recipe.sh) whose processes are SIGKILLed inside a checkpoint save and inside a
-weight transfer, and a run that goes on as if nothing happened. The condition, not a timing: the
-run's processes load held_calls/sitecustomize.py, with which a process announces a chosen call and
-holds it before it runs, so the kill lands inside it.
+weight transfer, in each async mode (sync, one_step, async with partial rollouts, stream), and a
+run that goes on. The condition, not a timing: the run's processes load held_calls/sitecustomize.py,
+with which a process announces a chosen call and holds it before it runs, so the kill lands inside
+it.
 
 - Inside the checkpoint save after step 1 (`save_rng_state`, the sampling positions): the other
   process's save goes through; the pool restarts the dead one with the policy's weights (checked
   against the actor's log-probs) and saves every position again.
-- Inside a weight transfer (the receiver's `load_into`, the actor's sender streaming buckets to
-  both): the sender's collective fails, the survivor's receive under way fails with it and is
+- Inside a later weight transfer (the receiver's `load_into`, the actor's sender streaming buckets
+  to both): the sender's collective fails, the survivor's receive under way fails with it and is
   dropped, the dead process is restarted and the transfer made again to both.
 
-The run finishes its 3 steps with 2 restarts, and trained exactly what an unkilled run of the
-same command trains: the same metrics step by step and the same sample versions
-(policy_versions.jsonl), so no sample was lost or generated twice; every step's checkpoint has
-both processes' sampling positions; nothing of the run is left running.
+Every run finishes its 3 steps with 2 restarts, trains 4 whole groups of 2 samples a step, none
+staler than its mode allows (policy_versions.jsonl); every step's checkpoint has both processes'
+sampling positions; nothing of the run is left running. Where the samples do not depend on timing
+(sync, one_step) the killed run trained exactly what an unkilled run of the same command trains:
+the same metrics step by step and the same sample versions, so no sample was lost or generated
+twice.
 """
 
 import json
@@ -39,9 +42,11 @@ HELD_CALLS = Path(__file__).parent / "held_calls"  # on the run's path: its site
 STEPS = 3
 OVERRIDES = (
     "trainer.placement=disaggregated", "trainer.n_gpus_per_node=1",
-    "actor.megatron.tensor_model_parallel_size=1", "trainer.rollout_pool.n_gpus_per_node=2",
+    "actor.megatron.tensor_model_parallel_size=1",
     "rollout.name=vllm", f"trainer.total_training_steps={STEPS}", "trainer.save_freq=1",
     "trainer.max_ckpt_to_keep=null", "trainer.export_hf=false",
+    # a transfer left blocked by the death ends the run well before the test's own deadline
+    "rollout.weight_transfer_timeout_s=120",
 )  # fmt: skip
 # the first save of each process; a process's third receive (after its first load and the
 # reload of the restart at the save, the next transfer's)
@@ -58,7 +63,7 @@ def local(tmp_path_factory) -> dict:
 
 
 @contextmanager
-def running(local: dict, out: Path, hold: Path, calls: str):
+def running(local: dict, out: Path, hold: Path, calls: str, *overrides: str):
     """The run, its `calls` held in `hold`; stopped with every process of it when the block ends."""
     hold.mkdir()
     marker = uuid.uuid4().hex
@@ -69,7 +74,7 @@ def running(local: dict, out: Path, hold: Path, calls: str):
     }
     with open(out.parent / f"{out.name}.log", "w") as log:
         proc = subprocess.Popen(
-            command(local, out, *OVERRIDES), env=environment(local, marker, **env),
+            command(local, out, *OVERRIDES, *overrides), env=environment(local, marker, **env),
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         try:
@@ -108,30 +113,59 @@ def without_restarts(records: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in RESTART_KEYS} for r in records]
 
 
-def test_processes_killed_inside_a_save_and_a_transfer_are_restarted_and_the_run_trains_the_same(
-    local, tmp_path
+KEY = "trainer.async_training"
+OFF_POLICY = ("rollout.calculate_log_probs=true", "algorithm.rollout_correction.mode=decoupled_ppo")
+MODES = {
+    "sync": (),
+    "one_step": (f"{KEY}.mode=one_step",),
+    "async_partial": (
+        f"{KEY}.mode=async",
+        f"{KEY}.max_staleness=2",
+        f"{KEY}.partial_rollout=true",
+        *OFF_POLICY,
+    ),
+    "stream": (f"{KEY}.mode=stream", f"{KEY}.max_staleness=1", *OFF_POLICY),
+}
+BOUND = {"sync": 0, "one_step": 1, "async_partial": 2, "stream": 1}
+CASES = [(mode, 2) for mode in MODES] + [("stream", 4)]  # (mode, rollout processes)
+# where the samples do not depend on timing, the killed run must train what an unkilled one does
+DETERMINISTIC = ("sync", "one_step")
+
+
+def kill_inside_a_save_then_a_transfer(hold: Path, proc: subprocess.Popen, processes: int) -> None:
+    first, *others = holders(hold, proc, "save_rng_state.1", count=processes)
+    psutil.Process(first).send_signal(signal.SIGKILL)
+    for pid in others:  # their saves go through
+        release(hold, "save_rng_state.1", pid)
+    (restarted,) = holders(hold, proc, "save_rng_state.1", not_pids=(first, *others))
+    release(hold, "save_rng_state.1", restarted)  # the positions saved again, the new process's too
+    receiving = holders(hold, proc, "load_into.3")[0]
+    psutil.Process(receiving).send_signal(signal.SIGKILL)
+    (hold / "release").touch()  # every call from now on goes through
+
+
+@pytest.mark.parametrize(("mode", "processes"), CASES, ids=[f"{m}-pool_of_{n}" for m, n in CASES])
+def test_processes_killed_inside_a_save_and_a_transfer_are_restarted_and_the_run_trains_on(
+    local, tmp_path, mode, processes
 ):
     killed, hold = tmp_path / "killed", tmp_path / "hold"
-    with running(local, killed, hold, HOLD) as proc:
-        first, second = holders(hold, proc, "save_rng_state.1", count=2)
-        psutil.Process(first).send_signal(signal.SIGKILL)
-        release(hold, "save_rng_state.1", second)  # its save goes through
-        (restarted,) = holders(hold, proc, "save_rng_state.1", not_pids=(first, second))
-        release(hold, "save_rng_state.1", restarted)  # the positions saved again, the new process's too
-        receiving = holders(hold, proc, "load_into.3")[0]
-        psutil.Process(receiving).send_signal(signal.SIGKILL)
-        (hold / "release").touch()  # every call from now on goes through
+    pool = (f"trainer.rollout_pool.n_gpus_per_node={processes}", *MODES[mode])
+    with running(local, killed, hold, HOLD, *pool) as proc:
+        kill_inside_a_save_then_a_transfer(hold, proc, processes)
     records = step_records(killed)
     assert [r["rollout/engine_restarts"] for r in records] == [0, 1, 2]
     assert all(r.get("rollout/restart_log_prob_diff", 0.0) <= 1e-4 for r in records)
-    for step in range(1, STEPS + 1):  # each step's checkpoint holds both processes' positions
+    for step in range(1, STEPS + 1):  # each step's checkpoint holds every process's position
         rollout = killed / "checkpoints" / f"global_step_{step}" / "rollout"
-        assert sorted(p.name for p in rollout.glob("rank_*.pt")) == ["rank_0.pt", "rank_1.pt"]
-
-    plain = tmp_path / "plain"
-    with running(local, plain, tmp_path / "plain_hold", ""):
-        pass
-    assert without_restarts(trained_steps(killed)) == without_restarts(trained_steps(plain))
-    versions = (killed / "policy_versions.jsonl").read_text()
-    assert versions == (plain / "policy_versions.jsonl").read_text()
-    assert [len(json.loads(line)["sample_versions"]) for line in versions.splitlines()] == [8] * STEPS
+        assert sorted(p.name for p in rollout.glob("rank_*.pt")) == [f"rank_{r}.pt" for r in range(processes)]
+    versions = [json.loads(line) for line in (killed / "policy_versions.jsonl").read_text().splitlines()]
+    assert [v["trained_on"] for v in versions] == list(range(STEPS))
+    assert [len(v["sample_versions"]) for v in versions] == [8] * STEPS  # 4 whole groups of 2 a step
+    staleness = [v["trained_on"] - s for v in versions for s in v["sample_versions"]]
+    assert all(0 <= s <= BOUND[mode] for s in staleness), versions
+    if mode in DETERMINISTIC:
+        plain = tmp_path / "plain"
+        with running(local, plain, tmp_path / "plain_hold", "", *pool):
+            pass
+        assert without_restarts(trained_steps(killed)) == without_restarts(trained_steps(plain))
+        assert (killed / "policy_versions.jsonl").read_text() == (plain / "policy_versions.jsonl").read_text()
