@@ -73,6 +73,10 @@ class RolloutGroup:
     def dead_ranks(self) -> list[int]:
         return [0] if self.dead else []
 
+    def ping(self) -> None:
+        if self.dead:
+            raise self.died("ping")
+
     def advance_rng_state(self, position: dict) -> None:
         if self.dead:
             raise self.died("advance_rng_state")
@@ -221,3 +225,38 @@ def test_validation_calls_take_seeds_apart_from_the_training_calls(tmp_path):
     assert group.seeds[0::2] == [42, 43]  # the training calls: rollout.seed + k
     assert group.seeds[1] not in (42, 43, 44)
     assert pool.position.state() == {"calls": 2, "val_calls": 1}
+
+
+def test_a_send_that_fails_with_no_process_dead_names_every_members_error(tmp_path):
+    """A receiver that fails its receive (a buffer it could not allocate) closes its end, and the
+    sender's error is the echo of that: the run stops with one WeightSyncError naming both, nothing
+    restarted."""
+    pool, policy, group, _ = pool_over(tmp_path, deaths=set(), max_engine_restarts=1)
+    echo = raised_on_worker("send_weights", RuntimeError("Connection closed by peer"))
+    cause = raised_on_worker("finish_transfer", MemoryError("could not allocate a 2.0 GiB receive buffer"))
+
+    def send_weights(version: int) -> None:
+        raise echo
+
+    def call_rank(rank: int, method: str, *args):
+        if method == "finish_transfer":
+            raise cause
+
+    policy.group.send_weights, group.call_rank = send_weights, call_rank
+    policy.version = 1
+    with pytest.raises(WeightSyncError) as raised:
+        pool.sync_weights(policy)
+    assert str(raised.value) == (
+        "weight transfer to the rollout pool failed: `send_weights` raised on rank 0: RuntimeError: "
+        "Connection closed by peer; `finish_transfer` raised on rank 0: MemoryError: could not allocate "
+        "a 2.0 GiB receive buffer"
+    )
+    assert raised.value.__cause__ is echo
+    assert pool.restarts.count == 0  # nothing died: nothing restarted
+
+
+def raised_on_worker(method: str, err: Exception):
+    """The driver's error for `err` raised inside `method` on rank 0's worker, as Ray reports it."""
+    return worker_error(
+        ray.exceptions.RayTaskError(method, "Traceback (most recent call last): ...", err), 0, method
+    )

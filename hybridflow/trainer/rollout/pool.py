@@ -118,6 +118,11 @@ def naming_dead_processes() -> Iterator[None]:
         raise died_error(err) from err
 
 
+def message_line(err: WorkerError) -> str:
+    """A worker call's error in one line: the call, the rank and the cause."""
+    return str(err).strip().splitlines()[0]
+
+
 @contextmanager
 def under_deadline(group, deadline: CallDeadline) -> Iterator[None]:
     """The group's calls in the block under `deadline` (groups run in process have none)."""
@@ -240,17 +245,33 @@ class PoolRollout:
         self.transfers += 1
 
     def send(self, policy: Policy) -> None:
-        """The policy's side of a transfer; when it fails, a dead receiver is the cause named."""
+        """The policy's side of a transfer. When it fails, the cause named is a dead receiver; else
+        one WeightSyncError names the sender's error and each receiver's: the member whose own
+        failure broke the transfer closed its end, and the others' errors echo it."""
         try:
             answers = policy.send_weights()
-        except WorkerError:
-            self.group.ping()  # raises for a dead rollout process (the sender's error is its echo)
-            raise
+        except WorkerError as err:
+            self.group.ping()  # raises for a dead rollout process
+            receivers = "; ".join(self.receiver_failures()) or "every receiver finished"
+            raise WeightSyncError(
+                f"weight transfer to the rollout pool failed: {message_line(err)}; {receivers}"
+            ) from err
         except CallTimeout as err:  # the actor's, not a rollout process to restart: the run stops
             raise RuntimeError(f"weight transfer to the rollout pool: {err}") from err
         for sent in answers or []:
             if isinstance(sent, DeltaStats):
                 self.sent.merge(sent)
+
+    def receiver_failures(self) -> list[str]:
+        """Each rollout process's error in the transfer under way, one line each."""
+        failures = []
+        with under_deadline(self.group, self.transfer_deadline):
+            for rank in range(self.group.world_size):
+                try:
+                    self.group.call_rank(rank, "finish_transfer")
+                except WorkerError as err:
+                    failures.append(message_line(err))
+        return failures
 
     def responses(self, prompts: PromptBatches, steps_left: int) -> tuple[StepPrompts, DataProto]:
         step = prompts.next()
