@@ -147,7 +147,7 @@ def test_the_trainer_imports_no_megatron_engine_module():
 
 def test_product_code_holds_no_test_hooks():
     """A test that needs a worker to behave otherwise brings its own code (a worker or engine class,
-    tests/async_rl/hung_workers.py; a hook loaded on the run's path, held_generation/)."""
+    tests/async_rl/hung_workers.py; a hook loaded on the run's path, tests/async_rl/held_calls/)."""
     hooked = [path for path in _product_files() if "HYBRIDFLOW_TEST_" in path.read_text()]
     assert [str(path.relative_to(ROOT)) for path in hooked] == []
 

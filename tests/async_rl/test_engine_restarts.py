@@ -1,7 +1,7 @@
 """A rollout process on the real vLLM CPU engine (trainer.placement=disaggregated, actor 1 process,
 vLLM 1 process, through scripts/run_recipe.sh) killed with SIGKILL while a generation call is in
-flight. The condition, not a timing: the run's processes load held_generation/sitecustomize.py,
-with which the rollout worker writes held.<pid>.<call> once a call has generated its tokens and
+flight. The condition, not a timing: the run's processes load held_calls/sitecustomize.py, with
+which the rollout worker announces a chosen generation call once it has generated its tokens and
 holds the call there until the test releases it, so the kill lands with the call unanswered.
 
 - Killed once, at step 2 (policy version 1): the pool restarts the process, checks the fresh
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from held_generation.sitecustomize import HOLD_ENV
+from held_calls.sitecustomize import HOLD_CALLS_ENV, HOLD_DIR_ENV
 from multinode_helpers import processes_with_env
 from run_outputs import trained_steps
 from run_processes import cleanup, wait_for
@@ -34,7 +34,7 @@ from tiny_run import command, environment, tiny_run_inputs
 
 pytestmark = pytest.mark.slow
 
-HELD_GENERATION = Path(__file__).parent / "held_generation"  # on the run's path: its sitecustomize
+HELD_CALLS = Path(__file__).parent / "held_calls"  # on the run's path: its sitecustomize
 
 RESTART_KEYS = (
     "rollout/engine_restarts", "rollout/restart_seconds", "rollout/restart_log_prob_diff",
@@ -53,25 +53,31 @@ def local(tmp_path_factory) -> dict:
     return tiny_run_inputs(tmp_path_factory.mktemp("restarts"))
 
 
-def start(local: dict, out: Path, hold: Path, marker: str, *overrides: str) -> subprocess.Popen:
+def start(local: dict, out: Path, hold: Path, calls: str, marker: str, *overrides: str) -> subprocess.Popen:
     hold.mkdir()
     log = open(out.parent / f"{out.name}.log", "w")  # noqa: SIM115 - the run's, closed with it
     return subprocess.Popen(
         command(local, out, *OVERRIDES, *overrides),
-        env=environment(local, marker, **held_generation(local, hold)),
+        env=environment(local, marker, **held_generation(local, hold, calls)),
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
 
 
-def held_generation(local: dict, hold: Path) -> dict:
-    """The environment in which the run's rollout worker holds its calls in `hold`."""
-    return {HOLD_ENV: str(hold), "PYTHONPATH": f"{HELD_GENERATION}{os.pathsep}{local['root']}"}
+def held_generation(local: dict, hold: Path, calls: str) -> dict:
+    """The environment in which each rollout process holds its generation calls numbered `calls`
+    (e.g. "1,2") in `hold`."""
+    spec = ",".join(f"generate_sequences:{n}" for n in filter(None, calls.split(",")))
+    return {
+        HOLD_DIR_ENV: str(hold),
+        HOLD_CALLS_ENV: spec,
+        "PYTHONPATH": f"{HELD_CALLS}{os.pathsep}{local['root']}",
+    }
 
 
 @contextmanager
-def running(local: dict, out: Path, hold: Path, marker: str, *overrides: str):
+def running(local: dict, out: Path, hold: Path, calls: str, marker: str, *overrides: str):
     """The run, started; stopped with every process of it when the block ends, however it ends."""
-    proc = start(local, out, hold, marker, *overrides)
+    proc = start(local, out, hold, calls, marker, *overrides)
     try:
         yield proc
     finally:
@@ -89,7 +95,8 @@ def held_call(hold: Path, proc: subprocess.Popen, call: int, not_pid: int | None
     found: list[Path] = []
 
     def appeared() -> bool:
-        found[:] = [p for p in hold.glob(f"held.*.{call}") if p.name.split(".")[1] != str(not_pid)]
+        held = hold.glob(f"held-generate_sequences.*.{call}")
+        found[:] = [p for p in held if p.name.split(".")[1] != str(not_pid)]
         return bool(found) or proc.poll() is not None
 
     wait_for(appeared, 900, f"a rollout call {call} holding its tokens")
@@ -112,9 +119,9 @@ def output_of(out: Path) -> str:
 
 def test_a_rollout_process_killed_mid_generation_is_restarted_and_the_run_trains_the_same(local, tmp_path):
     killed, hold, marker = tmp_path / "killed", tmp_path / "hold", uuid.uuid4().hex
-    with running(local, killed, hold, marker) as proc:
+    with running(local, killed, hold, "1,2", marker) as proc:
         pid = held_call(hold, proc, 1)  # step 1's generation: let it go
-        (hold / f"release.{pid}.1").touch()
+        (hold / f"release-generate_sequences.{pid}.1").touch()
         assert held_call(hold, proc, 2) == pid  # step 2's, with policy version 1: killed
         kill(pid)
         finishes(proc, hold, killed)
@@ -122,7 +129,7 @@ def test_a_rollout_process_killed_mid_generation_is_restarted_and_the_run_trains
     assert [r["rollout/engine_restarts"] for r in records] == [0, 1, 1]
     assert records[1]["rollout/restart_log_prob_diff"] <= 1e-4  # the fresh engine serves version 1
     plain, marker = tmp_path / "plain", uuid.uuid4().hex
-    with running(local, plain, tmp_path / "plain_hold", marker) as proc:
+    with running(local, plain, tmp_path / "plain_hold", "", marker) as proc:
         finishes(proc, tmp_path / "plain_hold", plain)
     seconds = [json.loads(line)["timing/step"] for line in (plain / "metrics.jsonl").read_text().splitlines()]
     restart = records[1]
@@ -150,7 +157,7 @@ def test_in_stream_mode_a_killed_rollout_process_is_restarted_and_the_lost_group
         "trainer.async_training.mode=stream", "trainer.async_training.max_staleness=1",
         "rollout.calculate_log_probs=true", "algorithm.rollout_correction.mode=decoupled_ppo",
     )  # fmt: skip
-    with running(local, out, hold, marker, *stream) as proc:
+    with running(local, out, hold, "1", marker, *stream) as proc:
         kill(held_call(hold, proc, 1))  # a group's tokens generated, its call unanswered
         finishes(proc, hold, out)
     records = step_records(out)
@@ -168,7 +175,8 @@ def without_restarts(records: list[dict]) -> list[dict]:
 
 def test_killed_once_more_than_max_engine_restarts_ends_the_run_with_one_named_error(local, tmp_path):
     out, hold, marker = tmp_path / "run", tmp_path / "hold", uuid.uuid4().hex
-    with running(local, out, hold, marker, "rollout.max_engine_restarts=1", "trainer.save_freq=1") as proc:
+    overrides = ("rollout.max_engine_restarts=1", "trainer.save_freq=1")
+    with running(local, out, hold, "1", marker, *overrides) as proc:
         first = held_call(hold, proc, 1)
         kill(first)  # restarted: the lost call is generated again on the new process, and held
         kill(held_call(hold, proc, 1, not_pid=first))

@@ -1,23 +1,29 @@
-"""A rollout pool of two vLLM CPU processes (trainer.placement=disaggregated, actor 1 process,
-through scripts/run_recipe.sh) whose processes are SIGKILLed inside a checkpoint save and inside a
-weight transfer, in each async mode (sync, one_step, async with partial rollouts, stream), and a
-run that goes on. The condition, not a timing: the run's processes load held_calls/sitecustomize.py,
-with which a process announces a chosen call and holds it before it runs, so the kill lands inside
-it.
+"""A rollout pool of vLLM CPU processes (2 or 4; trainer.placement=disaggregated, actor 1 process,
+through scripts/run_recipe.sh) whose processes are SIGKILLed inside a generation, a checkpoint save
+and a weight transfer, in each async mode (sync, one_step, async with partial rollouts, stream), and
+a run that goes on. The condition, not a timing: the run's processes load held_calls/sitecustomize.py,
+with which a process announces a chosen call and holds it (a generation once it has run), so the
+kill lands inside it.
 
+- Inside step 1's generation (the first call of `generate_sequences` in any process, its tokens
+  generated, its answer not returned): the pool restarts the process with the policy's weights
+  (checked against the actor's log-probs) and generates the lost rows (or groups) again with their
+  seeds.
 - Inside the checkpoint save after step 1 (`save_rng_state`, the sampling positions): the other
-  process's save goes through; the pool restarts the dead one with the policy's weights (checked
-  against the actor's log-probs) and saves every position again.
-- Inside a later weight transfer (the receiver's `load_into`, the actor's sender streaming buckets
-  to both): the sender's collective fails, the survivor's receive under way fails with it and is
-  dropped, the dead process is restarted and the transfer made again to both.
+  processes' saves go through; the pool restarts the dead one and saves every position again.
+- Inside the next weight transfer after that restart (a receiver's `load_into`, the actor's sender
+  streaming buckets to every process): the sender's collective fails, the survivors' receives
+  under way fail with it and are dropped, the dead process is restarted and the transfer made
+  again to all.
 
-Every run finishes its 3 steps with 2 restarts, trains 4 whole groups of 2 samples a step, none
-staler than its mode allows (policy_versions.jsonl); every step's checkpoint has both processes'
-sampling positions; nothing of the run is left running. Where the samples do not depend on timing
-(sync, one_step) the killed run trained exactly what an unkilled run of the same command trains:
-the same metrics step by step and the same sample versions, so no sample was lost or generated
-twice.
+Every run finishes its 3 steps with 3 restarts, trains 4 whole groups of 2 samples a step, none
+staler than its mode allows (policy_versions.jsonl); every step's checkpoint has every process's
+sampling position; nothing of the run is left running. Where the samples do not depend on timing
+(sync, one_step) the killed run trained exactly what an unkilled run in the same mode trains: the
+same metrics step by step and the same sample versions, so no sample was lost or generated twice.
+The unkilled run is made once per mode, on a pool of 2: a seeded call's samples do not depend on
+the number of processes (each row is seeded by its index in the call), so it is every pool's
+reference.
 """
 
 import json
@@ -25,6 +31,7 @@ import os
 import signal
 import subprocess
 import uuid
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -48,9 +55,8 @@ OVERRIDES = (
     # a transfer left blocked by the death ends the run well before the test's own deadline
     "rollout.weight_transfer_timeout_s=120",
 )  # fmt: skip
-# the first save of each process; a process's third receive (after its first load and the
-# reload of the restart at the save, the next transfer's)
-HOLD = "save_rng_state:1,load_into:3"
+# the first save of each process; a generation and a receive, each when the test arms it
+HOLD = "generate_sequences:armed,save_rng_state:1,load_into:armed"
 RESTART_KEYS = (
     "rollout/engine_restarts", "rollout/restart_seconds", "rollout/restart_log_prob_diff",
     "async/weight_syncs", "weight_sync/bytes_sent", "weight_sync/bytes_full",
@@ -60,6 +66,24 @@ RESTART_KEYS = (
 @pytest.fixture(scope="module")
 def local(tmp_path_factory) -> dict:
     return tiny_run_inputs(tmp_path_factory.mktemp("pool_deaths"))
+
+
+@pytest.fixture(scope="module")
+def unkilled(local, tmp_path_factory) -> Callable[[str], Path]:
+    """The output of an unkilled run in a mode on a pool of 2, run once per mode for the module."""
+    outputs: dict[str, Path] = {}
+
+    def output(mode: str) -> Path:
+        if mode not in outputs:
+            out = tmp_path_factory.mktemp(f"unkilled_{mode}") / "run"
+            with running(
+                local, out, out.parent / "hold", "", "trainer.rollout_pool.n_gpus_per_node=2", *MODES[mode]
+            ):
+                pass
+            outputs[mode] = out
+        return outputs[mode]
+
+    return output
 
 
 @contextmanager
@@ -127,33 +151,42 @@ MODES = {
     "stream": (f"{KEY}.mode=stream", f"{KEY}.max_staleness=1", *OFF_POLICY),
 }
 BOUND = {"sync": 0, "one_step": 1, "async_partial": 2, "stream": 1}
-CASES = [(mode, 2) for mode in MODES] + [("stream", 4)]  # (mode, rollout processes)
+CASES = [(mode, processes) for processes in (2, 4) for mode in MODES]  # (mode, rollout processes)
 # where the samples do not depend on timing, the killed run must train what an unkilled one does
 DETERMINISTIC = ("sync", "one_step")
 
 
-def kill_inside_a_save_then_a_transfer(hold: Path, proc: subprocess.Popen, processes: int) -> None:
+def kill_inside_a_generation_a_save_and_a_transfer(hold: Path, proc: subprocess.Popen, processes: int):
+    (hold / "arm-generate_sequences").touch()
+    (generating,) = holders(hold, proc, "generate_sequences.armed")
+    assert int((hold / f"held-generate_sequences.{generating}.armed").read_text()) > 0  # tokens, no answer
+    kill(generating)
     first, *others = holders(hold, proc, "save_rng_state.1", count=processes)
-    psutil.Process(first).send_signal(signal.SIGKILL)
+    kill(first)
     for pid in others:  # their saves go through
         release(hold, "save_rng_state.1", pid)
     (restarted,) = holders(hold, proc, "save_rng_state.1", not_pids=(first, *others))
+    # the restart's load of the weights is behind: the next receive is the next transfer's
+    (hold / "arm-load_into").touch()
     release(hold, "save_rng_state.1", restarted)  # the positions saved again, the new process's too
-    receiving = holders(hold, proc, "load_into.3")[0]
-    psutil.Process(receiving).send_signal(signal.SIGKILL)
+    kill(holders(hold, proc, "load_into.armed")[0])
     (hold / "release").touch()  # every call from now on goes through
 
 
+def kill(pid: int) -> None:
+    psutil.Process(pid).send_signal(signal.SIGKILL)
+
+
 @pytest.mark.parametrize(("mode", "processes"), CASES, ids=[f"{m}-pool_of_{n}" for m, n in CASES])
-def test_processes_killed_inside_a_save_and_a_transfer_are_restarted_and_the_run_trains_on(
-    local, tmp_path, mode, processes
+def test_processes_killed_inside_a_generation_a_save_and_a_transfer_are_restarted_and_the_run_trains_on(
+    local, unkilled, tmp_path, mode, processes
 ):
     killed, hold = tmp_path / "killed", tmp_path / "hold"
     pool = (f"trainer.rollout_pool.n_gpus_per_node={processes}", *MODES[mode])
     with running(local, killed, hold, HOLD, *pool) as proc:
-        kill_inside_a_save_then_a_transfer(hold, proc, processes)
+        kill_inside_a_generation_a_save_and_a_transfer(hold, proc, processes)
     records = step_records(killed)
-    assert [r["rollout/engine_restarts"] for r in records] == [0, 1, 2]
+    assert [r["rollout/engine_restarts"] for r in records] == [1, 2, 3]
     assert all(r.get("rollout/restart_log_prob_diff", 0.0) <= 1e-4 for r in records)
     for step in range(1, STEPS + 1):  # each step's checkpoint holds every process's position
         rollout = killed / "checkpoints" / f"global_step_{step}" / "rollout"
@@ -164,8 +197,6 @@ def test_processes_killed_inside_a_save_and_a_transfer_are_restarted_and_the_run
     staleness = [v["trained_on"] - s for v in versions for s in v["sample_versions"]]
     assert all(0 <= s <= BOUND[mode] for s in staleness), versions
     if mode in DETERMINISTIC:
-        plain = tmp_path / "plain"
-        with running(local, plain, tmp_path / "plain_hold", "", *pool):
-            pass
+        plain = unkilled(mode)
         assert without_restarts(trained_steps(killed)) == without_restarts(trained_steps(plain))
         assert (killed / "policy_versions.jsonl").read_text() == (plain / "policy_versions.jsonl").read_text()

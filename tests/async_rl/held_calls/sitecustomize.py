@@ -1,13 +1,19 @@
-"""Holds chosen calls of a run's rollout processes, for tests/async_rl/test_pool_deaths.py (test
-code only, never on a product run's path): a process can then be killed while it is inside a
-checkpoint save or a weight transfer, as a condition, not a timing.
+"""Holds chosen calls of a run's rollout processes, for the engine-restart tests of tests/async_rl
+(test code only, never on a product run's path): a process can then be killed while it is inside a
+generation, a checkpoint save or a weight transfer, as a condition, not a timing.
 
 Python imports `sitecustomize` from the path as every process starts, so a run whose PYTHONPATH
 names this directory loads it in each of its processes, Ray's workers included. HOLD_DIR_ENV names
 a directory; HOLD_CALLS_ENV lists `method:n` pairs (comma-separated) of HELD_METHODS. As a method's
 module is imported, the method is wrapped: its n-th call in a process (counted per process, from 1)
-writes <dir>/held-<method>.<pid>.<n> and waits, before running, until
-<dir>/release-<method>.<pid>.<n> or <dir>/release exists.
+writes <dir>/held-<method>.<pid>.<n> and waits until <dir>/release-<method>.<pid>.<n> or
+<dir>/release exists. With `method:armed`, the first call of the method in any process after the
+test wrote <dir>/arm-<method> is held instead, once (that process takes the file away), as
+<dir>/held-<method>.<pid>.armed: counts per process shift as processes are restarted, a call the
+test arms when it gets there does not.
+
+A call is held before it runs, but a generation once it has run: its held file then holds the
+number of tokens it generated, and its answer is not returned until the release.
 """
 
 import functools
@@ -22,41 +28,59 @@ from pathlib import Path
 HOLD_DIR_ENV = "HYBRIDFLOW_TEST_HOLD_DIR"
 HOLD_CALLS_ENV = "HYBRIDFLOW_TEST_HOLD_CALLS"
 POLL_S = 0.05  # how often a held call looks for its release file
-# method -> (module, class): a rollout process's checkpoint save, and its receive of a transfer
-# (in the worker's background thread, while the actor's sender streams the buckets)
+# method -> (module, class): a rollout process's generation, its checkpoint save, and its receive of
+# a transfer (in the worker's background thread, while the actor's sender streams the buckets)
 HELD_METHODS = {
+    "generate_sequences": ("hybridflow.workers.rollout_worker", "RolloutWorker"),
     "save_rng_state": ("hybridflow.workers.rollout_worker", "RolloutWorker"),
     "load_into": ("engines.weight_sync.transfer", "WeightReceiver"),
 }
+HELD_AFTER = {"generate_sequences"}  # held with its tokens generated, its answer not returned
 
 
-def hold(folder: Path, name: str) -> None:
-    """Announce the held call, then wait until the test releases it (or kills the process)."""
-    (folder / f"held-{name}").touch()
+def hold(folder: Path, name: str, note: str = "") -> None:
+    """Announce the held call (`note` in its file), then wait until the test releases it (or kills
+    the process)."""
+    (folder / f"held-{name}").write_text(note)
     while not ((folder / f"release-{name}").exists() or (folder / "release").exists()):
         time.sleep(POLL_S)
 
 
-def held(method, name: str, numbers: set[int]):
-    """`method`, its calls numbered `numbers` held before they run."""
+def held(method, name: str, numbers: set[int | str]):
+    """`method`, its calls numbered `numbers` (or the armed one, with "armed") held."""
     calls = itertools.count(1)
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
-        number = next(calls)
-        if number in numbers:
-            hold(Path(os.environ[HOLD_DIR_ENV]), f"{name}.{os.getpid()}.{number}")
-        return method(self, *args, **kwargs)
+        number, folder = next(calls), Path(os.environ[HOLD_DIR_ENV])
+        if number not in numbers and not ("armed" in numbers and took_the_arm(folder / f"arm-{name}")):
+            return method(self, *args, **kwargs)
+        label = f"{name}.{os.getpid()}.{number if number in numbers else 'armed'}"
+        if name not in HELD_AFTER:
+            hold(folder, label)
+            return method(self, *args, **kwargs)
+        output = method(self, *args, **kwargs)
+        hold(folder, label, str(int(output.batch["response_mask"].sum())))
+        return output
 
     return wrapper
 
 
-def held_calls(spec: str) -> dict[str, set[int]]:
-    """The spec `save_rng_state:1,load_into:3` -> {"save_rng_state": {1}, "load_into": {3}}."""
-    out: dict[str, set[int]] = {}
+def took_the_arm(arm: Path) -> bool:
+    """Whether this process removed `arm`: one process does, however many call at once."""
+    try:
+        arm.unlink()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def held_calls(spec: str) -> dict[str, set[int | str]]:
+    """The spec `save_rng_state:1,load_into:armed` -> {"save_rng_state": {1}, "load_into": {"armed"}}."""
+    out: dict[str, set[int | str]] = {}
     for item in filter(None, spec.split(",")):
         method, number = item.split(":")
-        out.setdefault(method, set()).add(int(number))
+        out.setdefault(method, set()).add(number if number == "armed" else int(number))
     return out
 
 
