@@ -65,7 +65,7 @@ def start(local: dict, out: Path, hold: Path, calls: str, marker: str, *override
 
 def held_generation(local: dict, hold: Path, calls: str) -> dict:
     """The environment in which each rollout process holds its generation calls numbered `calls`
-    (e.g. "1,2") in `hold`."""
+    (e.g. "1,2", or "every") in `hold`."""
     spec = ",".join(f"generate_sequences:{n}" for n in filter(None, calls.split(",")))
     return {
         HOLD_DIR_ENV: str(hold),
@@ -157,7 +157,8 @@ def test_in_stream_mode_a_killed_rollout_process_is_restarted_and_the_lost_group
         "trainer.async_training.mode=stream", "trainer.async_training.max_staleness=1",
         "rollout.calculate_log_probs=true", "algorithm.rollout_correction.mode=decoupled_ppo",
     )  # fmt: skip
-    with running(local, out, hold, "1", marker, *stream) as proc:
+    # every call held: the step cannot fill with the other groups before the lost one is met
+    with running(local, out, hold, "every", marker, *stream) as proc:
         kill(held_call(hold, proc, 1))  # a group's tokens generated, its call unanswered
         finishes(proc, hold, out)
     records = step_records(out)

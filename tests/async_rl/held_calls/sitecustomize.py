@@ -7,10 +7,10 @@ names this directory loads it in each of its processes, Ray's workers included. 
 a directory; HOLD_CALLS_ENV lists `method:n` pairs (comma-separated) of HELD_METHODS. As a method's
 module is imported, the method is wrapped: its n-th call in a process (counted per process, from 1)
 writes <dir>/held-<method>.<pid>.<n> and waits until <dir>/release-<method>.<pid>.<n> or
-<dir>/release exists. With `method:armed`, the first call of the method in any process after the
-test wrote <dir>/arm-<method> is held instead, once (that process takes the file away), as
-<dir>/held-<method>.<pid>.armed: counts per process shift as processes are restarted, a call the
-test arms when it gets there does not.
+<dir>/release exists; with `method:every`, every call is held so. With `method:armed`, the first
+call of the method in any process after the test wrote <dir>/arm-<method> is held instead, once
+(that process takes the file away), as <dir>/held-<method>.<pid>.armed: counts per process shift as
+processes are restarted, a call the test arms when it gets there does not.
 
 A call is held before it runs, but a generation once it has run: its held file then holds the
 number of tokens it generated, and its answer is not returned until the release.
@@ -47,15 +47,16 @@ def hold(folder: Path, name: str, note: str = "") -> None:
 
 
 def held(method, name: str, numbers: set[int | str]):
-    """`method`, its calls numbered `numbers` (or the armed one, with "armed") held."""
+    """`method`, its calls numbered `numbers` (every one with "every", the armed one with "armed") held."""
     calls = itertools.count(1)
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         number, folder = next(calls), Path(os.environ[HOLD_DIR_ENV])
-        if number not in numbers and not ("armed" in numbers and took_the_arm(folder / f"arm-{name}")):
+        counted = number in numbers or "every" in numbers
+        if not counted and not ("armed" in numbers and took_the_arm(folder / f"arm-{name}")):
             return method(self, *args, **kwargs)
-        label = f"{name}.{os.getpid()}.{number if number in numbers else 'armed'}"
+        label = f"{name}.{os.getpid()}.{number if counted else 'armed'}"
         if name not in HELD_AFTER:
             hold(folder, label)
             return method(self, *args, **kwargs)
@@ -80,7 +81,7 @@ def held_calls(spec: str) -> dict[str, set[int | str]]:
     out: dict[str, set[int | str]] = {}
     for item in filter(None, spec.split(",")):
         method, number = item.split(":")
-        out.setdefault(method, set()).add(number if number == "armed" else int(number))
+        out.setdefault(method, set()).add(number if number in ("armed", "every") else int(number))
     return out
 
 
