@@ -18,9 +18,9 @@ kill lands inside it.
   under way fail with it and are dropped, the dead process is restarted and the transfer made
   again to all.
 
-Every run finishes its 3 steps with a restart for each kill, trains 4 whole groups of 2 samples a step, none
-staler than its mode allows (policy_versions.jsonl); every step's checkpoint has every process's
-sampling position; nothing of the run is left running. Where the samples do not depend on timing
+Every run finishes its 3 steps with a restart for each kill, trains 4 whole groups of 2 samples a
+step, none staler than its mode allows (policy_versions.jsonl); every step's checkpoint has every
+process's sampling position; nothing of the run is left running. Where the samples do not depend on timing
 (sync, one_step) the killed run trained exactly what an unkilled run in the same mode trains: the
 same metrics step by step and the same sample versions, so no sample was lost or generated twice.
 The unkilled run is made once per mode, on a pool of 2: a seeded call's samples do not depend on
