@@ -229,28 +229,37 @@ def test_validation_calls_take_seeds_apart_from_the_training_calls(tmp_path):
 
 def test_a_send_that_fails_with_no_process_dead_names_every_members_error(tmp_path):
     """A receiver that fails its receive (a buffer it could not allocate) closes its end, and the
-    sender's error is the echo of that: the run stops with one WeightSyncError naming both, nothing
-    restarted."""
+    sender's error is the echo of that: the run stops with one WeightSyncError naming both, and a
+    receiver still receiving at the transfer deadline, nothing restarted. The receivers are asked at
+    once, under one deadline (not one each)."""
     pool, policy, group, _ = pool_over(tmp_path, deaths=set(), max_engine_restarts=1)
     echo = raised_on_worker("send_weights", RuntimeError("Connection closed by peer"))
     cause = raised_on_worker("finish_transfer", MemoryError("could not allocate a 2.0 GiB receive buffer"))
+    waits = []
 
     def send_weights(version: int) -> None:
         raise echo
 
-    def call_rank(rank: int, method: str, *args):
-        if method == "finish_transfer":
-            raise cause
+    def wait_calls(calls: list, count=None, wait_s=None) -> list:
+        waits.append((calls, count, wait_s))
+        return [call for call in calls if call != (1, "finish_transfer")]  # rank 1 still receiving
 
-    policy.group.send_weights, group.call_rank = send_weights, call_rank
+    def call_result(call, rank: int, method: str):
+        raise cause
+
+    policy.group.send_weights, group.world_size = send_weights, 2
+    group.call_rank_async = lambda rank, method: (rank, method)
+    group.wait_calls, group.call_result = wait_calls, call_result
     policy.version = 1
     with pytest.raises(WeightSyncError) as raised:
         pool.sync_weights(policy)
     assert str(raised.value) == (
         "weight transfer to the rollout pool failed: `send_weights` raised on rank 0: RuntimeError: "
         "Connection closed by peer; `finish_transfer` raised on rank 0: MemoryError: could not allocate "
-        "a 2.0 GiB receive buffer"
+        "a 2.0 GiB receive buffer; rollout pool process rank 1 did not answer `finish_transfer` within "
+        "600s (rollout.weight_transfer_timeout_s: raise it if the call is only slow)"
     )
+    assert waits == [([(0, "finish_transfer"), (1, "finish_transfer")], None, 600.0)]
     assert raised.value.__cause__ is echo
     assert pool.restarts.count == 0  # nothing died: nothing restarted
 

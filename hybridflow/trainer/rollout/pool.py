@@ -263,14 +263,20 @@ class PoolRollout:
                 self.sent.merge(sent)
 
     def receiver_failures(self) -> list[str]:
-        """Each rollout process's error in the transfer under way, one line each."""
+        """Each rollout process's error in the transfer under way, one line each: every process
+        asked at once, under one transfer deadline (one still receiving then is named as such)."""
+        deadline = self.transfer_deadline
+        calls = [self.group.call_rank_async(rank, "finish_transfer") for rank in range(self.group.world_size)]
+        finished = self.group.wait_calls(calls, wait_s=deadline.seconds)
         failures = []
-        with under_deadline(self.group, self.transfer_deadline):
-            for rank in range(self.group.world_size):
-                try:
-                    self.group.call_rank(rank, "finish_transfer")
-                except WorkerError as err:
-                    failures.append(message_line(err))
+        for rank, call in enumerate(calls):
+            if call not in finished:
+                failures.append(str(call_timeout("rollout pool process", rank, "finish_transfer", deadline)))
+                continue
+            try:
+                self.group.call_result(call, rank, "finish_transfer")
+            except WorkerError as err:
+                failures.append(message_line(err))
         return failures
 
     def responses(self, prompts: PromptBatches, steps_left: int) -> tuple[StepPrompts, DataProto]:
