@@ -6,11 +6,10 @@ with which a process announces a chosen call and holds it (a generation once it 
 kill lands inside it.
 
 - Inside step 1's generation (the first call of `generate_sequences` in any process, its tokens
-  generated, its answer not returned; not in stream mode, where the step may be filled by the other
-  processes' groups before the lost call is met, and the death then falls in the save): the pool
-  restarts the process with the policy's weights (checked against the actor's log-probs) and
-  generates the lost rows again with their seed. (In stream mode a process killed in a group's
-  generation: test_engine_restarts.py, a pool of one.)
+  generated, its answer not returned): the pool restarts the process with the policy's weights
+  (checked against the actor's log-probs) and generates the lost rows again with their seed. In
+  stream mode every group's call is held until that restart, or the other processes' groups could
+  fill step 1 before the lost call is met, and the death would fall in the next kill's save.
 - Inside the checkpoint save after step 1 (`save_rng_state`, the sampling positions): the other
   processes' saves go through; the pool restarts the dead one and saves every position again.
 - Inside the next weight transfer after that restart (a receiver's `load_into`, the actor's sender
@@ -18,11 +17,12 @@ kill lands inside it.
   under way fail with it and are dropped, the dead process is restarted and the transfer made
   again to all.
 
-Every run finishes its 3 steps with a restart for each kill, trains 4 whole groups of 2 samples a
-step, none staler than its mode allows (policy_versions.jsonl); every step's checkpoint has every
-process's sampling position; nothing of the run is left running. Where the samples do not depend on timing
-(sync, one_step) the killed run trained exactly what an unkilled run in the same mode trains: the
-same metrics step by step and the same sample versions, so no sample was lost or generated twice.
+Every run finishes its 3 steps with a restart for each kill (`rollout/engine_restarts` [1, 2, 3]),
+trains 4 whole groups of 2 samples a step, none staler than its mode allows (policy_versions.jsonl);
+every step's checkpoint has every process's sampling position; nothing of the run is left running.
+Where the samples do not depend on timing (sync, one_step) the killed run trained exactly what an
+unkilled run in the same mode trains: the same metrics step by step and the same sample versions,
+so no sample was lost or generated twice.
 The unkilled run is made once per mode, on a pool of 2: a seeded call's samples do not depend on
 the number of processes (each row is seeded by its index in the call), so it is every pool's
 reference.
@@ -59,6 +59,8 @@ OVERRIDES = (
 )  # fmt: skip
 # the first save of each process; a generation and a receive, each when the test arms it
 HOLD = "generate_sequences:armed,save_rng_state:1,load_into:armed"
+# in stream mode every group's generation, until the test lets them all go
+HOLD_STREAM = "generate_sequences:every,save_rng_state:1,load_into:armed"
 RESTART_KEYS = (
     "rollout/engine_restarts", "rollout/restart_seconds", "rollout/restart_log_prob_diff",
     "async/weight_syncs", "weight_sync/bytes_sent", "weight_sync/bytes_full",
@@ -156,20 +158,30 @@ BOUND = {"sync": 0, "one_step": 1, "async_partial": 2, "stream": 1}
 CASES = [(mode, processes) for processes in (2, 4) for mode in MODES]  # (mode, rollout processes)
 # where the samples do not depend on timing, the killed run must train what an unkilled one does
 DETERMINISTIC = ("sync", "one_step")
-# where step 1 waits for the call its generation kill loses; in stream mode the other processes'
-# groups may fill the step first, and the death is then met by the step's save, as the next kill
-KILLED_IN_GENERATION = ("sync", "one_step", "async_partial")
+
+
+def kill_inside_a_generation(hold: Path, proc: subprocess.Popen, log: Path, mode: str) -> None:
+    """Kill the process of step 1's first generation, its tokens generated, its answer not returned."""
+    if mode != "stream":
+        (hold / "arm-generate_sequences").touch()
+        (generating,) = holders(hold, proc, "generate_sequences.armed")
+        assert int((hold / f"held-generate_sequences.{generating}.armed").read_text()) > 0
+        kill(generating)
+        return
+    generating = holders(hold, proc, "generate_sequences.1")[0]
+    assert int((hold / f"held-generate_sequences.{generating}.1").read_text()) > 0
+    kill(generating)
+    wait_for(
+        lambda: "rollout pool: restarted process(es)" in log.read_text() or proc.poll() is not None,
+        900, "the pool's restart of the process killed in its generation",
+    )  # fmt: skip
+    (hold / "release-generate_sequences").touch()
 
 
 def kill_inside_a_generation_a_save_and_a_transfer(
-    hold: Path, proc: subprocess.Popen, mode: str, processes: int
+    hold: Path, proc: subprocess.Popen, log: Path, mode: str, processes: int
 ):
-    if mode in KILLED_IN_GENERATION:
-        (hold / "arm-generate_sequences").touch()
-        (generating,) = holders(hold, proc, "generate_sequences.armed")
-        tokens = int((hold / f"held-generate_sequences.{generating}.armed").read_text())
-        assert tokens > 0  # generated, not answered
-        kill(generating)
+    kill_inside_a_generation(hold, proc, log, mode)
     first, *others = holders(hold, proc, "save_rng_state.1", count=processes)
     kill(first)
     for pid in others:  # their saves go through
@@ -192,11 +204,11 @@ def test_processes_killed_inside_a_generation_a_save_and_a_transfer_are_restarte
 ):
     killed, hold = tmp_path / "killed", tmp_path / "hold"
     pool = (f"trainer.rollout_pool.n_gpus_per_node={processes}", *MODES[mode])
-    with running(local, killed, hold, HOLD, *pool) as proc:
-        kill_inside_a_generation_a_save_and_a_transfer(hold, proc, mode, processes)
+    with running(local, killed, hold, HOLD_STREAM if mode == "stream" else HOLD, *pool) as proc:
+        log = killed.parent / f"{killed.name}.log"
+        kill_inside_a_generation_a_save_and_a_transfer(hold, proc, log, mode, processes)
     records = step_records(killed)
-    restarts = [1, 2, 3] if mode in KILLED_IN_GENERATION else [0, 1, 2]
-    assert [r["rollout/engine_restarts"] for r in records] == restarts
+    assert [r["rollout/engine_restarts"] for r in records] == [1, 2, 3]
     assert all(r.get("rollout/restart_log_prob_diff", 0.0) <= 1e-4 for r in records)
     for step in range(1, STEPS + 1):  # each step's checkpoint holds every process's position
         rollout = killed / "checkpoints" / f"global_step_{step}" / "rollout"

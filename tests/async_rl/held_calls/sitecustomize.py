@@ -7,10 +7,11 @@ names this directory loads it in each of its processes, Ray's workers included. 
 a directory; HOLD_CALLS_ENV lists `method:n` pairs (comma-separated) of HELD_METHODS. As a method's
 module is imported, the method is wrapped: its n-th call in a process (counted per process, from 1)
 writes <dir>/held-<method>.<pid>.<n> and waits until <dir>/release-<method>.<pid>.<n> or
-<dir>/release exists; with `method:every`, every call is held so. With `method:armed`, the first
-call of the method in any process after the test wrote <dir>/arm-<method> is held instead, once
-(that process takes the file away), as <dir>/held-<method>.<pid>.armed: counts per process shift as
-processes are restarted, a call the test arms when it gets there does not.
+<dir>/release-<method> (every call of the method) or <dir>/release (every call) exists; with
+`method:every`, every call is held so. With `method:armed`, the first call of the method in any
+process after the test wrote <dir>/arm-<method> is held instead, once (that process takes the file
+away), as <dir>/held-<method>.<pid>.armed: counts per process shift as processes are restarted, a
+call the test arms when it gets there does not.
 
 A call is held before it runs, but a generation once it has run: its held file then holds the
 number of tokens it generated, and its answer is not returned until the release.
@@ -39,10 +40,11 @@ HELD_AFTER = {"generate_sequences"}  # held with its tokens generated, its answe
 
 
 def hold(folder: Path, name: str, note: str = "") -> None:
-    """Announce the held call (`note` in its file), then wait until the test releases it (or kills
-    the process)."""
+    """Announce the held call `name` ("method.pid.n", `note` in its file), then wait until the test
+    releases it, its method or every call (or kills the process)."""
     (folder / f"held-{name}").write_text(note)
-    while not ((folder / f"release-{name}").exists() or (folder / "release").exists()):
+    releases = [folder / f"release-{name}", folder / f"release-{name.split('.')[0]}", folder / "release"]
+    while not any(release.exists() for release in releases):
         time.sleep(POLL_S)
 
 
