@@ -89,6 +89,15 @@ def next_free_name(path: Path) -> Path:
     return path.with_name(f"{path.name}.{k}")
 
 
+def move_aside(path: Path) -> None:
+    """An earlier run's `path` (a file or a folder) renamed to `path`.<k>, never deleted: a fresh
+    start in a run's directory."""
+    if path.exists():
+        aside = next_free_name(path)
+        os.replace(path, aside)
+        print(f"fresh start: moved the earlier {path.name} to {aside.name}", flush=True)
+
+
 def format_highlights(record: dict) -> str:
     """`reward 0.412 | val_acc 0.530 | ...` for the highlighted metrics present in `record`."""
     parts = [f"{short} {record[key]:.4g}" for key, short in HIGHLIGHTS.items() if key in record]
@@ -140,10 +149,7 @@ class Tracking:
         """Records kept from an earlier run in this directory; without `resume_step` a run starts
         a fresh file (an existing one is moved aside)."""
         if resume_step is None:
-            if self.metrics_path.exists():
-                aside = next_free_name(self.metrics_path)
-                os.replace(self.metrics_path, aside)
-                print(f"fresh start: moved the earlier {METRICS_FILE} to {aside.name}", flush=True)
+            move_aside(self.metrics_path)
             return []
         kept, end = records_up_to(self.metrics_path, resume_step)
         if self.metrics_path.exists() and self.metrics_path.stat().st_size > end:

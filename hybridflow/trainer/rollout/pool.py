@@ -72,7 +72,7 @@ from hybridflow.trainer.policy import Policy
 from hybridflow.trainer.prompts import PromptBatches, StepPrompts
 from hybridflow.trainer.rollout.unread import report_unread
 from hybridflow.utils.imports import first_line
-from hybridflow.utils.tracking import next_free_name
+from hybridflow.utils.tracking import move_aside
 from hybridflow.workers.protocols import RolloutGroup, TransferPolicyGroup
 
 VERSIONS_LINES_FILE = "policy_versions_lines.json"  # in the rollout's checkpoint part
@@ -464,15 +464,6 @@ class PoolRollout:
 
 def count_lines(path: Path) -> int:
     return len(path.read_bytes().splitlines()) if path.is_file() else 0
-
-
-def move_aside(path: Path) -> None:
-    """An earlier run's `path` renamed to `path`.<k> (never deleted), as the tracker does with
-    metrics.jsonl on a fresh start."""
-    if path.exists():
-        aside = next_free_name(path)
-        os.replace(path, aside)
-        print(f"fresh start: moved the earlier {path.name} to {aside.name}", flush=True)
 
 
 def keep_first_lines(path: Path, lines: int) -> None:
