@@ -309,6 +309,9 @@ class TrainerConfig:
     logger: list[LoggerBackend] = field(default_factory=lambda: ["console", "progress", "plots"])
     balance_batch: bool = True  # reorder each batch so every DP rank gets a similar token count
     export_hf: bool = False  # write the final actor as a Hugging Face checkpoint to <output_dir>/hf
+    # write what each step trained on (prompt, response, score, advantage, policy version), one
+    # JSON line per sample, to <output_dir>/samples/step_<k>.jsonl (hybridflow/trainer/samples.py)
+    save_samples: bool = False
     # NaN / inf reward, loss or grad norm, or an update over <role>.update.max_update_ratio: "error"
     # stops the run before the optimizer step (no checkpoint, no export) | "skip" drops the step's
     # update and counts it (nonfinite/skipped_steps)

@@ -42,6 +42,7 @@ from hybridflow.trainer.prompts import PromptBatches
 from hybridflow.trainer.resume import ResumePlan, plan_resume
 from hybridflow.trainer.roles import Roles, uses_reference
 from hybridflow.trainer.rollout.make import make_rollout
+from hybridflow.trainer.samples import SampleLog
 from hybridflow.trainer.validation import run_validation
 from hybridflow.utils.nonfinite import (
     NonFiniteError,
@@ -88,6 +89,7 @@ class PPOTrainer:
             self.output_dir / "checkpoints", cfg.trainer.max_ckpt_to_keep, checkpoint_size_estimate(cfg)
         )
         self.global_step = 0
+        self.samples: SampleLog | None = None  # trainer.save_samples; opened by fit (fresh start or resume)
         self.skipped_steps = 0  # steps dropped for a NaN / inf or a too large update (policy "skip")
         self.restarts = restarts  # of this run's workers after a process died (trainer.restart_on_failure)
 
@@ -108,6 +110,8 @@ class PPOTrainer:
         """Train to the end. `resume_plan`: what `plan_resume(cfg)` returned before the workers
         started (None: a fresh start); by default it is worked out here."""
         resumed_step = self.resume(plan_resume(self.cfg) if resume_plan == FROM_RECIPE else resume_plan)
+        if self.cfg.trainer.save_samples:
+            self.samples = SampleLog(self.output_dir, resumed_step)
         tracker = Tracking(
             self.output_dir,
             backends=self.cfg.trainer.logger,
@@ -196,6 +200,8 @@ class PPOTrainer:
                 batch = batch.union(rewards)
                 batch = batch.union(core.compute_advantage(batch, self.cfg.algorithm))
             update_metrics = self.update_models(batch, timings)  # the critic's and the policy's weights move
+            if self.samples is not None:
+                self.samples.write(self.global_step, batch, self.tokenizer)  # what the step trained on
         return {
             **metrics.batch_metrics(batch),
             **kl_metrics,
