@@ -1,12 +1,13 @@
-"""Kill and resume: a run killed with SIGKILL after its first checkpoint, restarted with the
-same command, says it resumed (`resumed from <checkpoint> at step N`), keeps the killed run's
-metrics rows up to N byte for byte (wall-clock timings included, so a rerun from scratch would not
-reproduce them), continues the step numbering, and ends with the same metrics (bit for bit) and
-the same exported weights as a run that was never interrupted. Once for PPO with a critic and an
-adaptive KL controller (KL in the reward, so a reference policy too), once for GRPO with LoRA
-adapters and a KL loss (the reference is the actor with its adapters off), once for on-policy
-distillation with a TP-2 teacher on a pool of its own beside a TP-1 student, once for GRPO on a
-tiny Qwen3-MoE with routing replay (R3: the actor's routers use the experts the engine recorded).
+"""Kill and resume: a run killed with SIGKILL after its first checkpoint, restarted with the same
+command, says it resumed (`resumed from <checkpoint> at step N`), keeps the killed run's metrics
+rows up to N byte for byte (wall-clock timings included, so a rerun from scratch would not reproduce
+them), continues the step numbering, and ends with the same metrics (bit for bit), the same samples
+trained on (trainer.save_samples: the killed run's files up to N kept) and the same exported weights
+as a run that was never interrupted. Once for PPO with a critic and an adaptive KL controller (KL in
+the reward, so a reference policy too), once for GRPO with LoRA adapters and a KL loss (the
+reference is the actor with its adapters off), once for on-policy distillation with a TP-2 teacher
+on a pool of its own beside a TP-1 student, once for GRPO on a tiny Qwen3-MoE with routing replay
+(R3: the actor's routers use the experts the engine recorded).
 
 What has to come back for that: actor weights, Adam state and LR schedule (Megatron dist
 checkpoint), the worker and rollout sampling RNG, the driver RNG, the dataloader position, the
@@ -31,6 +32,7 @@ from process_group import run_and_kill_at_step, run_in_own_session
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hybridflow.data.arith import ArithConfig, write_arith_parquet
+from hybridflow.trainer.samples import read_samples
 from hybridflow.utils.tiny_model import make_tiny_model
 from hybridflow.utils.tracking import read_metrics
 
@@ -131,6 +133,7 @@ def command(local: dict, output_dir: Path, algorithm: str) -> list[str]:
         "trainer.test_freq=3",
         "trainer.val_before_train=false",
         "trainer.logger=[console]",
+        "trainer.save_samples=true",
         f"trainer.output_dir={output_dir}",
         *(override.format(teacher=local["teacher"], moe=local["moe"]) for override in ALGORITHMS[algorithm]),
     ]
@@ -163,6 +166,11 @@ def comparable(records: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(WALL_CLOCK_PREFIXES)} for r in records]
 
 
+def without_uids(step: list[dict]) -> list[dict]:
+    """The step's samples but their group ids (drawn at random in each run), in the batch's order."""
+    return [{key: value for key, value in record.items() if key != "uid"} for record in step]
+
+
 def rows_up_to(path: Path, step: int) -> list[bytes]:
     return [line for line in path.read_bytes().splitlines(keepends=True) if json.loads(line)["step"] <= step]
 
@@ -178,6 +186,7 @@ def test_killed_run_resumes_to_the_same_metrics_and_weights(local, tmp_path, alg
     resume_step = int(killed_latest.removeprefix("global_step_"))
     killed_rows = rows_up_to(resumed_dir / "metrics.jsonl", resume_step)
     assert [json.loads(r)["step"] for r in killed_rows] == list(range(1, resume_step + 1))
+    killed_samples = read_samples(resumed_dir)[:resume_step]
 
     out = run_to_end(local, resumed_dir, algorithm)  # the same command again: resume_mode auto
     run_to_end(local, reference_dir, algorithm)
@@ -190,6 +199,13 @@ def test_killed_run_resumes_to_the_same_metrics_and_weights(local, tmp_path, alg
     resumed = read_metrics(resumed_dir / "metrics.jsonl")
     assert [r["step"] for r in resumed] == list(range(1, TOTAL_STEPS + 1))  # no step logged twice
     assert comparable(resumed) == comparable(reference)
+    # what each step trained on (trainer.save_samples): the killed run's steps up to the checkpoint
+    # kept, the later ones written again, and all the same as the uninterrupted run's
+    samples = read_samples(resumed_dir)
+    assert samples[:resume_step] == killed_samples and len(samples) == TOTAL_STEPS
+    assert [without_uids(step) for step in samples] == [
+        without_uids(step) for step in read_samples(reference_dir)
+    ]
     assert reference[0]["actor/grad_norm"] > 0 and "val/accuracy" in reference[2]
     assert len({r["reward/mean"] for r in reference}) > 1  # the runs did learn something
     if algorithm == "ppo_critic_adaptive_kl":  # the critic trained and the adaptive coefficient moved

@@ -101,7 +101,7 @@ def held_call(hold: Path, proc: subprocess.Popen, call: int, not_pid: int | None
 
     wait_for(appeared, 900, f"a rollout call {call} holding its tokens")
     assert proc.poll() is None, "the run ended before the rollout process held its call"
-    assert int(found[0].read_text()) > 0  # tokens generated: the call is in flight, unanswered
+    assert json.loads(found[0].read_text())["tokens"] > 0  # generated: the call is in flight, unanswered
     return int(found[0].name.split(".")[1])
 
 

@@ -20,9 +20,11 @@ kill lands inside it.
 Every run finishes its 3 steps with a restart for each kill (`rollout/engine_restarts` [1, 2, 3]),
 trains 4 whole groups of 2 samples a step, none staler than its mode allows (policy_versions.jsonl);
 every step's checkpoint has every process's sampling position; nothing of the run is left running.
-Where the samples do not depend on timing (sync, one_step) the killed run trained exactly what an
-unkilled run in the same mode trains: the same metrics step by step and the same sample versions,
-so no sample was lost or generated twice.
+What each step trained on (trainer.save_samples): every group whole and once, the groups of the
+killed generation among them (generated again, not lost); where each step's prompts do not depend
+on timing (sync, one_step, async: a batch a step) the prompts an unkilled run in the same mode
+trains, step by step. Where the samples do not depend on timing either (sync, one_step) the killed
+run trained exactly what the unkilled run trains: the same samples, metrics and sample versions.
 The unkilled run is made once per mode, on a pool of 2: a seeded call's samples do not depend on
 the number of processes (each row is seeded by its index in the call), so it is every pool's
 reference.
@@ -33,6 +35,7 @@ import os
 import signal
 import subprocess
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
@@ -44,6 +47,9 @@ from multinode_helpers import processes_with_env
 from run_outputs import trained_steps
 from run_processes import cleanup, wait_for
 from tiny_run import command, environment, tiny_run_inputs
+from transformers import AutoTokenizer
+
+from hybridflow.trainer.samples import read_samples
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +59,7 @@ OVERRIDES = (
     "trainer.placement=disaggregated", "trainer.n_gpus_per_node=1",
     "actor.megatron.tensor_model_parallel_size=1",
     "rollout.name=vllm", f"trainer.total_training_steps={STEPS}", "trainer.save_freq=1",
-    "trainer.max_ckpt_to_keep=null", "trainer.export_hf=false",
+    "trainer.max_ckpt_to_keep=null", "trainer.export_hf=false", "trainer.save_samples=true",
     # a transfer left blocked by the death ends the run well before the test's own deadline
     "rollout.weight_transfer_timeout_s=120",
 )  # fmt: skip
@@ -70,6 +76,11 @@ RESTART_KEYS = (
 @pytest.fixture(scope="module")
 def local(tmp_path_factory) -> dict:
     return tiny_run_inputs(tmp_path_factory.mktemp("pool_deaths"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(local):
+    return AutoTokenizer.from_pretrained(local["model"])
 
 
 @pytest.fixture(scope="module")
@@ -158,30 +169,36 @@ BOUND = {"sync": 0, "one_step": 1, "async_partial": 2, "stream": 1}
 CASES = [(mode, processes) for processes in (2, 4) for mode in MODES]  # (mode, rollout processes)
 # where the samples do not depend on timing, the killed run must train what an unkilled one does
 DETERMINISTIC = ("sync", "one_step")
+# where each step's prompts do not depend on timing (a batch a step), only the responses may
+SAME_PROMPTS = ("sync", "one_step", "async_partial")
 
 
-def kill_inside_a_generation(hold: Path, proc: subprocess.Popen, log: Path, mode: str) -> None:
-    """Kill the process of step 1's first generation, its tokens generated, its answer not returned."""
+def kill_inside_a_generation(hold: Path, proc: subprocess.Popen, log: Path, mode: str) -> list[list[int]]:
+    """Kill the process of step 1's first generation, its tokens generated, its answer not returned;
+    the prompts (token ids) of the rows it lost."""
     if mode != "stream":
         (hold / "arm-generate_sequences").touch()
         (generating,) = holders(hold, proc, "generate_sequences.armed")
-        assert int((hold / f"held-generate_sequences.{generating}.armed").read_text()) > 0
-        kill(generating)
-        return
-    generating = holders(hold, proc, "generate_sequences.1")[0]
-    assert int((hold / f"held-generate_sequences.{generating}.1").read_text()) > 0
+        call = "armed"
+    else:
+        generating, call = holders(hold, proc, "generate_sequences.1")[0], "1"
+    held = json.loads((hold / f"held-generate_sequences.{generating}.{call}").read_text())
+    assert held["tokens"] > 0 and held["prompts"]  # generated, not answered
     kill(generating)
-    wait_for(
-        lambda: "rollout pool: restarted process(es)" in log.read_text() or proc.poll() is not None,
-        900, "the pool's restart of the process killed in its generation",
-    )  # fmt: skip
-    (hold / "release-generate_sequences").touch()
+    if mode == "stream":  # every other group held until the pool restarted the process
+        wait_for(
+            lambda: "rollout pool: restarted process(es)" in log.read_text() or proc.poll() is not None,
+            900, "the pool's restart of the process killed in its generation",
+        )  # fmt: skip
+        (hold / "release-generate_sequences").touch()
+    return held["prompts"]
 
 
 def kill_inside_a_generation_a_save_and_a_transfer(
     hold: Path, proc: subprocess.Popen, log: Path, mode: str, processes: int
-):
-    kill_inside_a_generation(hold, proc, log, mode)
+) -> list[list[int]]:
+    """The three kills; the prompts of the rows the generation's kill lost."""
+    lost = kill_inside_a_generation(hold, proc, log, mode)
     first, *others = holders(hold, proc, "save_rng_state.1", count=processes)
     kill(first)
     for pid in others:  # their saves go through
@@ -192,6 +209,7 @@ def kill_inside_a_generation_a_save_and_a_transfer(
     release(hold, "save_rng_state.1", restarted)  # the positions saved again, the new process's too
     kill(holders(hold, proc, "load_into.armed")[0])
     (hold / "release").touch()  # every call from now on goes through
+    return lost
 
 
 def kill(pid: int) -> None:
@@ -200,13 +218,13 @@ def kill(pid: int) -> None:
 
 @pytest.mark.parametrize(("mode", "processes"), CASES, ids=[f"{m}-pool_of_{n}" for m, n in CASES])
 def test_processes_killed_inside_a_generation_a_save_and_a_transfer_are_restarted_and_the_run_trains_on(
-    local, unkilled, tmp_path, mode, processes
+    local, unkilled, tokenizer, tmp_path, mode, processes
 ):
     killed, hold = tmp_path / "killed", tmp_path / "hold"
     pool = (f"trainer.rollout_pool.n_gpus_per_node={processes}", *MODES[mode])
     with running(local, killed, hold, HOLD_STREAM if mode == "stream" else HOLD, *pool) as proc:
         log = killed.parent / f"{killed.name}.log"
-        kill_inside_a_generation_a_save_and_a_transfer(hold, proc, log, mode, processes)
+        lost = kill_inside_a_generation_a_save_and_a_transfer(hold, proc, log, mode, processes)
     records = step_records(killed)
     assert [r["rollout/engine_restarts"] for r in records] == [1, 2, 3]
     assert all(r.get("rollout/restart_log_prob_diff", 0.0) <= 1e-4 for r in records)
@@ -218,7 +236,28 @@ def test_processes_killed_inside_a_generation_a_save_and_a_transfer_are_restarte
     assert [len(v["sample_versions"]) for v in versions] == [8] * STEPS  # 4 whole groups of 2 a step
     staleness = [v["trained_on"] - s for v in versions for s in v["sample_versions"]]
     assert all(0 <= s <= BOUND[mode] for s in staleness), versions
-    if mode in DETERMINISTIC:
+    samples = read_samples(killed)  # trainer.save_samples: what each step trained on
+    assert [len(step) for step in samples] == [8] * STEPS
+    groups = Counter(record["uid"] for step in samples for record in step)
+    assert set(groups.values()) == {2}, groups  # whole groups of 2, none trained twice
+    trained = Counter(record["prompt"] for step in samples for record in step)
+    lost_prompts = sorted({tokenizer.decode(ids) for ids in lost})
+    assert [trained[prompt] for prompt in lost_prompts] == [2] * len(lost_prompts)  # generated again, trained
+    if mode in SAME_PROMPTS:
         plain = unkilled(mode)
+        assert [prompts(step) for step in samples] == [prompts(step) for step in read_samples(plain)]
+    if mode in DETERMINISTIC:
         assert without_restarts(trained_steps(killed)) == without_restarts(trained_steps(plain))
         assert (killed / "policy_versions.jsonl").read_text() == (plain / "policy_versions.jsonl").read_text()
+        assert [without_uids(step) for step in samples] == [
+            without_uids(step) for step in read_samples(plain)
+        ]
+
+
+def prompts(step: list[dict]) -> list[str]:
+    return sorted(record["prompt"] for record in step)
+
+
+def without_uids(step: list[dict]) -> list[dict]:
+    """The step's samples but their group ids (drawn at random in each run), in the batch's order."""
+    return [{key: value for key, value in record.items() if key != "uid"} for record in step]

@@ -14,13 +14,15 @@ away), as <dir>/held-<method>.<pid>.armed: counts per process shift as processes
 call the test arms when it gets there does not.
 
 A call is held before it runs, but a generation once it has run: its held file then holds the
-number of tokens it generated, and its answer is not returned until the release.
+number of tokens it generated and its rows' prompts (`{"tokens": 12, "prompts": [[ids], ...]}`), and
+its answer is not returned until the release.
 """
 
 import functools
 import importlib.abc
 import importlib.machinery
 import itertools
+import json
 import os
 import sys
 import time
@@ -63,10 +65,22 @@ def held(method, name: str, numbers: set[int | str]):
             hold(folder, label)
             return method(self, *args, **kwargs)
         output = method(self, *args, **kwargs)
-        hold(folder, label, str(int(output.batch["response_mask"].sum())))
+        hold(folder, label, generated(args[0], output))
         return output
 
     return wrapper
+
+
+def generated(prompts, output) -> str:
+    """A generation's held note, as JSON: the tokens it generated and its rows' prompts (their
+    tokens, the padding left out)."""
+    rows = zip(prompts.batch["input_ids"], prompts.batch["attention_mask"], strict=True)
+    return json.dumps(
+        {
+            "tokens": int(output.batch["response_mask"].sum()),
+            "prompts": [ids[mask.bool()].tolist() for ids, mask in rows],
+        }
+    )
 
 
 def took_the_arm(arm: Path) -> bool:
