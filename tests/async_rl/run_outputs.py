@@ -6,6 +6,12 @@ from pathlib import Path
 from hf_weights import load_hf_tensors
 
 TIMING_PREFIXES = ("timing/", "throughput/", "perf/")  # wall-clock: differ between equal runs
+# what an engine restart adds to a step's metrics: its count, seconds and check, and the restarted
+# engine's load of the current weights, which counts as a transfer (its bytes too)
+RESTART_KEYS = (
+    "rollout/engine_restarts", "rollout/restart_seconds", "rollout/restart_log_prob_diff",
+    "async/weight_syncs", "weight_sync/bytes_sent", "weight_sync/bytes_full",
+)  # fmt: skip
 
 
 def trained_steps(out: Path) -> list[dict]:
@@ -16,6 +22,16 @@ def trained_steps(out: Path) -> list[dict]:
         for r in records
         if "reward/mean" in r
     ]
+
+
+def step_records(out: Path) -> list[dict]:
+    """Every step's metrics record, as written."""
+    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "step" in r]
+
+
+def without_restarts(records: list[dict]) -> list[dict]:
+    """The records less what engine restarts add to them (RESTART_KEYS)."""
+    return [{k: v for k, v in r.items() if k not in RESTART_KEYS} for r in records]
 
 
 def exported(out: Path) -> dict:

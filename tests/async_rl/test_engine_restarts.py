@@ -17,30 +17,20 @@ holds the call there until the test releases it, so the kill lands with the call
 """
 
 import json
-import os
-import signal
 import subprocess
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
-import psutil
 import pytest
-from held_calls.sitecustomize import HOLD_CALLS_ENV, HOLD_DIR_ENV
+from held_calls.control import held_environment, held_generation, kill, release
 from multinode_helpers import processes_with_env
-from run_outputs import trained_steps
-from run_processes import cleanup, wait_for
+from run_outputs import step_records, trained_steps, without_restarts
+from run_processes import cleanup
 from tiny_run import command, environment, tiny_run_inputs
 
 pytestmark = pytest.mark.slow
 
-HELD_CALLS = Path(__file__).parent / "held_calls"  # on the run's path: its sitecustomize
-
-RESTART_KEYS = (
-    "rollout/engine_restarts", "rollout/restart_seconds", "rollout/restart_log_prob_diff",
-    # a restarted engine's load of the current weights counts as a transfer, its bytes too
-    "async/weight_syncs", "weight_sync/bytes_sent", "weight_sync/bytes_full",
-)  # fmt: skip
 OVERRIDES = (
     "trainer.placement=disaggregated", "trainer.n_gpus_per_node=1",
     "actor.megatron.tensor_model_parallel_size=1", "trainer.rollout_pool.n_gpus_per_node=1",
@@ -58,20 +48,15 @@ def start(local: dict, out: Path, hold: Path, calls: str, marker: str, *override
     log = open(out.parent / f"{out.name}.log", "w")  # noqa: SIM115 - the run's, closed with it
     return subprocess.Popen(
         command(local, out, *OVERRIDES, *overrides),
-        env=environment(local, marker, **held_generation(local, hold, calls)),
+        env=environment(local, marker, **held_environment(hold, generation_calls(calls), local["root"])),
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
 
 
-def held_generation(local: dict, hold: Path, calls: str) -> dict:
-    """The environment in which each rollout process holds its generation calls numbered `calls`
-    (e.g. "1,2", or "every") in `hold`."""
-    spec = ",".join(f"generate_sequences:{n}" for n in filter(None, calls.split(",")))
-    return {
-        HOLD_DIR_ENV: str(hold),
-        HOLD_CALLS_ENV: spec,
-        "PYTHONPATH": f"{HELD_CALLS}{os.pathsep}{local['root']}",
-    }
+def generation_calls(calls: str) -> str:
+    """The hook's spec for holding each rollout process's generation calls numbered `calls` (e.g.
+    "1,2", or "every")."""
+    return ",".join(f"generate_sequences:{n}" for n in filter(None, calls.split(",")))
 
 
 @contextmanager
@@ -90,29 +75,6 @@ def finishes(proc: subprocess.Popen, hold: Path, out: Path) -> None:
     assert proc.wait(timeout=900) == 0, output_of(out)[-4000:]
 
 
-def held_call(hold: Path, proc: subprocess.Popen, call: int, not_pid: int | None = None) -> int:
-    """The pid of the rollout process holding its call number `call` (tokens generated)."""
-    found: list[Path] = []
-
-    def appeared() -> bool:
-        held = hold.glob(f"held-generate_sequences.*.{call}")
-        found[:] = [p for p in held if p.name.split(".")[1] != str(not_pid)]
-        return bool(found) or proc.poll() is not None
-
-    wait_for(appeared, 900, f"a rollout call {call} holding its tokens")
-    assert proc.poll() is None, "the run ended before the rollout process held its call"
-    assert json.loads(found[0].read_text())["tokens"] > 0  # generated: the call is in flight, unanswered
-    return int(found[0].name.split(".")[1])
-
-
-def kill(pid: int) -> None:
-    psutil.Process(pid).send_signal(signal.SIGKILL)
-
-
-def step_records(out: Path) -> list[dict]:
-    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "step" in r]
-
-
 def output_of(out: Path) -> str:
     return (out.parent / f"{out.name}.log").read_text()
 
@@ -120,9 +82,9 @@ def output_of(out: Path) -> str:
 def test_a_rollout_process_killed_mid_generation_is_restarted_and_the_run_trains_the_same(local, tmp_path):
     killed, hold, marker = tmp_path / "killed", tmp_path / "hold", uuid.uuid4().hex
     with running(local, killed, hold, "1,2", marker) as proc:
-        pid = held_call(hold, proc, 1)  # step 1's generation: let it go
-        (hold / f"release-generate_sequences.{pid}.1").touch()
-        assert held_call(hold, proc, 2) == pid  # step 2's, with policy version 1: killed
+        pid, _ = held_generation(hold, proc, "1")  # step 1's generation: let it go
+        release(hold, "generate_sequences.1", pid)
+        assert held_generation(hold, proc, "2")[0] == pid  # step 2's, with policy version 1: killed
         kill(pid)
         finishes(proc, hold, killed)
     records = step_records(killed)
@@ -159,7 +121,7 @@ def test_in_stream_mode_a_killed_rollout_process_is_restarted_and_the_lost_group
     )  # fmt: skip
     # every call held: the step cannot fill with the other groups before the lost one is met
     with running(local, out, hold, "every", marker, *stream) as proc:
-        kill(held_call(hold, proc, 1))  # a group's tokens generated, its call unanswered
+        kill(held_generation(hold, proc, "1")[0])  # a group's tokens generated, its call unanswered
         finishes(proc, hold, out)
     records = step_records(out)
     assert [r["rollout/engine_restarts"] for r in records] == [1, 1, 1]
@@ -170,17 +132,13 @@ def test_in_stream_mode_a_killed_rollout_process_is_restarted_and_the_lost_group
     assert all(0 <= v["trained_on"] - s <= 1 for v in versions for s in v["sample_versions"]), versions
 
 
-def without_restarts(records: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k not in RESTART_KEYS} for r in records]
-
-
 def test_killed_once_more_than_max_engine_restarts_ends_the_run_with_one_named_error(local, tmp_path):
     out, hold, marker = tmp_path / "run", tmp_path / "hold", uuid.uuid4().hex
     overrides = ("rollout.max_engine_restarts=1", "trainer.save_freq=1")
     with running(local, out, hold, "1", marker, *overrides) as proc:
-        first = held_call(hold, proc, 1)
+        first, _ = held_generation(hold, proc, "1")
         kill(first)  # restarted: the lost call is generated again on the new process, and held
-        kill(held_call(hold, proc, 1, not_pid=first))
+        kill(held_generation(hold, proc, "1", not_pids=(first,))[0])
         assert proc.wait(timeout=900) == 1, output_of(out)[-4000:]
         output = output_of(out)
         assert "Traceback" not in output, output[-4000:]

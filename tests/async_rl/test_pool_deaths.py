@@ -31,8 +31,6 @@ reference.
 """
 
 import json
-import os
-import signal
 import subprocess
 import uuid
 from collections import Counter
@@ -40,11 +38,10 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
-import psutil
 import pytest
-from held_calls.sitecustomize import HOLD_CALLS_ENV, HOLD_DIR_ENV
+from held_calls.control import held_environment, held_generation, holders, kill, release
 from multinode_helpers import processes_with_env
-from run_outputs import trained_steps
+from run_outputs import step_records, trained_steps, without_restarts
 from run_processes import cleanup, wait_for
 from tiny_run import command, environment, tiny_run_inputs
 from transformers import AutoTokenizer
@@ -53,7 +50,6 @@ from hybridflow.trainer.samples import read_samples
 
 pytestmark = pytest.mark.slow
 
-HELD_CALLS = Path(__file__).parent / "held_calls"  # on the run's path: its sitecustomize
 STEPS = 3
 OVERRIDES = (
     "trainer.placement=disaggregated", "trainer.n_gpus_per_node=1",
@@ -67,10 +63,6 @@ OVERRIDES = (
 HOLD = "generate_sequences:armed,save_rng_state:1,load_into:armed"
 # in stream mode every group's generation, until the test lets them all go
 HOLD_STREAM = "generate_sequences:every,save_rng_state:1,load_into:armed"
-RESTART_KEYS = (
-    "rollout/engine_restarts", "rollout/restart_seconds", "rollout/restart_log_prob_diff",
-    "async/weight_syncs", "weight_sync/bytes_sent", "weight_sync/bytes_full",
-)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -106,11 +98,7 @@ def running(local: dict, out: Path, hold: Path, calls: str, *overrides: str):
     """The run, its `calls` held in `hold`; stopped with every process of it when the block ends."""
     hold.mkdir()
     marker = uuid.uuid4().hex
-    env = {
-        HOLD_DIR_ENV: str(hold),
-        HOLD_CALLS_ENV: calls,
-        "PYTHONPATH": f"{HELD_CALLS}{os.pathsep}{local['root']}",
-    }
+    env = held_environment(hold, calls, local["root"])
     with open(out.parent / f"{out.name}.log", "w") as log:
         proc = subprocess.Popen(
             command(local, out, *OVERRIDES, *overrides), env=environment(local, marker, **env),
@@ -122,34 +110,6 @@ def running(local: dict, out: Path, hold: Path, calls: str, *overrides: str):
             assert processes_with_env(f"HYBRIDFLOW_TEST_RUN={marker}") == []
         finally:
             cleanup(proc, marker)
-
-
-def holders(hold: Path, proc: subprocess.Popen, call: str, count: int = 1, not_pids=()) -> list[int]:
-    """The pids of the first `count` processes holding `call` ("method.n"), other than `not_pids`."""
-    method, number = call.split(".")
-    found: list[int] = []
-
-    def appeared() -> bool:
-        found[:] = [int(p.name.split(".")[1]) for p in hold.glob(f"held-{method}.*.{number}")]
-        found[:] = [pid for pid in found if pid not in not_pids]
-        return len(found) >= count or proc.poll() is not None
-
-    wait_for(appeared, 900, f"{count} rollout process(es) holding `{call}`")
-    assert proc.poll() is None, f"the run ended before a rollout process held `{call}`"
-    return sorted(found)
-
-
-def release(hold: Path, call: str, pid: int) -> None:
-    method, number = call.split(".")
-    (hold / f"release-{method}.{pid}.{number}").touch()
-
-
-def step_records(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def without_restarts(records: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k not in RESTART_KEYS} for r in records]
 
 
 KEY = "trainer.async_training"
@@ -178,12 +138,7 @@ def kill_inside_a_generation(hold: Path, proc: subprocess.Popen, log: Path, mode
     the prompts (token ids) of the rows it lost."""
     if mode != "stream":
         (hold / "arm-generate_sequences").touch()
-        (generating,) = holders(hold, proc, "generate_sequences.armed")
-        call = "armed"
-    else:
-        generating, call = holders(hold, proc, "generate_sequences.1")[0], "1"
-    held = json.loads((hold / f"held-generate_sequences.{generating}.{call}").read_text())
-    assert held["tokens"] > 0 and held["prompts"]  # generated, not answered
+    generating, held = held_generation(hold, proc, "1" if mode == "stream" else "armed")
     kill(generating)
     if mode == "stream":  # every other group held until the pool restarted the process
         wait_for(
@@ -210,10 +165,6 @@ def kill_inside_a_generation_a_save_and_a_transfer(
     kill(holders(hold, proc, "load_into.armed")[0])
     (hold / "release").touch()  # every call from now on goes through
     return lost
-
-
-def kill(pid: int) -> None:
-    psutil.Process(pid).send_signal(signal.SIGKILL)
 
 
 @pytest.mark.parametrize(("mode", "processes"), CASES, ids=[f"{m}-pool_of_{n}" for m, n in CASES])
