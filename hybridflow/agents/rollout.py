@@ -67,6 +67,36 @@ class AgentRollout(SeededGenerationMixin):
         return trajectories_to_batch(prompts, trajectories, self.cfg.response_length, self.pad_token_id)
 
 
+class ToolLoops:
+    """What every tool-agent loop of a rollout shares (the tokenizer's pieces, the tools); `loop`
+    builds one over a request function: the engine in this process, or a router's replicas."""
+
+    def __init__(self, cfg, tokenizer, eos_token_ids: list[int]):
+        from hybridflow.agents.loop import tool_response_renderer
+        from hybridflow.agents.template import end_of_turn_ids
+        from hybridflow.agents.tools.base import load_tool, tool_schemas
+
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.tools = [load_tool(path) for path in cfg.agent.tools]
+        self.render = tool_response_renderer(tokenizer, tool_schemas(self.tools), cfg.chat_template_kwargs)
+        self.truncate = tool_response_truncator(tokenizer, cfg.agent.max_tool_response_length)
+        self.calls_format = resolve_format(cfg.agent.tool_call_format, tokenizer)
+        # a turn ends at the template's end of turn even where the model's EOS is another token (a
+        # base model's <|endoftext|>): what it would write after it is an invented next turn
+        self.ends = end_of_turn_ids(tokenizer, eos_token_ids)
+
+    def tool_runner(self) -> RunTools:
+        """The tools' runner of one generation call (its bound is per event loop)."""
+        return tool_runner(self.tools, self.cfg.agent, self.truncate, self.calls_format.parse)
+
+    def loop(self, generate, run_tools: RunTools):
+        """A loop whose turns `generate(ids, seed, max_new_tokens)` samples."""
+        from hybridflow.agents.loop import ToolAgentLoop
+
+        decode, budget, max_turns = self.tokenizer.decode, self.cfg.response_length, self.cfg.agent.max_turns
+        return ToolAgentLoop(generate, run_tools, decode, self.render, budget, max_turns, self.ends)
+
+
 def build_agent_rollout(engine, cfg, tokenizer_dir: str) -> AgentRollout:
     """Agent loops of `cfg.agent` over the worker's vLLM engine, with the model's tokenizer."""
     if cfg.agent.loop == "openai":
@@ -81,28 +111,14 @@ def build_agent_rollout(engine, cfg, tokenizer_dir: str) -> AgentRollout:
     from transformers import AutoTokenizer
 
     from engines.rollout.requests import VLLMRequestEngine
-    from hybridflow.agents.loop import ToolAgentLoop, tool_response_renderer
-    from hybridflow.agents.template import end_of_turn_ids
-    from hybridflow.agents.tools.base import load_tool, tool_schemas
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    tools = [load_tool(path) for path in cfg.agent.tools]
-    render = tool_response_renderer(tokenizer, tool_schemas(tools), cfg.chat_template_kwargs)
-    truncate = tool_response_truncator(tokenizer, cfg.agent.max_tool_response_length)
-    calls_format = resolve_format(cfg.agent.tool_call_format, tokenizer)
-    ends = end_of_turn_ids(tokenizer, engine.eos_token_ids)
-    # a turn ends at the template's end of turn even where the model's EOS is another token (a
-    # base model's <|endoftext|>): what it would write after it is an invented next turn
-    requests = VLLMRequestEngine(engine, cfg, stop_token_ids=ends)
+    loops = ToolLoops(cfg, AutoTokenizer.from_pretrained(tokenizer_dir), engine.eos_token_ids)
+    requests = VLLMRequestEngine(engine, cfg, stop_token_ids=loops.ends)
 
-    def make_loop(sampling) -> ToolAgentLoop:
+    def make_loop(sampling):
         async def generate(ids: list[int], seed: int, max_new_tokens: int):
             return await requests.generate(ids, sampling, seed, max_new_tokens)
 
-        # its bound is this call's: one event loop each
-        run_tools = tool_runner(tools, cfg.agent, truncate, calls_format.parse)
-        return ToolAgentLoop(
-            generate, run_tools, tokenizer.decode, render, cfg.response_length, cfg.agent.max_turns, ends
-        )
+        return loops.loop(generate, loops.tool_runner())  # one runner per call: one event loop each
 
     return AgentRollout(make_loop, cfg, engine.pad_token_id)
