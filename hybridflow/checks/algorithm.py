@@ -37,6 +37,12 @@ def _check_algorithm(cfg: RecipeConfig) -> list[str]:
             "algorithm.adv_estimator=remax takes its baseline from a greedy response generated with "
             "rollout.val_sampling: set rollout.val_sampling.do_sample=false"
         )
+    if cfg.rollout.sampling.temperature <= 0:
+        errors.append(
+            f"rollout.sampling.temperature={cfg.rollout.sampling.temperature}: the policy's log-probs of "
+            "the sampled tokens are computed at it; set it > 0 (with do_sample: false greedy decoding "
+            "ignores it: leave it at 1.0)"
+        )
     if estimator in GROUP_ESTIMATORS and n < 2:
         errors.append(
             f"algorithm.adv_estimator={estimator} compares responses to the same prompt: set "
