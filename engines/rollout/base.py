@@ -14,6 +14,8 @@ repeated in place, `[a, a, b, b]`, non-tensor data repeated the same way), R = r
 | `rollout_log_probs` | (B*n, R) | with `calculate_log_probs`: log p(token) at the rollout temperature |
 | `rollout_top_k_ids` | (B*n, R, K) | with `top_k_log_probs` K > 0: the K likeliest ids, likeliest first |
 | `rollout_top_k_log_probs` | (B*n, R, K) | their log-probs, in the distribution of `rollout_log_probs` |
+| `prefill_tokens` | (B*n,) | vLLM: prompt tokens the engine took in for the row (over an agent's turns) |
+| `prefix_cached_tokens` | (B*n,) | vLLM: of them, those its prefix cache served (whole KV blocks) |
 
 The top-K tensors are 0 past each response's end.
 
@@ -52,6 +54,8 @@ PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
 # Memory an engine can release and resume separately (SGLang's tags, sglang/srt/constants.py).
 WEIGHTS_TAG, KV_CACHE_TAG, CUDA_GRAPH_TAG = "weights", "kv_cache", "cuda_graph"
 SEED_STREAM_KEY = "rollout_seed_stream"
+PREFILL_KEY, CACHED_KEY = "prefill_tokens", "prefix_cached_tokens"  # per row, from engines that count them
+REPLICA_KEY = "rollout_replica"  # (B,): the rollout pool process that generated each row (its rank)
 ROW_KEY = "rollout_row"  # non-tensor column: each row's index in its generation call
 _SEED_MODULUS = 2**62
 _VALIDATION_STREAM = 2**31 - 1  # mixed into validation calls' seeds, apart from training's base + k
@@ -104,7 +108,8 @@ class SeededGenerationMixin:
     An engine sets `cfg`, `eos_token_ids`, `pad_token_id`, `tokenizer` (None unless stop strings
     are used) and `position = SamplingPosition()`, and implements `_generate(prompts, sampling,
     seed)` returning the generated ids (B, L), their log-probs (B, L) or None, and with
-    `top_k_log_probs` K > 0 their `TopK` (B, L, K) (else None), on CPU.
+    `top_k_log_probs` K > 0 their `TopK` (B, L, K) (else None), on CPU; an engine that counts its
+    prefix-cache hits (vLLM) adds each row's prefilled and cached prompt tokens (two lists of B).
     """
 
     cfg: RolloutConfig
@@ -118,8 +123,8 @@ class SeededGenerationMixin:
 
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         prompts, sampling, seed = self.start_call(prompts)
-        responses, log_probs, top_k = self._generate(prompts, sampling, seed)
-        return assemble_rollout_output(
+        responses, log_probs, top_k, *prefill = self._generate(prompts, sampling, seed)
+        output = assemble_rollout_output(
             prompts,
             responses,
             eos_token_ids=self.eos_token_ids,
@@ -130,6 +135,7 @@ class SeededGenerationMixin:
             log_probs=log_probs,
             top_k=top_k,
         )
+        return with_prefill_counts(output, *prefill) if prefill else output
 
     def start_call(self, prompts: DataProto) -> tuple[DataProto, SamplingConfig, int]:
         """Check the prompts and pick this call's sampling and seed (counting the call); the rows
@@ -313,6 +319,14 @@ def stop_string_lengths(
 
 def _has_stop(text: str, stops: list[str]) -> bool:
     return any(stop in text for stop in stops)
+
+
+def with_prefill_counts(output: DataProto, prefilled: list[int], cached: list[int]) -> DataProto:
+    """`output` with each row's prompt tokens the engine took in and how many of them its prefix
+    cache served (`PREFILL_KEY`, `CACHED_KEY`, (B,) each): the step's prefix-cache hit rate."""
+    output.batch[PREFILL_KEY] = torch.tensor(prefilled, dtype=torch.long)
+    output.batch[CACHED_KEY] = torch.tensor(cached, dtype=torch.long)
+    return output
 
 
 def assemble_rollout_output(

@@ -18,6 +18,8 @@ the batch engines' layout (`assemble_rollout_output`) plus, per row,
 | --- | --- | --- |
 | `rollout_versions` | (B, R) | policy version that sampled each response token; -1 on padding |
 | `policy_version` | (B,) | the version of the row's oldest token (its first: versions only grow) |
+| `prefill_tokens` | (B,) | prompt tokens vLLM took in over the row's segments |
+| `prefix_cached_tokens` | (B,) | of them, those its prefix cache served |
 
 Seeds follow the engines' rules (a call seed, then `row_seed` per row), so a call that no update
 interrupts samples what the batch path samples. Which calls an update interrupts, and where,
@@ -30,7 +32,13 @@ from concurrent.futures import Future
 
 import torch
 
-from engines.rollout.base import assemble_rollout_output, pad_rows, row_seed, unpadded_prompts
+from engines.rollout.base import (
+    assemble_rollout_output,
+    pad_rows,
+    row_seed,
+    unpadded_prompts,
+    with_prefill_counts,
+)
 from engines.rollout.requests import Completion, VLLMRequestEngine
 from hybridflow.protocol import DataProto
 
@@ -103,4 +111,6 @@ def completions_to_batch(
     versions = torch.nn.functional.pad(versions, (0, mask.shape[1] - versions.shape[1]), value=NO_VERSION)
     output.batch["rollout_versions"] = versions.masked_fill(mask == 0, NO_VERSION)  # (B, R)
     output.batch["policy_version"] = torch.tensor([c.versions[0] for c in completions], dtype=torch.long)
-    return output
+    return with_prefill_counts(
+        output, [c.prompt_tokens for c in completions], [c.cached_tokens for c in completions]
+    )

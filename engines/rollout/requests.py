@@ -44,6 +44,8 @@ class Completion:
     log_probs: list[float] = field(default_factory=list)  # of the distribution sampled from
     versions: list[int] = field(default_factory=list)  # policy version of each token
     finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0  # prompt tokens vLLM took in, over the request's segments
+    cached_tokens: int = 0  # of them, those its prefix cache served
 
 
 @dataclass
@@ -57,6 +59,7 @@ class _Request:
     future: asyncio.Future
     completion: Completion = field(default_factory=Completion)
     boundary_chars: int | None = None  # text length before the segment, while a stop may straddle it
+    prefilled: str | None = None  # the vLLM id of the last segment whose prefill is counted
 
 
 class VLLMRequestEngine:
@@ -169,6 +172,10 @@ class VLLMRequestEngine:
         request = self._pending.get(output.request_id)
         if request is None:  # a segment aborted by a weight update
             return
+        if request.prefilled != output.request_id:  # the segment's first output: its prefill is done
+            request.prefilled = output.request_id
+            request.completion.prompt_tokens += len(output.prompt_token_ids)
+            request.completion.cached_tokens += output.num_cached_tokens or 0
         delta = output.outputs[0]
         for step, token in zip(delta.logprobs, delta.token_ids, strict=True):
             self._append(request, token, step[token].logprob)

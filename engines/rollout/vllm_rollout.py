@@ -216,11 +216,12 @@ class VLLMRolloutEngine(SeededGenerationMixin):
 
     # ------------------------------------------------------------------ generation
     def _generate(self, prompts: DataProto, sampling: SamplingConfig, seed: int):
-        """Generated ids (B, L) padded with the pad id, their log-probs (B, L) or None, and with
-        top_k_log_probs their `TopK` (B, L, K) (else None)."""
+        """Generated ids (B, L) padded with the pad id, their log-probs (B, L) or None, with
+        top_k_log_probs their `TopK` (B, L, K) (else None), and each row's prompt tokens and prefix-
+        cache hits (vLLM's `num_cached_tokens`)."""
         requests = vllm_prompts(prompts, self.hf_config)
         if not requests:
-            return torch.zeros(0, 0, dtype=torch.long), None, None
+            return torch.zeros(0, 0, dtype=torch.long), None, None, [], []
         params = [
             sampling_params(self.cfg, sampling, row_seed(seed, row), self.eos_token_ids)
             for row in range(len(requests))
@@ -228,15 +229,17 @@ class VLLMRolloutEngine(SeededGenerationMixin):
         outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.adapter.request)
         completions = [out.outputs[0] for out in outputs]
         responses = pad_rows([list(c.token_ids) for c in completions], self.pad_token_id, torch.long)
+        prefilled = [len(out.prompt_token_ids) for out in outputs]
+        cached = [out.num_cached_tokens or 0 for out in outputs]
         if not self.cfg.calculate_log_probs:
-            return responses, None, None
+            return responses, None, None, prefilled, cached
         log_probs = [
             [entry[token].logprob for entry, token in zip(c.logprobs, c.token_ids, strict=True)]
             for c in completions
         ]
         k = self.cfg.top_k_log_probs
         top_k = top_k_tokens(completions, k) if k else None  # (B, L, K)
-        return responses, pad_rows(log_probs, 0.0, torch.float32), top_k
+        return responses, pad_rows(log_probs, 0.0, torch.float32), top_k, prefilled, cached
 
     # ------------------------------------------------------------------ weights
     def begin_weight_update(self) -> None:

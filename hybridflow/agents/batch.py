@@ -9,6 +9,8 @@ what only trajectories have:
 | `attention_mask` | (B, P+R) | prompt mask, then 1 on every real response id (tool ids too) |
 | `rollout_log_probs` | (B, R) | log-probs of sampled ids; 0 elsewhere |
 | `rollout_versions` | (B, R) | policy version of each sampled id; -1 elsewhere |
+| `prefill_tokens` | (B,) | prompt tokens the engine took in over the turns |
+| `prefix_cached_tokens` | (B,) | of them, those its prefix cache served |
 
 non-tensor keys per row: `agent_turns`, `agent_tool_calls`, `agent_tool_errors`, `agent_tool_tokens`,
 `agent_tool_responses_truncated`.
@@ -17,7 +19,7 @@ non-tensor keys per row: `agent_turns`, `agent_tool_calls`, `agent_tool_errors`,
 import numpy as np
 import torch
 
-from engines.rollout.base import unpadded_prompts
+from engines.rollout.base import unpadded_prompts, with_prefill_counts
 from hybridflow.agents.loop import TOOL_VERSION, Trajectory
 from hybridflow.protocol import DataProto
 
@@ -62,8 +64,11 @@ def trajectories_to_batch(
         f"agent_{name}": np.array([getattr(t, name) for t in trajectories], dtype=np.int64)
         for name in TRAJECTORY_METRICS
     }
-    return DataProto.from_dict(
+    batch = DataProto.from_dict(
         tensors=tensors, non_tensors={**prompts.non_tensor_batch, **metrics}, meta_info=prompts.meta_info
+    )
+    return with_prefill_counts(
+        batch, [t.prefill_tokens for t in trajectories], [t.cached_tokens for t in trajectories]
     )
 
 

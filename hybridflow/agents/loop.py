@@ -40,6 +40,8 @@ class Trajectory:
     tool_calls: int = 0
     tool_errors: int = 0
     tool_responses_truncated: int = 0  # tool responses cut at rollout.agent.max_tool_response_length
+    prefill_tokens: int = 0  # prompt tokens the engine took in, over the turns
+    cached_tokens: int = 0  # of them, those its prefix cache served (a turn reuses the last one's KV)
 
     def add_sampled(self, completion: Completion) -> None:
         self.response_ids += completion.token_ids
@@ -47,6 +49,8 @@ class Trajectory:
         self.log_probs += completion.log_probs
         self.versions += completion.versions
         self.turns += 1
+        self.prefill_tokens += completion.prompt_tokens
+        self.cached_tokens += completion.cached_tokens
 
     def add_tool_response(self, ids: list[int]) -> None:
         self.response_ids += ids

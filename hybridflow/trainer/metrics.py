@@ -12,6 +12,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
+from engines.rollout.base import CACHED_KEY, PREFILL_KEY, REPLICA_KEY
 from hybridflow.algorithms import masked_mean
 from hybridflow.algorithms.distillation import distillation_metrics
 from hybridflow.protocol import DataProto
@@ -60,7 +61,34 @@ def batch_metrics(batch: DataProto) -> dict[str, float]:
         metrics["kl/mean"] = policy_ref_kl(tensors["old_log_probs"], tensors["ref_log_prob"], response_mask)
     if "teacher_log_prob" in tensors:
         metrics |= distillation_metrics(tensors["old_log_probs"], tensors["teacher_log_prob"], response_mask)
+    metrics |= rollout_replica_metrics(tensors)
     return metrics | source_rewards(scores, batch.non_tensor_batch) | agent_metrics(batch.non_tensor_batch)
+
+
+def rollout_replica_metrics(tensors) -> dict[str, float]:
+    """The share of the batch's prompt tokens that vLLM's prefix cache served
+    (`rollout/prefix_cache_hit_rate`) and, from a rollout pool, each replica's (process's) samples,
+    response tokens and hit rate (`rollout/replica_<rank>/...`)."""
+    if PREFILL_KEY not in tensors:
+        return {}
+    prefilled, cached = tensors[PREFILL_KEY], tensors[CACHED_KEY]  # (B,), (B,)
+    out = prefix_cache_hit_rate("rollout", prefilled, cached)
+    if REPLICA_KEY not in tensors:
+        return out
+    replicas = tensors[REPLICA_KEY]  # (B,)
+    for replica in replicas.unique().tolist():
+        mine = replicas == replica  # (B,)
+        name = f"rollout/replica_{replica}"
+        out[f"{name}/samples"] = float(mine.sum())
+        out[f"{name}/response_tokens"] = float(tensors["response_mask"][mine].sum())
+        out |= prefix_cache_hit_rate(name, prefilled[mine], cached[mine])
+    return out
+
+
+def prefix_cache_hit_rate(name: str, prefilled: torch.Tensor, cached: torch.Tensor) -> dict[str, float]:
+    """`<name>/prefix_cache_hit_rate`: cached over prefilled prompt tokens (none without any)."""
+    total = int(prefilled.sum())
+    return {f"{name}/prefix_cache_hit_rate": int(cached.sum()) / total} if total else {}
 
 
 def source_rewards(scores: torch.Tensor, non_tensors: Mapping[str, np.ndarray]) -> dict[str, float]:

@@ -6,8 +6,9 @@ actor's rank 0. Joining the group and receiving a transfer are collectives with 
 the driver calls one group at a time: so the rollout side runs them in a background thread
 (`start_join_transfer` / `start_receive_weights`) and the driver collects the outcome with
 `finish_transfer` after the actor's side returned. Every generated sample carries
-`policy_version` (B,): the version of the weights its engine served, and `generation_window`
-(B, 2): the wall-clock start and end of the call that generated it (the async loop's overlap).
+`policy_version` (B,): the version of the weights its engine served, `generation_window`
+(B, 2): the wall-clock start and end of the call that generated it (the async loop's overlap), and
+`rollout_replica` (B,): this process's rank (the step's per-replica metrics).
 Checkpoints hold each engine's sampling position (`save_rng_state`), as the colocated worker's do.
 
 When a rollout process dies the driver starts a fresh worker in its slot (PoolRollout.recover):
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from engines.rollout.base import SamplingPosition
+from engines.rollout.base import REPLICA_KEY, SamplingPosition
 from hybridflow.config.schema import RecipeConfig
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller import Dispatch, Worker, register
@@ -148,6 +149,7 @@ class RolloutWorker(Worker):
             output.batch["policy_version"] = served
         window = torch.tensor([start, time.time()], dtype=torch.float64)
         output.batch["generation_window"] = window.expand(len(output), 2).clone()  # (B, 2)
+        output.batch[REPLICA_KEY] = torch.full((len(output),), self.rank, dtype=torch.long)  # (B,)
         return output
 
     def _why_not_serving(self) -> str:

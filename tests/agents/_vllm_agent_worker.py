@@ -12,7 +12,13 @@ trajectories for their prompts, and each check prints "OK <check>":
                      greedy continuation of everything before it, each tool run = the tool
                      responses rendered by the chat template; response_mask is 0 exactly on the
                      tool runs; log-probs and versions exist on sampled ids only;
-  malformed-calls    each of the eight malformed calls became a tool-error turn (no exception).
+  malformed-calls    each of the eight malformed calls became a tool-error turn (no exception);
+  prefix-cache       (KV blocks of 32 tokens) the first trajectory's `prefill_tokens` are its three
+                     turns' prompt lengths, its `prefix_cached_tokens` whole blocks, at least the
+                     blocks of each turn's previous prompt and at most each turn's prompt less its
+                     last token; a batch call of the prompts, made twice after the cache is
+                     flushed, finds every whole block of each prompt less its last token the
+                     second time (vLLM recomputes the last token: its logits are needed).
 """
 
 import itertools
@@ -31,6 +37,7 @@ from hybridflow.protocol import DataProto
 
 CALCULATOR = "hybridflow.agents.tools.calculator.Calculator"
 RESPONSE_LENGTH = 200
+BLOCK = 32  # tokens per KV block: the CPU attention's smallest (vLLM's CPU default is 128)
 
 
 def prompt_batch(tokenizer, conversations: list[list[dict]]) -> DataProto:
@@ -90,7 +97,12 @@ def main(model_dir: Path) -> None:
     greedy = SamplingConfig(do_sample=False, temperature=0.0)
     agent = AgentConfig(loop="tool", tools=[CALCULATOR], max_turns=4)
     cfg = RolloutConfig(
-        name="vllm", load_format="auto", response_length=RESPONSE_LENGTH, val_sampling=greedy, agent=agent
+        name="vllm",
+        load_format="auto",
+        response_length=RESPONSE_LENGTH,
+        val_sampling=greedy,
+        agent=agent,
+        vllm={"block_size": BLOCK},
     )
     engine = VLLMRolloutEngine(model_dir, cfg)
     out = build_agent_rollout(engine, cfg, str(model_dir)).generate_sequences(prompt_batch(tokenizer, chats))
@@ -107,7 +119,33 @@ def main(model_dir: Path) -> None:
         text = tokenizer.decode(out.batch["responses"][row][out.batch["response_mask"][row] == 0].tolist())
         assert "<|tool|>Error: " in text, (row, text)
     print("OK malformed-calls", flush=True)
+    check_prefix_cache(engine, tokenizer, out, prompt_batch(tokenizer, chats))
     engine.shutdown()
+
+
+def whole_blocks(tokens: int) -> int:
+    return tokens // BLOCK * BLOCK
+
+
+def check_prefix_cache(engine: VLLMRolloutEngine, tokenizer, out: DataProto, prompts: DataProto) -> None:
+    width = out.batch["prompts"].shape[1]
+    length = int(out.batch["attention_mask"][0, width:].sum())
+    prompt = int(out.batch["attention_mask"][0, :width].sum())
+    sampled_runs = runs(out.batch["response_mask"][0, :length].tolist())
+    turns = [prompt + start for start, _, sampled in sampled_runs if sampled]
+    assert len(turns) == 3, turns  # each turn's prompt length
+    assert int(out.batch["prefill_tokens"][0]) == sum(turns), (out.batch["prefill_tokens"][0], turns)
+    cached = int(out.batch["prefix_cached_tokens"][0])
+    least = sum(whole_blocks(before) for before in turns[:-1])
+    most = sum(whole_blocks(turn - 1) for turn in turns)
+    assert cached % BLOCK == 0 and 0 < least <= cached <= most, (cached, least, most, turns)
+    engine.flush_cache()
+    engine.generate_sequences(prompts)
+    again = engine.generate_sequences(prompts)
+    lengths = prompts.batch["attention_mask"].sum(dim=1)  # (B,)
+    assert again.batch["prefill_tokens"].tolist() == lengths.tolist()
+    assert again.batch["prefix_cached_tokens"].tolist() == [whole_blocks(n - 1) for n in lengths.tolist()]
+    print("OK prefix-cache", flush=True)
 
 
 if __name__ == "__main__":

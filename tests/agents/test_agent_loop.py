@@ -22,7 +22,8 @@ EOS = 1
 
 
 class ScriptedEngine:
-    """Answers turn k with script[k]; records every request it was given."""
+    """Answers turn k with script[k]; records every request it was given. Its prefix cache serves
+    whole blocks of 4 tokens of each request (as if every one were cached)."""
 
     def __init__(self, script: list[list[int]], finish: str = "stop"):
         self.script, self.finish, self.requests = script, finish, []
@@ -32,7 +33,8 @@ class ScriptedEngine:
         tokens = self.script[len(self.requests) - 1][:max_new_tokens]
         n = len(tokens)
         finish = self.finish if n < max_new_tokens or tokens[-1] == EOS else "length"
-        return Completion(tokens, [-0.5 - i for i in range(n)], [7] * n, finish)
+        cached = len(ids) // 4 * 4
+        return Completion(tokens, [-0.5 - i for i in range(n)], [7] * n, finish, len(ids), cached)
 
 
 def tool_loop(engine: ScriptedEngine, budget: int = 64, max_turns: int = 4, calls_in=(0, 1)) -> ToolAgentLoop:
@@ -125,6 +127,9 @@ def test_trajectories_become_the_rollout_batch():
     assert batch.batch["rollout_log_probs"][0, 2:5].tolist() == [0, 0, 0]
     assert batch.non_tensor_batch["agent_tool_calls"].tolist() == [1]
     assert batch.non_tensor_batch["agent_tool_tokens"].tolist() == [3]
+    # the turns' prompts: [5, 6], then [5, 6, 10, EOS, 92, 92, 92]; blocks of 4 of them cached
+    assert batch.batch["prefill_tokens"].tolist() == [2 + 7]
+    assert batch.batch["prefix_cached_tokens"].tolist() == [0 + 4]
 
 
 def test_rewards_see_the_sampled_turns_and_land_on_the_last_sampled_token():

@@ -30,8 +30,16 @@ def step_records(out: Path) -> list[dict]:
 
 
 def without_restarts(records: list[dict]) -> list[dict]:
-    """The records less what engine restarts add to them (RESTART_KEYS)."""
-    return [{k: v for k, v in r.items() if k not in RESTART_KEYS} for r in records]
+    """The records less what engine restarts add to them (RESTART_KEYS) and what depends on which
+    process generated a sample (`placement_dependent`)."""
+    kept = [{k: v for k, v in r.items() if k not in RESTART_KEYS} for r in records]
+    return [{k: v for k, v in r.items() if not placement_dependent(k)} for r in kept]
+
+
+def placement_dependent(key: str) -> bool:
+    """Per-replica metrics depend on the pool's size, prefix-cache hit rates on what each engine's
+    cache held: a restart's lost call, generated again, meets the survivors' caches holding it."""
+    return key.startswith("rollout/replica_") or key.endswith("prefix_cache_hit_rate")
 
 
 def exported(out: Path) -> dict:

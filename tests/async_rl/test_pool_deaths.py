@@ -187,6 +187,11 @@ def test_processes_killed_inside_a_generation_a_save_and_a_transfer_are_restarte
     assert [len(v["sample_versions"]) for v in versions] == [8] * STEPS  # 4 whole groups of 2 a step
     staleness = [v["trained_on"] - s for v in versions for s in v["sample_versions"]]
     assert all(0 <= s <= BOUND[mode] for s in staleness), versions
+    for record in records:  # each process's share of the step, as the rows it generated say
+        replicas = {int(key.split("/")[1].removeprefix("replica_")) for key in record if "/replica_" in key}
+        assert replicas <= set(range(processes)), record
+        assert sum(record[f"rollout/replica_{r}/samples"] for r in replicas) == 8, record
+        assert 0.0 <= record["rollout/prefix_cache_hit_rate"] <= 1.0, record
     samples = read_samples(killed)  # trainer.save_samples: what each step trained on
     assert [len(step) for step in samples] == [8] * STEPS
     groups = Counter(record["uid"] for step in samples for record in step)
