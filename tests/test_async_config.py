@@ -117,8 +117,24 @@ def test_defaults_are_synchronous_and_colocated(base):
             "rollout.verify_weight_sync=true with trainer.placement=disaggregated is not built yet",
         ),
         (
-            (*DISAGGREGATED, "rollout.name=vllm", "rollout.agent.loop=tool", "rollout.agent.tools=[x.Y]"),
-            "rollout.agent.loop=tool with trainer.placement=disaggregated is not built yet",
+            (
+                *DISAGGREGATED,
+                "rollout.name=vllm",
+                "rollout.agent.loop=openai",
+                "rollout.agent.openai_agent=x:y",
+            ),
+            "rollout.agent.loop=openai with trainer.placement=disaggregated is not built yet",
+        ),
+        (
+            (
+                *DISAGGREGATED,
+                "trainer.async_training.mode=one_step",
+                "rollout.name=vllm",
+                "rollout.agent.loop=tool",
+                "rollout.agent.tools=[x.Y]",
+            ),
+            "rollout.agent.loop=tool in trainer.async_training.mode=one_step with "
+            "trainer.placement=disaggregated is not built yet",
         ),
         (
             (*DISAGGREGATED, *STREAM, "trainer.async_training.max_staleness=0"),

@@ -1,5 +1,6 @@
 """Whole rollout batches through the request-level engine, for partial rollouts in the trainer
-(trainer.async_training.partial_rollout, docs/async.md).
+(trainer.async_training.partial_rollout, docs/async.md), and single requests: the turns of agent
+loops that the driver's router sends to this replica (hybridflow/trainer/rollout/routed.py).
 
 The disaggregated rollout worker takes a weight transfer while its generation calls run (a Ray
 actor with several threads). Every row of a call is a request of a `VLLMRequestEngine` with
@@ -9,6 +10,7 @@ lands between two of them:
 
     batches = RequestBatches(engine)                 # VLLMRolloutEngine, rollout TP 1
     output = batches.generate_sequences(prompts)     # any thread; blocks until the call's rows end
+    completion = batches.request(ids, sampling, seed, max_new_tokens)   # one request (an agent's turn)
     version = batches.submit_update(load).result()   # load() runs on the loop, between two steps
 
 A row interrupted by an update continues under the new weights keeping its tokens. The output is
@@ -48,15 +50,21 @@ NO_VERSION = -1  # rollout_versions where no token was sampled (padding, masked 
 class RequestBatches:
     """`generate_sequences` and weight updates of one vLLM engine, from any thread."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, stop_token_ids: tuple[int, ...] = ()):
+        """`stop_token_ids`: where requests end beside the model's EOS (an agent turn's end)."""
         self.engine = engine
-        self.requests = VLLMRequestEngine(engine, engine.cfg, partial_rollout=True)
+        self.requests = VLLMRequestEngine(engine, engine.cfg, True, stop_token_ids)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="rollout-requests", daemon=True)
         self._thread.start()
 
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         return asyncio.run_coroutine_threadsafe(self._generate(prompts), self.loop).result()
+
+    def request(self, prompt_ids: list[int], sampling, seed: int, max_new_tokens: int) -> Completion:
+        """One request (an agent's turn a router sent here), from any thread; blocks until it ends."""
+        generate = self.requests.generate(prompt_ids, sampling, seed, max_new_tokens)
+        return asyncio.run_coroutine_threadsafe(generate, self.loop).result()
 
     def submit_update(self, load) -> Future:
         """Load new weights between two decoding steps (`load()` returns the version it loaded);

@@ -45,6 +45,8 @@ def actor_options(cfg: RecipeConfig) -> dict:
     """Ray actor options of the rollout workers: with partial rollouts, a thread for each launched
     generation call (up to max_staleness), a validation call, and the transfer calls beside them."""
     settings = cfg.trainer.async_training
+    if cfg.rollout.agent.loop == "tool":  # a call per turn in flight (hybridflow/trainer/rollout/routed.py)
+        return {"max_concurrency": cfg.data.train_batch_size * cfg.rollout.sampling.n + 2}
     if settings.mode == "stream":  # a call per group in flight (hybridflow/trainer/rollout/stream.py)
         pool = cfg.trainer.rollout_pool.nnodes * cfg.trainer.rollout_pool.n_gpus_per_node
         return {"max_concurrency": -(-settings.groups_outstanding(cfg.data.train_batch_size) // pool) + 2}
@@ -71,10 +73,23 @@ class RolloutWorker(Worker):
                 f"rollout.tensor_model_parallel_size=1, got {cfg.rollout.tensor_model_parallel_size}"
             )
         self.engine = create_rollout_engine(cfg.rollout, cfg.model.path)
-        if cfg.trainer.async_training.partial_rollout or cfg.trainer.async_training.mode == "stream":
+        if cfg.rollout.agent.loop == "tool":  # the driver's router sends each turn (generate_request)
+            from engines.rollout.request_batches import RequestBatches
+
+            self.batches = RequestBatches(self.engine, tuple(self._end_of_turn_ids()))
+        elif cfg.trainer.async_training.partial_rollout or cfg.trainer.async_training.mode == "stream":
             from engines.rollout.request_batches import RequestBatches
 
             self.batches = RequestBatches(self.engine)
+
+    def _end_of_turn_ids(self) -> frozenset[int]:
+        """Where an agent's turn ends: the chat template's end of turn beside the model's EOS ids."""
+        from transformers import AutoTokenizer
+
+        from hybridflow.agents.template import end_of_turn_ids
+
+        tokenizer = AutoTokenizer.from_pretrained(self.config.model.tokenizer_path or self.config.model.path)
+        return end_of_turn_ids(tokenizer, self.engine.eos_token_ids)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def start_join_transfer(self, host: str, port: int, size: int) -> None:
@@ -156,6 +171,14 @@ class RolloutWorker(Worker):
         if self.receiver is None or self.receiver.failure is None:
             return "generate_sequences before the rollout engine received the actor's weights"
         return f"generate_sequences after a failed weight transfer: {self.receiver.failure}"
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def generate_request(self, prompt_ids: list[int], sampling, seed: int, max_new_tokens: int):
+        """One turn of an agent's trajectory (the driver's router sends it to this rank alone): its
+        `Completion`, the version of each token and the prefix-cache counts with it."""
+        if self.receiver is None or self.receiver.serving is None:
+            raise RuntimeError(self._why_not_serving())
+        return self.batches.request(prompt_ids, sampling, seed, max_new_tokens)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
     def generate_sequences_async(self, prompts: DataProto) -> DataProto:

@@ -16,6 +16,8 @@ Implementations (`base.Rollout` is the protocol):
   `depth` batches generating while the driver trains on earlier ones; it holds the queue;
 - `stream.StreamingRollout`: stream (and its checkpoint part): wraps a pool, keeps every prompt's
   group generating on its own and gives a step the next finished groups within the staleness bound.
+- `routed.RoutedAgentRollout`: tool-agent loops over a pool (sync): the loops run on the driver,
+  and `router.Router` sends each turn to a replica, a session's turns to the replica of its last.
 
 `unread` names the prompts a checkpoint holds drawn ahead by another mode than the resumed run's.
 """

@@ -2,18 +2,23 @@
 
     trainer.placement colocated                 ColocatedRollout(policy group)
     disaggregated, async_training.mode sync     PoolRollout(rollout group)
+    disaggregated, sync, rollout.agent.loop tool  RoutedAgentRollout(PoolRollout): each turn routed
     disaggregated, one_step / async             GeneratingAhead(PoolRollout, depth)
     disaggregated, stream                       StreamingRollout(PoolRollout)
 
 The recipe check allows the async modes with the disaggregated placement only.
 """
 
+from pathlib import Path
+
 from hybridflow.config.schema import RecipeConfig
+from hybridflow.single_controller.errors import CallDeadline
 from hybridflow.trainer.prompts import PromptBatches
 from hybridflow.trainer.rollout.ahead import GeneratingAhead, generation_depth
 from hybridflow.trainer.rollout.base import Rollout
 from hybridflow.trainer.rollout.colocated import ColocatedRollout
 from hybridflow.trainer.rollout.pool import PoolRollout
+from hybridflow.trainer.rollout.routed import RoutedAgentRollout
 from hybridflow.trainer.rollout.stream import EngineDeadlines, RayGroupCalls, StreamingRollout, StreamSettings
 from hybridflow.workers.protocols import HybridPolicyGroup, RolloutGroup, TransferPolicyGroup
 
@@ -32,9 +37,26 @@ def make_rollout(
     if rollout_group is None:
         return ColocatedRollout(policy_group)
     pool = PoolRollout(rollout_group, cfg.trainer.output_dir, cfg.rollout)
+    if cfg.rollout.agent.loop == "tool":  # the loops run here, their turns routed over the replicas
+        return routed_agent_rollout(cfg, pool)
     if cfg.trainer.async_training.mode == "stream":  # groups generate on as steps take them
         calls = RayGroupCalls(rollout_group, EngineDeadlines.of(cfg))
         return StreamingRollout(pool, calls, StreamSettings.of(cfg, pad_token_id))
     if generation_depth(cfg) > 0:  # one_step / async: the next batches generate during the update
         return GeneratingAhead(pool, generation_depth(cfg), prompts, cfg.trainer.async_training.sync_every)
     return pool
+
+
+def routed_agent_rollout(cfg: RecipeConfig, pool: PoolRollout) -> RoutedAgentRollout:
+    """Tool-agent loops on the driver, with the model's tokenizer and its EOS and pad ids (as the
+    engines read them), each request bounded by trainer.worker_call_timeout_s."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from engines.rollout.base import read_special_token_ids
+    from hybridflow.agents.rollout import ToolLoops
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
+    eos, pad = read_special_token_ids(Path(cfg.model.path), AutoConfig.from_pretrained(cfg.model.path))
+    deadline = CallDeadline(cfg.trainer.worker_call_timeout_s, "trainer.worker_call_timeout_s")
+    loops = ToolLoops(cfg.rollout, tokenizer, eos)
+    return RoutedAgentRollout(pool, loops, cfg.rollout, pad, cfg.trainer.output_dir, deadline)

@@ -31,10 +31,12 @@ from pathlib import Path
 HOLD_DIR_ENV = "HYBRIDFLOW_TEST_HOLD_DIR"
 HOLD_CALLS_ENV = "HYBRIDFLOW_TEST_HOLD_CALLS"
 POLL_S = 0.05  # how often a held call looks for its release file
-# method -> (module, class): a rollout process's generation, its checkpoint save, and its receive of
-# a transfer (in the worker's background thread, while the actor's sender streams the buckets)
+# method -> (module, class): a rollout process's generation, one request (an agent's turn a router
+# sent), its checkpoint save, and its receive of a transfer (in the worker's background thread,
+# while the actor's sender streams the buckets)
 HELD_METHODS = {
     "generate_sequences": ("hybridflow.workers.rollout_worker", "RolloutWorker"),
+    "generate_request": ("hybridflow.workers.rollout_worker", "RolloutWorker"),
     "save_rng_state": ("hybridflow.workers.rollout_worker", "RolloutWorker"),
     "load_into": ("engines.weight_sync.transfer", "WeightReceiver"),
 }
