@@ -120,10 +120,10 @@ def test_defaults_are_synchronous_and_colocated(base):
             (
                 *DISAGGREGATED,
                 "rollout.name=vllm",
-                "rollout.agent.loop=openai",
-                "rollout.agent.openai_agent=x:y",
+                "rollout.agent.loop=environment",
+                "rollout.agent.environment.url=http://127.0.0.1:1",
             ),
-            "rollout.agent.loop=openai with trainer.placement=disaggregated is not built yet",
+            "rollout.agent.loop=environment with trainer.placement=disaggregated is not built yet",
         ),
         (
             (

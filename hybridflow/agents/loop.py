@@ -66,6 +66,12 @@ class Trajectory:
 Generate = Callable[[list[int], int, int], Awaitable[Completion]]  # (ids, seed, max_new_tokens)
 
 
+def session_name(call_seed: int, row: int) -> str:
+    """The name of row `row`'s trajectory in the call seeded `call_seed`: unique in a run, and the
+    same again after a resume (a router keeps a session's requests on one replica)."""
+    return f"{call_seed}-{row}"
+
+
 class SingleTurnLoop:
     """One sampled response per prompt."""
 

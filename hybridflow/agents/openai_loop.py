@@ -13,15 +13,17 @@ value is unused: what the session recorded becomes the row's `Trajectory` (chat_
 
 import asyncio
 import inspect
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
 
 from engines.rollout.base import SamplingPosition, SeededGenerationMixin, is_validation, row_seed
 from engines.rollout.config import SamplingConfig
+from engines.rollout.requests import Completion
 from hybridflow.agents.batch import trajectories_to_batch
 from hybridflow.agents.chat_session import ChatSession
+from hybridflow.agents.loop import session_name
 from hybridflow.agents.openai_api import ChatRequest, check_recipe_sampling
 from hybridflow.agents.server import ChatServer
 from hybridflow.agents.template import end_of_turn_ids, message_delta_renderer, tokenize_chat
@@ -70,13 +72,29 @@ def agent_rows(prompts: DataProto) -> list[tuple[list[dict], dict[str, Any]]]:
     ]
 
 
-class OpenAIAgentRollout(SeededGenerationMixin):
-    """`generate_sequences` through the recipe's OpenAI-client agent; `engine` is a request-level
-    engine (`engines/rollout/requests.py`). Seeds follow the engines' rules (row i of a call
-    seeds its k-th request with row_seed(row_seed(call, i), k) unless the request sets `seed`)."""
+# (session name, prompt ids, sampling, seed, max new tokens) -> the request's completion
+SessionRequest = Callable[[str, list[int], SamplingConfig, int, int], Awaitable[Completion]]
 
-    def __init__(self, agent: Callable, engine, tokenizer, cfg, pad_token_id: int, eos_token_ids):
-        self.agent, self.engine, self.tokenizer, self.cfg = agent, engine, tokenizer, cfg
+
+def engine_requests(engine) -> SessionRequest:
+    """Every session's requests on one request-level engine (`engines/rollout/requests.py`)."""
+
+    async def request(session: str, ids: list[int], sampling: SamplingConfig, seed: int, max_new_tokens: int):
+        return await engine.generate(ids, sampling, seed, max_new_tokens)
+
+    return request
+
+
+class OpenAIAgentRollout(SeededGenerationMixin):
+    """`generate_sequences` through the recipe's OpenAI-client agent; `request` samples a session's
+    requests (`engine_requests`, or a router's over several replicas). Seeds follow the engines'
+    rules (row i of a call seeds its k-th request with row_seed(row_seed(call, i), k) unless the
+    request sets `seed`); row i's session is named "<call seed>-<i>"."""
+
+    def __init__(
+        self, agent: Callable, request: SessionRequest, tokenizer, cfg, pad_token_id: int, eos_token_ids
+    ):
+        self.agent, self.request, self.tokenizer, self.cfg = agent, request, tokenizer, cfg
         self.pad_token_id, self.eos_token_ids = pad_token_id, end_of_turn_ids(tokenizer, eos_token_ids)
         self.render_delta = message_delta_renderer(tokenizer, cfg.chat_template_kwargs)
         self.position = SamplingPosition()
@@ -95,11 +113,14 @@ class OpenAIAgentRollout(SeededGenerationMixin):
         """Every row's agent against its own session of one server; the sessions afterwards.
         Every request samples at `sampling` (set under `key` in the recipe)."""
 
-        async def generate(ids: list[int], request: ChatRequest, request_seed: int, max_new_tokens: int):
-            return await self.engine.generate(ids, sampling, request_seed, max_new_tokens)
+        def generate(session: str):
+            async def sample(ids: list[int], request: ChatRequest, request_seed: int, max_new_tokens: int):
+                return await self.request(session, ids, sampling, request_seed, max_new_tokens)
+
+            return sample
 
         async with ChatServer(self.cfg.server, generate, recipe_sampling_check(sampling, key)) as server:
-            sessions = [self.session(f"{seed}-{row}", row_seed(seed, row)) for row in range(len(rows))]
+            sessions = [self.session(session_name(seed, r), row_seed(seed, r)) for r in range(len(rows))]
             server.sessions = {session.name: session for session in sessions}
             runs = (self.run_agent(server, s, *row) for s, row in zip(sessions, rows, strict=True))
             await asyncio.gather(*runs)
@@ -149,5 +170,5 @@ def build_openai_rollout(engine, cfg, tokenizer_dir: str) -> OpenAIAgentRollout:
     agent = load_openai_agent(cfg.agent.openai_agent)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     ends = end_of_turn_ids(tokenizer, engine.eos_token_ids)  # a base model's EOS does not end its turn
-    requests = VLLMRequestEngine(engine, cfg, stop_token_ids=ends)
+    requests = engine_requests(VLLMRequestEngine(engine, cfg, stop_token_ids=ends))
     return OpenAIAgentRollout(agent, requests, tokenizer, cfg, engine.pad_token_id, engine.eos_token_ids)

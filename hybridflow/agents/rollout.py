@@ -5,10 +5,18 @@ batch (the layout of `batch.py`'s `trajectories_to_batch`).
 
 import asyncio
 
-from engines.rollout.base import SamplingPosition, SeededGenerationMixin, row_seed, unpadded_prompts
-from engines.rollout.config import AgentConfig
+from engines.rollout.base import (
+    SamplingPosition,
+    SeededGenerationMixin,
+    check_prompts,
+    row_seed,
+    select_sampling,
+    unpadded_prompts,
+    without_row_index,
+)
+from engines.rollout.config import AgentConfig, SamplingConfig
 from hybridflow.agents.batch import trajectories_to_batch
-from hybridflow.agents.loop import RunTools, ToolTurnResult, Trajectory
+from hybridflow.agents.loop import RunTools, ToolTurnResult, Trajectory, session_name
 from hybridflow.agents.tool_formats import Parse, resolve_format
 from hybridflow.agents.tool_output import Truncate, tool_response_truncator
 from hybridflow.protocol import DataProto
@@ -65,6 +73,44 @@ class AgentRollout(SeededGenerationMixin):
         loop = self.make_loop(sampling)
         trajectories = asyncio.run(run_loops(loop, unpadded_prompts(prompts), seed))
         return trajectories_to_batch(prompts, trajectories, self.cfg.response_length, self.pad_token_id)
+
+
+class SessionToolLoops:
+    """`generate_sequences` through tool loops whose requests `request(session, ids, sampling, seed,
+    max_new_tokens)` samples under each row's session name (a router over several replicas); seeds
+    as `AgentRollout`'s, from the call's seed in meta_info (a rollout pool's `seeded`)."""
+
+    def __init__(self, loops: "ToolLoops", request, cfg, pad_token_id: int):
+        self.loops, self.request, self.cfg, self.pad_token_id = loops, request, cfg, pad_token_id
+
+    def generate_sequences(self, rows: DataProto) -> DataProto:
+        prompts, sampling, seed = seeded_call_rows(rows, self.cfg)
+        trajectories = asyncio.run(self.run_loops(unpadded_prompts(prompts), sampling, seed))
+        return trajectories_to_batch(prompts, trajectories, self.cfg.response_length, self.pad_token_id)
+
+    async def run_loops(self, prompt_ids: list[list[int]], sampling, seed: int) -> list[Trajectory]:
+        run_tools = self.loops.tool_runner()  # its bound is this call's: one event loop each
+        runs = [
+            self.row_loop(session_name(seed, row), sampling, run_tools).run(ids, row_seed(seed, row))
+            for row, ids in enumerate(prompt_ids)
+        ]
+        return await asyncio.gather(*runs)
+
+    def row_loop(self, session: str, sampling, run_tools: RunTools):
+        async def generate(ids: list[int], seed: int, max_new_tokens: int):
+            return await self.request(session, ids, sampling, seed, max_new_tokens)
+
+        return self.loops.loop(generate, run_tools)
+
+
+def seeded_call_rows(rows: DataProto, cfg) -> tuple[DataProto, SamplingConfig, int]:
+    """A seeded call's prompt rows (n times each when its sampling asks for n samples), its
+    sampling and its seed (meta_info's): the engines' own rules (`SeededGenerationMixin.start_call`)
+    for a whole call."""
+    check_prompts(rows)
+    sampling, n = select_sampling(cfg, rows.meta_info)
+    prompts, _ = without_row_index(rows)  # the whole call: row i is the call's row i
+    return (prompts.repeat(n, interleave=True) if n > 1 else prompts), sampling, rows.meta_info["seed"]
 
 
 class ToolLoops:

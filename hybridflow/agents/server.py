@@ -29,11 +29,15 @@ from hybridflow.agents.openai_api import (
 logger = logging.getLogger(__name__)
 
 
+SessionGenerate = Callable[[str], GenerateChat]  # a session's name -> how its requests are sampled
+
+
 class ChatServer:
     """`async with ChatServer(cfg, generate, check) as server:` serves `server.sessions` while
-    open; `check(request)` raises ApiError for a request the rollout refuses (its sampling)."""
+    open; `generate(session name)` samples that session's requests (a router keeps a session on one
+    replica); `check(request)` raises ApiError for a request the rollout refuses (its sampling)."""
 
-    def __init__(self, cfg, generate: GenerateChat, check: Callable[[ChatRequest], None]):
+    def __init__(self, cfg, generate: SessionGenerate, check: Callable[[ChatRequest], None]):
         self.cfg, self.generate, self.check = cfg, generate, check  # cfg: engines.rollout.config.ServerConfig
         self.sessions: dict[str, ChatSession] = {}
         self._ids = itertools.count()
@@ -86,7 +90,7 @@ class ChatServer:
             session = self._session(request)
             chat = parse_chat_request(await _json(request), self.cfg.model_name)
             self.check(chat)
-            reply = await session.complete(chat, self.generate)
+            reply = await session.complete(chat, self.generate(session.name))
         except ApiError as err:
             return web.json_response(err.body(), status=err.status)
         except Exception as err:  # kept for the rollout to raise: the agent only sees a 500

@@ -56,10 +56,11 @@ def _colocated_unused(cfg: RecipeConfig) -> list[str]:
 def _disaggregated_not_built(cfg: RecipeConfig) -> list[str]:
     """What the rollout pool cannot do yet, refused rather than silently left out (docs/async.md)."""
     loop, mode = cfg.rollout.agent.loop, cfg.trainer.async_training.mode
+    agents = loop != "single_turn"
     unbuilt = {
         "rollout.name=sglang": cfg.rollout.name == "sglang",
-        f"rollout.agent.loop={loop}": loop not in ("single_turn", "tool"),
-        f"rollout.agent.loop=tool in trainer.async_training.mode={mode}": loop == "tool" and mode != "sync",
+        f"rollout.agent.loop={loop}": loop == "environment",
+        f"rollout.agent.loop={loop} in trainer.async_training.mode={mode}": agents and mode != "sync",
         "rollout.verify_weight_sync=true": cfg.rollout.verify_weight_sync,
     }
     return [

@@ -45,7 +45,7 @@ def actor_options(cfg: RecipeConfig) -> dict:
     """Ray actor options of the rollout workers: with partial rollouts, a thread for each launched
     generation call (up to max_staleness), a validation call, and the transfer calls beside them."""
     settings = cfg.trainer.async_training
-    if cfg.rollout.agent.loop == "tool":  # a call per turn in flight (hybridflow/trainer/rollout/routed.py)
+    if cfg.rollout.agent.loop in ("tool", "openai"):  # a call per turn in flight (trainer/rollout/routed.py)
         return {"max_concurrency": cfg.data.train_batch_size * cfg.rollout.sampling.n + 2}
     if settings.mode == "stream":  # a call per group in flight (hybridflow/trainer/rollout/stream.py)
         pool = cfg.trainer.rollout_pool.nnodes * cfg.trainer.rollout_pool.n_gpus_per_node
@@ -73,7 +73,7 @@ class RolloutWorker(Worker):
                 f"rollout.tensor_model_parallel_size=1, got {cfg.rollout.tensor_model_parallel_size}"
             )
         self.engine = create_rollout_engine(cfg.rollout, cfg.model.path)
-        if cfg.rollout.agent.loop == "tool":  # the driver's router sends each turn (generate_request)
+        if cfg.rollout.agent.loop in ("tool", "openai"):  # the driver's router sends each turn here
             from engines.rollout.request_batches import RequestBatches
 
             self.batches = RequestBatches(self.engine, tuple(self._end_of_turn_ids()))

@@ -50,14 +50,14 @@ def prompt_batch(tokenizer, agents: list[str]) -> DataProto:
 
 def record_requests(rollout) -> list:
     """Every (prompt ids, completion) the request engine returned, in order."""
-    seen, generate = [], rollout.engine.generate
+    seen, request = [], rollout.request
 
-    async def recorded(ids, sampling, seed, max_new_tokens):
-        completion = await generate(ids, sampling, seed, max_new_tokens)
+    async def recorded(session, ids, sampling, seed, max_new_tokens):
+        completion = await request(session, ids, sampling, seed, max_new_tokens)
         seen.append((list(ids), completion))
         return completion
 
-    rollout.engine.generate = recorded
+    rollout.request = recorded
     return seen
 
 

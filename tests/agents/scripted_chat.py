@@ -5,7 +5,7 @@ import torch
 
 from engines.rollout.config import AgentConfig, RolloutConfig, SamplingConfig
 from engines.rollout.requests import Completion
-from hybridflow.agents.openai_loop import OpenAIAgentRollout
+from hybridflow.agents.openai_loop import OpenAIAgentRollout, engine_requests
 from hybridflow.data.prompt_dataset import tokenize_chat
 from hybridflow.protocol import DataProto
 
@@ -45,4 +45,5 @@ def openai_rollout(agent, engine, tokenizer) -> OpenAIAgentRollout:
     greedy = SamplingConfig(do_sample=False, temperature=0.0)
     agent_cfg = AgentConfig(loop="openai", openai_agent="tests:unused")
     cfg = RolloutConfig(name="vllm", response_length=300, val_sampling=greedy, agent=agent_cfg)
-    return OpenAIAgentRollout(agent, engine, tokenizer, cfg, tokenizer.pad_token_id, [tokenizer.eos_token_id])
+    eos = [tokenizer.eos_token_id]
+    return OpenAIAgentRollout(agent, engine_requests(engine), tokenizer, cfg, tokenizer.pad_token_id, eos)

@@ -7,7 +7,9 @@ GSM8K rule on its question. (Sampled at temperature 1, the model rarely reaches 
 answer: the test is about the endpoint inside training, not learning. The tool loop trains in
 test_tool_demo_learning.py.) The same runs with a LangGraph agent (_langgraph_agent.py), whose
 module the workers import from this directory (the session cluster's workers have it on their
-PYTHONPATH: tests/recipe_runs.py's WORKER_TEST_DIRS)."""
+PYTHONPATH: tests/recipe_runs.py's WORKER_TEST_DIRS). And the OpenAI-client agent on a rollout pool
+of two replicas (trainer.placement=disaggregated): the agents and their endpoint on the driver,
+every session's requests routed to one replica, both replicas serving (router.jsonl)."""
 
 import json
 
@@ -32,12 +34,24 @@ AGENTS = {
     "openai_client": "hybridflow.agents.openai_example:calculator_agent",
     "langgraph": "_langgraph_agent:run",
 }
+# the agents on the driver, each session's requests routed to one of two vLLM replicas
+POOL = (
+    "trainer.placement=disaggregated",
+    "trainer.n_gpus_per_node=1",
+    "trainer.rollout_pool.n_gpus_per_node=2",
+)
+CASES = {
+    "openai_client": ("openai_client", ()),
+    "langgraph": ("langgraph", ()),
+    "openai_client-on_a_pool": ("openai_client", POOL),
+}
 
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_cluster")
-@pytest.mark.parametrize("agent", AGENTS)
-def test_tool_grpo_recipe_runs_two_steps_with_an_openai_client_agent(agent, tool_model, tmp_path):
+@pytest.mark.parametrize("case", CASES)
+def test_tool_grpo_recipe_runs_two_steps_with_an_openai_client_agent(case, tool_model, tmp_path):
+    agent, placement = CASES[case]
     train, val = write_rows(tmp_path / "train.parquet", 8), write_rows(tmp_path / "val.parquet", 2)
     overrides = [
         f"model.path={tool_model}",
@@ -66,6 +80,7 @@ def test_tool_grpo_recipe_runs_two_steps_with_an_openai_client_agent(agent, tool
         "trainer.save_freq=0",
         "trainer.logger=[console]",
         f"trainer.output_dir={tmp_path / 'out'}",
+        *placement,
     ]
     done = run_recipe_in_process("recipes/gsm8k_tool_grpo.yaml", overrides)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
@@ -77,3 +92,12 @@ def test_tool_grpo_recipe_runs_two_steps_with_an_openai_client_agent(agent, tool
     assert first["agent/tool_calls/mean"] > 0.5 and first["agent/turns/mean"] > 1.5, first
     assert first["agent/tool_tokens/mean"] > 0 and 0.0 <= first["reward/mean"] <= 1.0, first
     assert "val/accuracy" in steps[-1]
+    if placement:  # every session's requests on one replica (none died), both replicas serving
+        routes = [json.loads(line) for line in (tmp_path / "out" / "router.jsonl").read_text().splitlines()]
+        replicas = {}
+        for route in routes:
+            replicas.setdefault(route["session"], set()).add(route["replica"])
+        assert len(replicas) == 2 * 4 + 2, routes  # two steps' sessions, then validation's
+        assert all(len(on) == 1 for on in replicas.values()), routes
+        assert set.union(*replicas.values()) == {0, 1} and not any(route["moved"] for route in routes)
+        assert 0.0 <= first["rollout/prefix_cache_hit_rate"] <= 1.0, first

@@ -8,7 +8,7 @@ import pytest
 from scripted_chat import CALL, ScriptedChat, agent_prompts
 
 from engines.rollout.config import AgentConfig, RolloutConfig, SamplingConfig
-from hybridflow.agents.openai_loop import OpenAIAgentRollout
+from hybridflow.agents.openai_loop import OpenAIAgentRollout, engine_requests
 from hybridflow.utils.tiny_model import build_tokenizer
 
 RECIPE = SamplingConfig(temperature=0.7, top_p=0.9)
@@ -20,7 +20,8 @@ def rollout(agent, engine, tokenizer) -> OpenAIAgentRollout:
     cfg = RolloutConfig(
         name="vllm", response_length=300, sampling=RECIPE, val_sampling=GREEDY, agent=agent_cfg
     )
-    return OpenAIAgentRollout(agent, engine, tokenizer, cfg, tokenizer.pad_token_id, [tokenizer.eos_token_id])
+    eos = [tokenizer.eos_token_id]
+    return OpenAIAgentRollout(agent, engine_requests(engine), tokenizer, cfg, tokenizer.pad_token_id, eos)
 
 
 async def refused(client, model, messages, **fields) -> openai.BadRequestError:

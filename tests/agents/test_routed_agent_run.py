@@ -94,8 +94,8 @@ def test_a_replica_killed_mid_trajectory_moves_its_sessions_and_the_run_goes_on(
     sessions = defaultdict(list)
     for route in routes:
         sessions[route["session"]].append(route)
-    calls = sorted({int(name.split("/")[0]) for name in sessions})  # each named "<call's seed>/<row>"
-    rows = [[f"{call}/{row}" for row in range(PROMPTS * N)] for call in calls]
+    calls = sorted({int(name.split("-")[0]) for name in sessions})  # each named "<call's seed>-<row>"
+    rows = [[f"{call}-{row}" for row in range(PROMPTS * N)] for call in calls]
     assert len(calls) == 2 and sorted(sessions) == sorted(rows[0] + rows[1]), routes
     first, second = rows  # steps 1 and 2
     moved = [name for name in first if any(route["moved"] for route in sessions[name])]

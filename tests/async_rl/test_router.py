@@ -109,13 +109,13 @@ class Pool:
 
 def routed(replicas: Replicas, tmp_path) -> RoutedAgentRollout:
     deadline = CallDeadline(60.0, "trainer.worker_call_timeout_s")
-    return RoutedAgentRollout(Pool(replicas), None, None, 0, str(tmp_path), deadline)
+    return RoutedAgentRollout(Pool(replicas), lambda request: None, str(tmp_path), deadline)
 
 
 async def three_turns(session: Session, first: list[int]) -> list[Completion]:
     ids, answers = list(first), []
     for turn in range(3):
-        answers.append(await session.generate(ids, seed=100 + turn, max_new_tokens=8))
+        answers.append(await session.generate(ids, SamplingConfig(), seed=100 + turn, max_new=8))
         ids += [7, 7]
     return answers
 
@@ -123,7 +123,7 @@ async def three_turns(session: Session, first: list[int]) -> list[Completion]:
 def test_a_turn_lost_with_its_replica_is_asked_again_of_a_live_one_and_the_session_stays_there(tmp_path):
     replicas = Replicas(2, deaths={4})  # "b"'s second turn, on replica 1
     rollout = routed(replicas, tmp_path)
-    sessions = [Session(rollout, name, SamplingConfig()) for name in "ab"]
+    sessions = [Session(rollout, name) for name in "ab"]
 
     async def both():
         return await asyncio.gather(three_turns(sessions[0], [1, 2]), three_turns(sessions[1], [3]))
@@ -146,7 +146,7 @@ def test_a_turn_lost_with_its_replica_is_asked_again_of_a_live_one_and_the_sessi
 def test_with_every_replica_lost_they_are_restarted_before_the_turn_is_asked_again(tmp_path):
     replicas = Replicas(1, deaths={2})
     rollout = routed(replicas, tmp_path)
-    answers = asyncio.run(three_turns(Session(rollout, "a", SamplingConfig()), [1]))
+    answers = asyncio.run(three_turns(Session(rollout, "a"), [1]))
     assert [c.token_ids for c in answers] == [[1], [3], [5]]
     assert rollout.pool.restarted == [[0]]
     assert [call[0] for call in replicas.calls] == [0, 0, 0, 0]
@@ -155,7 +155,7 @@ def test_with_every_replica_lost_they_are_restarted_before_the_turn_is_asked_aga
 def test_the_record_is_moved_aside_at_a_fresh_start_and_cut_to_the_checkpoints_lines_at_a_resume(tmp_path):
     (tmp_path / "router.jsonl").write_text("an earlier run's\n")
     rollout = routed(Replicas(2, deaths=set()), tmp_path)
-    route = {"session": "42/0", "turn": 0, "replica": 0, "moved": False}
+    route = {"session": "42-0", "turn": 0, "replica": 0, "moved": False}
     rollout.record([route, route])
     checkpoint = tmp_path / "checkpoint"
     checkpoint.mkdir()

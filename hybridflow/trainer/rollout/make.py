@@ -2,13 +2,14 @@
 
     trainer.placement colocated                 ColocatedRollout(policy group)
     disaggregated, async_training.mode sync     PoolRollout(rollout group)
-    disaggregated, sync, rollout.agent.loop tool  RoutedAgentRollout(PoolRollout): each turn routed
+    disaggregated, sync, agent loop tool/openai RoutedAgentRollout(PoolRollout): each turn routed
     disaggregated, one_step / async             GeneratingAhead(PoolRollout, depth)
     disaggregated, stream                       StreamingRollout(PoolRollout)
 
 The recipe check allows the async modes with the disaggregated placement only.
 """
 
+import functools
 from pathlib import Path
 
 from hybridflow.config.schema import RecipeConfig
@@ -37,7 +38,7 @@ def make_rollout(
     if rollout_group is None:
         return ColocatedRollout(policy_group)
     pool = PoolRollout(rollout_group, cfg.trainer.output_dir, cfg.rollout)
-    if cfg.rollout.agent.loop == "tool":  # the loops run here, their turns routed over the replicas
+    if cfg.rollout.agent.loop in ("tool", "openai"):  # the loops run here, their turns routed
         return routed_agent_rollout(cfg, pool)
     if cfg.trainer.async_training.mode == "stream":  # groups generate on as steps take them
         calls = RayGroupCalls(rollout_group, EngineDeadlines.of(cfg))
@@ -48,15 +49,25 @@ def make_rollout(
 
 
 def routed_agent_rollout(cfg: RecipeConfig, pool: PoolRollout) -> RoutedAgentRollout:
-    """Tool-agent loops on the driver, with the model's tokenizer and its EOS and pad ids (as the
-    engines read them), each request bounded by trainer.worker_call_timeout_s."""
+    """The recipe's agents on the driver (tool loops, or its OpenAI-client agent and endpoint), with
+    the model's tokenizer and its EOS and pad ids as the engines read them, each request bounded by
+    trainer.worker_call_timeout_s."""
     from transformers import AutoConfig, AutoTokenizer
 
     from engines.rollout.base import read_special_token_ids
-    from hybridflow.agents.rollout import ToolLoops
+    from hybridflow.agents.openai_loop import OpenAIAgentRollout, load_openai_agent
+    from hybridflow.agents.rollout import SessionToolLoops, ToolLoops
 
+    rollout = cfg.rollout
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
     eos, pad = read_special_token_ids(Path(cfg.model.path), AutoConfig.from_pretrained(cfg.model.path))
     deadline = CallDeadline(cfg.trainer.worker_call_timeout_s, "trainer.worker_call_timeout_s")
-    loops = ToolLoops(cfg.rollout, tokenizer, eos)
-    return RoutedAgentRollout(pool, loops, cfg.rollout, pad, cfg.trainer.output_dir, deadline)
+    if rollout.agent.loop == "openai":
+        agent = load_openai_agent(rollout.agent.openai_agent)
+
+        def make(request):
+            return OpenAIAgentRollout(agent, request, tokenizer, rollout, pad, eos)
+    else:
+        loops = ToolLoops(rollout, tokenizer, eos)
+        make = functools.partial(SessionToolLoops, loops, cfg=rollout, pad_token_id=pad)
+    return RoutedAgentRollout(pool, make, cfg.trainer.output_dir, deadline)

@@ -1,10 +1,10 @@
-"""Tool-agent loops on a rollout pool (trainer.placement=disaggregated, rollout.agent.loop: tool):
-the loops run on the driver, and each turn is one request that the router (router.py) sends to a
-replica, a rollout process whose engine serves requests as they come (`generate_request`,
-engines/rollout/request_batches.py):
+"""Agent loops on a rollout pool (trainer.placement=disaggregated, rollout.agent.loop: tool or
+openai): the loops (or the recipe's OpenAI-client agents, with their endpoint) run on the driver,
+and each turn is one request that the router (router.py) sends to a replica, a rollout process whose
+engine serves requests as they come (`generate_request`, engines/rollout/request_batches.py):
 
     generate(rows):                               a training or validation call
-        every row's trajectory is a session "<call's seed>/<row>", the rows' loops run concurrently
+        every row's trajectory is a session "<call's seed>-<row>", the rows' loops run concurrently
         each turn: router.route(session) -> replica; the request's answer, or the replica lost
         a turn lost with its replica (dead, or past trainer.worker_call_timeout_s: killed as hung)
             is routed again, to a live replica, from the same ids and seed
@@ -20,22 +20,15 @@ a lost replica since the last step.
 
 import asyncio
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from engines.rollout.base import (
-    REPLICA_KEY,
-    check_prompts,
-    row_seed,
-    select_sampling,
-    unpadded_prompts,
-    without_row_index,
-)
-from engines.rollout.config import RolloutConfig, SamplingConfig
+from engines.rollout.base import REPLICA_KEY
+from engines.rollout.config import SamplingConfig
 from engines.rollout.requests import Completion
-from hybridflow.agents.batch import trajectories_to_batch
-from hybridflow.agents.rollout import ToolLoops
+from hybridflow.agents.loop import session_name
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller.errors import CallDeadline, call_timeout
 from hybridflow.trainer.policy import Policy
@@ -50,13 +43,14 @@ ROUTES_LINES_FILE = "router_lines.json"  # in the rollout's checkpoint part
 
 
 class RoutedAgentRollout:
-    def __init__(
-        self, pool: PoolRollout, loops: ToolLoops, cfg: RolloutConfig, pad_token_id: int, output_dir: str,
-        request_deadline: CallDeadline,
-    ):  # fmt: skip
-        self.pool, self.loops, self.cfg, self.pad_token_id = pool, loops, cfg, pad_token_id
+    def __init__(self, pool: PoolRollout, make_agents: Callable, output_dir: str, deadline: CallDeadline):
+        """`make_agents(request)`: what generates a call's rows (`generate_sequences`), its requests
+        sampled by `request(session, ids, sampling, seed, max_new_tokens)`: here, routed."""
+        self.pool = pool
+        self.agents = make_agents(self.route_request)
         self.router = Router(pool.group.world_size)
-        self.request_deadline = request_deadline
+        self.sessions: dict[str, Session] = {}  # the call's, by name
+        self.request_deadline = deadline  # of one request
         self.routes_file = Path(output_dir) / ROUTES_FILE
         self.routes_begun = False  # a fresh start's router.jsonl moved aside
         self.lost_errors: list[BaseException] = []  # of the replicas lost in the call under way
@@ -71,26 +65,25 @@ class RoutedAgentRollout:
 
     def generate(self, rows: DataProto) -> DataProto:
         """Every row's trajectory, its turns routed over the pool's replicas."""
-        prompts, sampling, seed = call_rows(self.pool.seeded(rows), self.cfg)
-        # named by the call's seed: unique in a run, and the same again after a resume
-        sessions = [Session(self, f"{seed}/{row}", sampling) for row in range(len(prompts))]
-        trajectories = asyncio.run(self.run_sessions(sessions, unpadded_prompts(prompts), seed))
+        seeded = self.pool.seeded(rows)
+        self.sessions = {}
+        batch = self.agents.generate_sequences(seeded)
         self.restart_lost()
         self.record(self.router.take_routes())
-        batch = trajectories_to_batch(prompts, trajectories, self.cfg.response_length, self.pad_token_id)
         versions = batch.batch["rollout_versions"]  # (B, R): -1 on tool tokens and padding
         oldest = versions.masked_fill(versions < 0, torch.iinfo(versions.dtype).max).min(dim=1).values  # (B,)
+        names = [session_name(seeded.meta_info["seed"], row) for row in range(len(batch))]
+        replicas = [self.sessions[name].replica if name in self.sessions else -1 for name in names]
         batch.batch["policy_version"] = oldest
-        batch.batch[REPLICA_KEY] = torch.tensor([session.replica for session in sessions], dtype=torch.long)
+        batch.batch[REPLICA_KEY] = torch.tensor(replicas, dtype=torch.long)  # (B,)
         return batch
 
-    async def run_sessions(self, sessions: list["Session"], prompt_ids: list[list[int]], seed: int) -> list:
-        run_tools = self.loops.tool_runner()  # its bound is this call's: one event loop each
-        runs = [
-            self.loops.loop(session.generate, run_tools).run(ids, row_seed(seed, row))
-            for row, (session, ids) in enumerate(zip(sessions, prompt_ids, strict=True))
-        ]
-        return await asyncio.gather(*runs)
+    async def route_request(
+        self, session: str, ids: list[int], sampling: SamplingConfig, seed: int, max_new_tokens: int
+    ) -> Completion:
+        """One request of the session's trajectory, on the replica the router picks."""
+        routed = self.sessions.setdefault(session, Session(self, session))
+        return await routed.generate(ids, sampling, seed, max_new_tokens)
 
     async def request(
         self, replica: int, ids: list[int], sampling: SamplingConfig, seed: int, max_new_tokens: int
@@ -154,31 +147,22 @@ class RoutedAgentRollout:
 class Session:
     """One trajectory's turns, each routed to a replica (the one of its last turn while it lives)."""
 
-    def __init__(self, owner: RoutedAgentRollout, name: str, sampling: SamplingConfig):
-        self.owner, self.name, self.sampling = owner, name, sampling
+    def __init__(self, owner: RoutedAgentRollout, name: str):
+        self.owner, self.name = owner, name
         self.turns = 0
         self.replica = -1  # the replica that served the last turn
 
-    async def generate(self, ids: list[int], seed: int, max_new_tokens: int) -> Completion:
+    async def generate(self, ids: list[int], sampling: SamplingConfig, seed: int, max_new: int) -> Completion:
         turn, self.turns = self.turns, self.turns + 1
-        router, tokens = self.owner.router, len(ids) + max_new_tokens
+        router, tokens = self.owner.router, len(ids) + max_new
         while True:
             if not router.live:  # every replica lost: restarted now, the loops waiting
                 self.owner.restart_lost()
             replica = router.route(self.name, turn, tokens)
             try:
-                completion = await self.owner.request(replica, ids, self.sampling, seed, max_new_tokens)
+                completion = await self.owner.request(replica, ids, sampling, seed, max_new)
             finally:
                 router.finished(replica, tokens)
             if completion is not None:
                 self.replica = replica
                 return completion
-
-
-def call_rows(rows: DataProto, cfg: RolloutConfig) -> tuple[DataProto, SamplingConfig, int]:
-    """A seeded call's prompt rows (n times each when its sampling asks for n samples), its
-    sampling and its seed: the engines' own rules (engines/rollout/base.py, `start_call`)."""
-    check_prompts(rows)
-    sampling, n = select_sampling(cfg, rows.meta_info)
-    prompts, _ = without_row_index(rows)  # the whole call: row i is the call's row i
-    return (prompts.repeat(n, interleave=True) if n > 1 else prompts), sampling, rows.meta_info["seed"]

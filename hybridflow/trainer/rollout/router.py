@@ -12,7 +12,7 @@ ties to the lowest rank), so one long conversation does not queue the others beh
 
 `routes` records every request as it was routed, for the run's `router.jsonl`:
 
-    {"session": "45/5", "turn": 1, "replica": 0, "moved": false}   # row 5 of the call seeded 45
+    {"session": "45-5", "turn": 1, "replica": 0, "moved": false}   # row 5 of the call seeded 45
 
 `moved` marks a turn sent to another replica than the session's last one (its replica died; a
 turn lost with its replica is routed again, and appears twice).
