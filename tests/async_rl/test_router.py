@@ -13,7 +13,7 @@ import ray.exceptions
 
 from engines.rollout.config import SamplingConfig
 from engines.rollout.requests import Completion
-from hybridflow.single_controller.errors import CallDeadline
+from hybridflow.single_controller.errors import CallDeadline, WorkerError
 from hybridflow.trainer.rollout.routed import RoutedAgentRollout, Session
 from hybridflow.trainer.rollout.router import Router
 
@@ -63,8 +63,8 @@ class Replicas:
     """Rollout processes that answer each request at once; the calls numbered in `deaths` (1-based,
     over all replicas) meet their replica dead, as does every later call to a dead replica."""
 
-    def __init__(self, world_size: int, deaths: set[int]):
-        self.world_size, self.deaths = world_size, deaths
+    def __init__(self, world_size: int, deaths: set[int], failures: set[int] = frozenset()):
+        self.world_size, self.deaths, self.failures = world_size, deaths, failures  # failures: engine errors
         self.dead: set[int] = set()
         self.calls: list[tuple[int, list[int], int]] = []  # (replica, ids, seed)
 
@@ -76,6 +76,9 @@ class Replicas:
         answer = Future()
         if rank in self.dead:
             answer.set_exception(ray.exceptions.RayActorError())
+        elif len(self.calls) in self.failures:
+            error = ValueError("the engine refused the request")
+            answer.set_exception(ray.exceptions.RayTaskError("generate_request", "traceback", error))
         else:
             answer.set_result(Completion([len(ids)], [-1.0], [0], "stop", len(ids), 0))
         return Call(answer)
@@ -168,3 +171,10 @@ def test_the_record_is_moved_aside_at_a_fresh_start_and_cut_to_the_checkpoints_l
     assert [json.loads(line)["turn"] for line in lines] == [0, 0, 1]
     assert (tmp_path / "router.jsonl.1").read_text() == "an earlier run's\n"
     assert rollout.moved == 1 and resumed.moved == 0
+
+
+def test_an_error_the_engine_raised_stops_the_call_naming_the_replica(tmp_path):
+    rollout = routed(Replicas(2, deaths=set(), failures={2}), tmp_path)
+    with pytest.raises(WorkerError, match="`generate_request` raised on rank 0: ValueError: the engine"):
+        asyncio.run(three_turns(Session(rollout, "a"), [1]))
+    assert rollout.router.live == {0, 1}  # not a lost replica: nothing moves, nothing restarts

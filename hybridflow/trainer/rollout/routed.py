@@ -30,7 +30,7 @@ from engines.rollout.config import SamplingConfig
 from engines.rollout.requests import Completion
 from hybridflow.agents.loop import session_name
 from hybridflow.protocol import DataProto
-from hybridflow.single_controller.errors import CallDeadline, call_timeout
+from hybridflow.single_controller.errors import CallDeadline, call_timeout, worker_error
 from hybridflow.trainer.policy import Policy
 from hybridflow.trainer.prompts import PromptBatches, StepPrompts
 from hybridflow.trainer.rollout.pool import PoolRollout, count_lines, keep_first_lines
@@ -89,7 +89,8 @@ class RoutedAgentRollout:
         self, replica: int, ids: list[int], sampling: SamplingConfig, seed: int, max_new_tokens: int
     ) -> Completion | None:
         """The replica's answer to one request; None when the replica was lost meanwhile (its
-        process died, or it passed the request deadline and was killed as hung)."""
+        process died, or it passed the request deadline and was killed as hung). An error the
+        request raised there is a WorkerError naming the replica."""
         import ray.exceptions
 
         group = self.pool.group
@@ -98,6 +99,8 @@ class RoutedAgentRollout:
             return await asyncio.wait_for(asyncio.wrap_future(call.future()), self.request_deadline.seconds)
         except ray.exceptions.RayActorError as err:
             self.lose(replica, err)
+        except ray.exceptions.RayTaskError as err:  # the engine's own error: the run stops, naming it
+            raise worker_error(err, replica, "generate_request") from err
         except TimeoutError:
             hung = call_timeout("rollout replica", replica, "generate_request", self.request_deadline)
             group.kill_rank(replica)
