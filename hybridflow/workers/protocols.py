@@ -151,6 +151,10 @@ class RolloutGroup(RankControls, Protocol):
     def generate_sequences_async(self, prompts: DataProto) -> DataProtoFuture:
         """`RolloutWorker.generate_sequences_async` (DP_COMPUTE_PROTO, non-blocking)."""
 
+    def generate_request(self, prompt_ids: list[int], sampling, seed: int, max_new_tokens: int) -> list:
+        """`RolloutWorker.generate_request` (ONE_TO_ALL; the router calls one rank with
+        `call_rank_async`): one agent turn's `Completion`."""
+
     def ping(self) -> list[None]:
         """`RolloutWorker.ping` (ONE_TO_ALL)."""
 
