@@ -53,7 +53,9 @@ class RequestBatches:
     def __init__(self, engine, stop_token_ids: tuple[int, ...] = ()):
         """`stop_token_ids`: where requests end beside the model's EOS (an agent turn's end)."""
         self.engine = engine
-        self.requests = VLLMRequestEngine(engine, engine.cfg, True, stop_token_ids)
+        self.requests = VLLMRequestEngine(
+            engine, engine.cfg, partial_rollout=True, stop_token_ids=stop_token_ids
+        )
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="rollout-requests", daemon=True)
         self._thread.start()

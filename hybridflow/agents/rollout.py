@@ -5,16 +5,8 @@ batch (the layout of `batch.py`'s `trajectories_to_batch`).
 
 import asyncio
 
-from engines.rollout.base import (
-    SamplingPosition,
-    SeededGenerationMixin,
-    check_prompts,
-    row_seed,
-    select_sampling,
-    unpadded_prompts,
-    without_row_index,
-)
-from engines.rollout.config import AgentConfig, SamplingConfig
+from engines.rollout.base import SamplingPosition, SeededGenerationMixin, row_seed, unpadded_prompts
+from engines.rollout.config import AgentConfig
 from hybridflow.agents.batch import trajectories_to_batch
 from hybridflow.agents.loop import RunTools, ToolTurnResult, Trajectory, session_name
 from hybridflow.agents.tool_formats import Parse, resolve_format
@@ -75,16 +67,17 @@ class AgentRollout(SeededGenerationMixin):
         return trajectories_to_batch(prompts, trajectories, self.cfg.response_length, self.pad_token_id)
 
 
-class SessionToolLoops:
+class SessionToolLoops(SeededGenerationMixin):
     """`generate_sequences` through tool loops whose requests `request(session, ids, sampling, seed,
     max_new_tokens)` samples under each row's session name (a router over several replicas); seeds
-    as `AgentRollout`'s, from the call's seed in meta_info (a rollout pool's `seeded`)."""
+    as `AgentRollout`'s (a rollout pool's call carries its seed in meta_info)."""
 
     def __init__(self, loops: "ToolLoops", request, cfg, pad_token_id: int):
         self.loops, self.request, self.cfg, self.pad_token_id = loops, request, cfg, pad_token_id
+        self.position = SamplingPosition()
 
-    def generate_sequences(self, rows: DataProto) -> DataProto:
-        prompts, sampling, seed = seeded_call_rows(rows, self.cfg)
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        prompts, sampling, seed = self.start_call(prompts)
         trajectories = asyncio.run(self.run_loops(unpadded_prompts(prompts), sampling, seed))
         return trajectories_to_batch(prompts, trajectories, self.cfg.response_length, self.pad_token_id)
 
@@ -101,16 +94,6 @@ class SessionToolLoops:
             return await self.request(session, ids, sampling, seed, max_new_tokens)
 
         return self.loops.loop(generate, run_tools)
-
-
-def seeded_call_rows(rows: DataProto, cfg) -> tuple[DataProto, SamplingConfig, int]:
-    """A seeded call's prompt rows (n times each when its sampling asks for n samples), its
-    sampling and its seed (meta_info's): the engines' own rules (`SeededGenerationMixin.start_call`)
-    for a whole call."""
-    check_prompts(rows)
-    sampling, n = select_sampling(cfg, rows.meta_info)
-    prompts, _ = without_row_index(rows)  # the whole call: row i is the call's row i
-    return (prompts.repeat(n, interleave=True) if n > 1 else prompts), sampling, rows.meta_info["seed"]
 
 
 class ToolLoops:

@@ -153,8 +153,7 @@ class RolloutWorker(Worker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Responses to this rank's prompts, each with the `policy_version` (B,) that produced it."""
-        if self.receiver is None or self.receiver.serving is None:
-            raise RuntimeError(self._why_not_serving())
+        self._check_serving()
         start = time.time()  # wall clock: compared with the driver's (hybridflow/trainer/rollout/ahead.py)
         if self.batches is not None:  # versions per token, policy_version set from them
             output = self.batches.generate_sequences(prompts)
@@ -167,17 +166,19 @@ class RolloutWorker(Worker):
         output.batch[REPLICA_KEY] = torch.full((len(output),), self.rank, dtype=torch.long)  # (B,)
         return output
 
-    def _why_not_serving(self) -> str:
+    def _check_serving(self) -> None:
+        """RuntimeError unless the engine serves weights the actor sent."""
+        if self.receiver is not None and self.receiver.serving is not None:
+            return
         if self.receiver is None or self.receiver.failure is None:
-            return "generate_sequences before the rollout engine received the actor's weights"
-        return f"generate_sequences after a failed weight transfer: {self.receiver.failure}"
+            raise RuntimeError("generate_sequences before the rollout engine received the actor's weights")
+        raise RuntimeError(f"generate_sequences after a failed weight transfer: {self.receiver.failure}")
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def generate_request(self, prompt_ids: list[int], sampling, seed: int, max_new_tokens: int):
         """One turn of an agent's trajectory (the driver's router sends it to this rank alone): its
         `Completion`, the version of each token and the prefix-cache counts with it."""
-        if self.receiver is None or self.receiver.serving is None:
-            raise RuntimeError(self._why_not_serving())
+        self._check_serving()
         return self.batches.request(prompt_ids, sampling, seed, max_new_tokens)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)

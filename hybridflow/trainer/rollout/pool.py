@@ -153,10 +153,13 @@ def sync_due(served: int | None, version: int, every: int) -> bool:
 def mixed_version_share(versions: torch.Tensor) -> float:
     """Share of rows sampled by more than one policy version; `versions` (B, R) holds each response
     token's version, -1 where no token was sampled."""
-    sampled = versions >= 0  # (B, R)
     newest = versions.max(dim=1).values  # (B,)
-    oldest = versions.masked_fill(~sampled, torch.iinfo(versions.dtype).max).min(dim=1).values  # (B,)
-    return (newest > oldest).float().mean().item()
+    return (newest > oldest_versions(versions)).float().mean().item()
+
+
+def oldest_versions(versions: torch.Tensor) -> torch.Tensor:
+    """Each row's oldest sampled token's version (B,); `versions` (B, R), -1 where none was sampled."""
+    return versions.masked_fill(versions < 0, torch.iinfo(versions.dtype).max).min(dim=1).values
 
 
 def connect_transfer(policy_group: TransferPolicyGroup, rollout_group: RolloutGroup) -> None:

@@ -33,7 +33,7 @@ from hybridflow.protocol import DataProto
 from hybridflow.single_controller.errors import CallDeadline, call_timeout, worker_error
 from hybridflow.trainer.policy import Policy
 from hybridflow.trainer.prompts import PromptBatches, StepPrompts
-from hybridflow.trainer.rollout.pool import PoolRollout, count_lines, keep_first_lines
+from hybridflow.trainer.rollout.pool import PoolRollout, count_lines, keep_first_lines, oldest_versions
 from hybridflow.trainer.rollout.router import Router
 from hybridflow.utils.imports import first_line
 from hybridflow.utils.tracking import move_aside
@@ -70,11 +70,9 @@ class RoutedAgentRollout:
         batch = self.agents.generate_sequences(seeded)
         self.restart_lost()
         self.record(self.router.take_routes())
-        versions = batch.batch["rollout_versions"]  # (B, R): -1 on tool tokens and padding
-        oldest = versions.masked_fill(versions < 0, torch.iinfo(versions.dtype).max).min(dim=1).values  # (B,)
         names = [session_name(seeded.meta_info["seed"], row) for row in range(len(batch))]
         replicas = [self.sessions[name].replica if name in self.sessions else -1 for name in names]
-        batch.batch["policy_version"] = oldest
+        batch.batch["policy_version"] = oldest_versions(batch.batch["rollout_versions"])  # (B,)
         batch.batch[REPLICA_KEY] = torch.tensor(replicas, dtype=torch.long)  # (B,)
         return batch
 
