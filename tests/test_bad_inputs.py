@@ -15,6 +15,7 @@ import re
 import shlex
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
@@ -268,6 +269,15 @@ def test_the_table_lists_at_least_35_distinct_bad_inputs():
 DISTILL = ["algorithm.distillation.enable=true", "teacher.path=<tiny>"]
 
 
+@pytest.fixture
+def out_config(files) -> Iterator[Path]:
+    """The config.yaml a run writes into the shared output folder once its checks pass; removed
+    after each test, so a case that wrongly passes the checks fails alone, not the cases after it."""
+    config = files["out"] / "config.yaml"
+    yield config
+    config.unlink(missing_ok=True)
+
+
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -285,18 +295,19 @@ DISTILL = ["algorithm.distillation.enable=true", "teacher.path=<tiny>"]
         ],
     ],
 )
-def test_the_valid_recipe_gets_as_far_as_ray(overrides, files, monkeypatch, capsys):
+def test_the_valid_recipe_gets_as_far_as_ray(overrides, files, out_config, monkeypatch, capsys):
     """The control: without a bad input the same checks pass and the entry point goes on to Ray,
     so each row below fails because of its own input, before that point. (`<sharded>` is the
     tiny model with a safetensors index, the layout of an export.)"""
     with pytest.raises(RayStarted):
         run_in_process([str(files["recipe"]), *(resolve(o, files) for o in overrides)], monkeypatch, capsys)
-    assert (files["out"] / "config.yaml").is_file()
-    (files["out"] / "config.yaml").unlink()
+    assert out_config.is_file()
 
 
 @pytest.mark.parametrize(("case", "command", "message"), CASES, ids=[case for case, _, _ in CASES])
-def test_bad_input_fails_with_one_error_before_ray(case, command, message, files, monkeypatch, capsys):
+def test_bad_input_fails_with_one_error_before_ray(
+    case, command, message, files, out_config, monkeypatch, capsys
+):
     argv = [resolve(arg, files) for arg in shlex.split(command)]
     code, err = run_in_process(argv, monkeypatch, capsys)
     assert code == 2, err
@@ -305,7 +316,7 @@ def test_bad_input_fails_with_one_error_before_ray(case, command, message, files
     error = err[err.index("error: ") :]
     assert "\n  - " not in error, error  # one problem, one line
     assert resolve(message, files) in error
-    assert not (files["out"] / "config.yaml").exists()  # nothing written before the checks pass
+    assert not out_config.exists()  # nothing written before the checks pass
 
 
 @pytest.mark.parametrize("case", SUBPROCESS_CASES)
@@ -451,7 +462,7 @@ MOE_TP1 = ["model.path=<tiny_moe>", "actor.megatron.tensor_model_parallel_size=1
     ids=["distillation_off", "mismatch_monitor_off", "routes_not_replayed", "tool_loop_off", "endpoint_off"],
 )
 def test_settings_of_a_feature_switched_off_are_warned_about_before_ray(
-    switched_off, changed, warning, files, monkeypatch, capsys, caplog
+    switched_off, changed, warning, files, out_config, monkeypatch, capsys, caplog
 ):
     """Legal (a recipe turned off by its one switch keeps the rest of the feature's settings), but a
     changed value there is meant to act: a warning naming the settings and the switch, and the run
@@ -463,4 +474,4 @@ def test_settings_of_a_feature_switched_off_are_warned_about_before_ray(
     with pytest.raises(RayStarted):
         run_in_process([*argv, *changed], monkeypatch, capsys)
     assert warning in caplog.text
-    (files["out"] / "config.yaml").unlink()
+    assert out_config.is_file()

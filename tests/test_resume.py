@@ -29,6 +29,7 @@ import pytest
 import torch
 from hf_weights import load_hf_tensors
 from process_group import run_and_kill_at_step, run_in_own_session
+from run_outputs import without_uids
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hybridflow.data.arith import ArithConfig, write_arith_parquet
@@ -164,11 +165,6 @@ def run_and_kill_after(local: dict, output_dir: Path, step: int, algorithm: str)
 
 def comparable(records: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(WALL_CLOCK_PREFIXES)} for r in records]
-
-
-def without_uids(step: list[dict]) -> list[dict]:
-    """The step's samples but their group ids (drawn at random in each run), in the batch's order."""
-    return [{key: value for key, value in record.items() if key != "uid"} for record in step]
 
 
 def rows_up_to(path: Path, step: int) -> list[bytes]:

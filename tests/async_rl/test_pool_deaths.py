@@ -41,7 +41,7 @@ from pathlib import Path
 import pytest
 from held_calls.control import held_environment, held_generation, holders, kill, release
 from multinode_helpers import processes_with_env
-from run_outputs import step_records, trained_steps, without_restarts
+from run_outputs import step_records, trained_steps, without_restarts, without_uids
 from run_processes import cleanup, wait_for
 from tiny_run import command, environment, tiny_run_inputs
 from transformers import AutoTokenizer
@@ -212,8 +212,3 @@ def test_processes_killed_inside_a_generation_a_save_and_a_transfer_are_restarte
 
 def prompts(step: list[dict]) -> list[str]:
     return sorted(record["prompt"] for record in step)
-
-
-def without_uids(step: list[dict]) -> list[dict]:
-    """The step's samples but their group ids (drawn at random in each run), in the batch's order."""
-    return [{key: value for key, value in record.items() if key != "uid"} for record in step]

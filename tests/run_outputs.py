@@ -1,4 +1,4 @@
-"""What the async-RL recipe tests read back from a run's output directory."""
+"""What the recipe tests read back from a run's output directory."""
 
 import json
 from pathlib import Path
@@ -45,3 +45,8 @@ def placement_dependent(key: str) -> bool:
 def exported(out: Path) -> dict:
     """Every tensor of the run's Hugging Face export; fails when there is none (never compare nothing)."""
     return load_hf_tensors(out / "hf")
+
+
+def without_uids(step: list[dict]) -> list[dict]:
+    """The step's samples but their group ids (drawn at random in each run), in the batch's order."""
+    return [{key: value for key, value in record.items() if key != "uid"} for record in step]
