@@ -89,7 +89,9 @@ def test_sbatch_runs_the_tiny_recipe_on_ray_started_by_slurm(slurm_env, tmp_path
         },
     )
     assert status == 0, output[-4000:]
-    assert "all 1 node(s) joined the Ray cluster" in output
+    # the head's GCS bound a port of its own (none was picked for it) and the job joined it there
+    head_address = (job_dirs / f"hybridflow-ray-{job_id}" / "ray_current_cluster").read_text()
+    assert f"all 1 node(s) joined the Ray cluster at {head_address}" in output
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, TOTAL_STEPS + 1))
     assert all("actor/pg_loss" in m for m in metrics)

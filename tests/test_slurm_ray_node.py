@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from multinode_helpers import assert_nothing_left
 
-from hybridflow.launch.node_address import free_tcp_port, source_address_toward
+from hybridflow.launch.node_address import source_address_toward
 
 ROOT = Path(__file__).resolve().parents[1]
 RAY_NODE = ROOT / "scripts" / "slurm" / "ray_node.sh"
@@ -36,21 +36,25 @@ def ipv6_address() -> str:
     pytest.skip("no usable IPv6 address on this machine")
 
 
-def wait_for_port(host: str, port: int, head: subprocess.Popen, timeout_s: float = 120) -> None:
+def wait_for_head_port(host: str, temp_dir: str, head: subprocess.Popen, timeout_s: float = 120) -> int:
+    """The port the head's GCS bound (port 0: `ray start` writes its address to the temp dir), once
+    it accepts connections."""
+    address_file = Path(temp_dir) / "ray_current_cluster"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         assert head.poll() is None, "the Ray head exited"
         try:
+            port = int(address_file.read_text().rsplit(":", 1)[1])
             socket.create_connection((host, port), timeout=1).close()
-            return
-        except OSError:
+            return port
+        except (OSError, IndexError, ValueError):
             time.sleep(0.5)
-    raise AssertionError(f"the Ray head did not open [{host}]:{port} in {timeout_s} s")
+    raise AssertionError(f"the Ray head did not write {address_file} and open its port in {timeout_s} s")
 
 
 def test_head_and_worker_join_over_ipv6_and_stop_on_sigterm(tmp_path):
     head_ip = ipv6_address()
-    port = free_tcp_port(head_ip)
+    port = 0  # the head's GCS binds one itself
     temp_dir = tempfile.mkdtemp(prefix="hfn", dir="/tmp")  # short: Ray's socket paths live under it
     token = "c" * 63 + "3"
     base_env = dict(
@@ -73,7 +77,7 @@ def test_head_and_worker_join_over_ipv6_and_stop_on_sigterm(tmp_path):
                 stderr=subprocess.STDOUT,
             )
             if role == "head":
-                wait_for_port(head_ip, port, nodes[name])
+                port = wait_for_head_port(head_ip, temp_dir, nodes[name])
         launchers = ",".join(f"{name}={proc.pid}" for name, proc in nodes.items())
         address = f"[{head_ip}]:{port}"
         wait = ["wait-nodes", "--address", address, "--nodes", launchers, "--timeout", "120"]

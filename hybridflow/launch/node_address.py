@@ -8,7 +8,6 @@ the address of the interface that routes to the head, so both ends use the same 
 
     python -m hybridflow.launch.node_address                   # this node's address
     python -m hybridflow.launch.node_address --toward HEAD     # address of the interface routing to HEAD
-    python -m hybridflow.launch.node_address --free-port       # a free TCP port on this node
 """
 
 import argparse
@@ -84,23 +83,12 @@ def this_node_address() -> str:
     )
 
 
-def free_tcp_port(host: str) -> int:
-    """A TCP port free on `host` right now (the kernel's choice for an ephemeral bind)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--toward", help="print the address of the interface that routes to this host")
-    parser.add_argument("--free-port", action="store_true", help="print a free TCP port on this node")
     args = parser.parse_args()
     try:
-        if args.free_port:
-            print(free_tcp_port(this_node_address()))
-        elif args.toward:
+        if args.toward:
             print(source_address_toward(args.toward))
         else:
             print(this_node_address())

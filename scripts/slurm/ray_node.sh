@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One node's Ray daemons, run in the foreground by `srun` from scripts/slurm/run_recipe.sbatch.
 #
-#   ray_node.sh head   HEAD_IP PORT TEMP_DIR    # GCS + raylet on the head node
+#   ray_node.sh head   HEAD_IP PORT TEMP_DIR    # GCS + raylet on the head node (PORT 0: one the
+#                                               # GCS binds itself, written to TEMP_DIR/ray_current_cluster)
 #   ray_node.sh worker HEAD_IP PORT TEMP_DIR    # raylet joining the head
 #
 # Devices come from the Slurm step: SLURM_CPUS_ON_NODE CPUs, SLURM_GPUS_ON_NODE GPUs (0 when the
