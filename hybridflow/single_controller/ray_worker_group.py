@@ -67,6 +67,7 @@ from hybridflow.single_controller.worker import (
 )
 from hybridflow.single_controller.worker_group import WorkerGroup
 from hybridflow.utils import warning_filters
+from hybridflow.utils.imports import first_line
 
 # Arguments worth one object-store copy shared by every rank that reads them.
 _SHARED_TYPES = (DataProto, torch.Tensor, np.ndarray)
@@ -337,9 +338,7 @@ class RayWorkerGroup(WorkerGroup):
 def _summary(err: ray.exceptions.RayError) -> str:
     """One line for a warning: the worker's own exception, or the first line of Ray's (a dead
     process's text runs on for a dozen lines)."""
-    cause = err.cause if isinstance(err, ray.exceptions.RayTaskError) else err
-    lines = str(cause).strip().splitlines()
-    return f"{type(cause).__name__}: {lines[0] if lines else ''}"
+    return first_line(err.cause if isinstance(err, ray.exceptions.RayTaskError) else err)
 
 
 def _warn(message: str) -> None:

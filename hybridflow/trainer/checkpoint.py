@@ -36,7 +36,7 @@ import torch
 
 from hybridflow.utils.checkpoint_layout import LATEST, MANIFEST, STEP_DIR
 from hybridflow.utils.disk import NO_SPACE, free_bytes, free_space_text, human_bytes, is_disk_full
-from hybridflow.utils.teardown import one_line
+from hybridflow.utils.imports import first_line
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ class CheckpointManager:
             space = f"{free_space_text(self.root)} there, a checkpoint needs about {human_bytes(needed)}"
             reason = f"{NO_SPACE} ({space})"
         else:
-            reason = one_line(getattr(err, "cause", None) or err)
+            reason = first_line(getattr(err, "cause", None) or err)
         resume = (
             f"the last complete checkpoint is {self.root / step_dir_name(latest)}, which a rerun resumes from"
             if latest is not None

@@ -14,6 +14,8 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from hybridflow.utils.imports import first_line
+
 
 @contextmanager
 def closing_after(what: str, close: Callable[[], object]) -> Iterator[None]:
@@ -24,13 +26,7 @@ def closing_after(what: str, close: Callable[[], object]) -> Iterator[None]:
         try:
             close()
         except Exception as err:  # the block's error is the one the run reports
-            warning = f"warning: {what} failed after the error below: {one_line(err)}"
+            warning = f"warning: {what} failed after the error below: {first_line(err)}"
             print(warning, file=sys.stderr, flush=True)
         raise
     close()
-
-
-def one_line(err: BaseException) -> str:
-    """`Type: first line of the message` (a worker's error carries its traceback after that)."""
-    lines = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {lines[0] if lines else ''}".rstrip(": ")
