@@ -32,6 +32,7 @@ anything is loaded: vLLM's loaders raise on an unknown name only after the layer
 half-replaced, and some shape errors are asserts deep in a weight loader.
 """
 
+import gc
 import logging
 import os
 from collections.abc import Iterable
@@ -317,6 +318,12 @@ def _build_llm(engine_args: dict[str, Any]):
     logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"])
     from vllm import LLM
 
+    # What this process holds now (its imports, an actor's model) outlives the engine. Frozen, the
+    # collections vLLM runs while it starts (model loader, memory checks) scan only what the engine
+    # allocates: about 1 s of CPU less per start of a tiny model. vLLM freezes its whole heap once
+    # started and unfreezes it at shutdown anyway (v1/engine/core.py, 0.32).
+    gc.collect()
+    gc.freeze()
     return LLM(**engine_args)
 
 
