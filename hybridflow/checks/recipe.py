@@ -63,7 +63,7 @@ from hybridflow.checks.models import (
 )
 from hybridflow.checks.resume import check_resume_point
 from hybridflow.checks.roles import _megatron_roles, uses_teacher
-from hybridflow.checks.settings import _check_not_a_number, _get
+from hybridflow.checks.settings import _changed_fields, _check_not_a_number, _get, _no_effect
 from hybridflow.checks.vlm import check_image_columns_match_model
 from hybridflow.config.schema import RecipeConfig
 from hybridflow.reward.registry import load_reward_fn
@@ -240,7 +240,16 @@ def _check_settings_read(cfg: RecipeConfig) -> list[str]:
     """Settings of a feature the recipe leaves off have no effect: refused, not ignored (as the
     LoRA settings without adapters). Those a recipe keeps when one switch turns the feature off
     (distillation's enable, the agent loop) are a warning instead (warn_if_settings_unread)."""
-    return _distillation_in_sft(cfg)
+    return _distillation_in_sft(cfg) + _samples_in_sft(cfg)
+
+
+def _samples_in_sft(cfg: RecipeConfig) -> list[str]:
+    """trainer.save_samples in an SFT run, which samples nothing: it writes no samples/ folder."""
+    if cfg.trainer.mode != "sft":
+        return []
+    changed = _changed_fields(cfg.trainer, "trainer", ("save_samples",))
+    fix = ": SFT trains on the data files' own responses, so nothing is sampled; remove {it}"
+    return _no_effect(changed, "trainer.mode=sft", fix)
 
 
 def warn_if_settings_unread(cfg: RecipeConfig) -> None:
