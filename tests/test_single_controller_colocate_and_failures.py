@@ -109,6 +109,7 @@ def test_dead_worker_is_reported_with_rank_and_method_without_hanging(pool_of_tw
 
         busy = group.call_rank_async(0, "echo", "queued behind exit_on")
         group.kill_rank(0)  # the busy rank: its calls in flight fail as a dead process's do
+        assert group.dead_ranks() == [0, 1]  # killed is dead at once, not busy (alive) for a while
         with pytest.raises(ray.exceptions.RayActorError, match=r"`echo` failed on rank 0") as info:
             group.call_result(group.wait_calls([busy])[0], 0, "echo")
         assert isinstance(info.value, WorkerError) and info.value.rank == 0

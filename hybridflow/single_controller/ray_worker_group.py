@@ -77,6 +77,8 @@ TEARDOWN_TIMEOUT_S = 90.0
 # How long `dead_ranks` waits for the ranks' answers: a dead process's fails at once, a rank busy in
 # a call (one call at a time) answers later and counts as alive.
 DEATH_CHECK_S = 2.0
+# How long `kill_rank` waits for Ray to report a killed rank's process dead.
+KILL_WAIT_S = 60.0
 # How long a rank other than 0 waits in its start for rank 0's `__init__` to return and publish the
 # store's address.
 RENDEZVOUS_WAIT_S = 600.0
@@ -201,8 +203,23 @@ class RayWorkerGroup(WorkerGroup):
 
     def kill_rank(self, rank: int) -> None:
         """Kill rank's process (e.g. a hung one): its calls in flight fail as a dead process's do,
-        and `restart_rank` replaces it."""
-        ray.kill(self._actors[rank], no_restart=True)
+        and `restart_rank` replaces it. Returns once Ray reports the process dead to this driver,
+        so that `dead_ranks` names it (Ray kills asynchronously: a busy rank's answer would only be
+        late until then, and it would count as alive)."""
+        actor = self._actors[rank]
+        ray.kill(actor, no_restart=True)
+        deadline = time.monotonic() + KILL_WAIT_S
+        while time.monotonic() < deadline:
+            try:
+                ray.get(actor.__ray_ready__.remote(), timeout=max(deadline - time.monotonic(), 0.0))
+            except ray.exceptions.RayActorError:
+                return
+            except ray.exceptions.GetTimeoutError:
+                break
+        raise TimeoutError(
+            f"{self._worker_cls.__name__} rank {rank} was killed, but Ray did not report its process dead "
+            f"within {KILL_WAIT_S:g}s; Ray's logs (raylet.out) say what happened to the kill"
+        )
 
     def dead_ranks(self, wait_s: float = DEATH_CHECK_S) -> list[int]:
         """The ranks whose process died: their actor fails to answer (a rank still busy after
