@@ -6,6 +6,7 @@ and their lost turn is asked again, from the same ids and seed."""
 
 import asyncio
 import json
+import threading
 from concurrent.futures import Future
 
 import pytest
@@ -178,3 +179,76 @@ def test_an_error_the_engine_raised_stops_the_call_naming_the_replica(tmp_path):
     with pytest.raises(WorkerError, match="`generate_request` raised on rank 0: ValueError: the engine"):
         asyncio.run(three_turns(Session(rollout, "a"), [1]))
     assert rollout.router.live == {0, 1}  # not a lost replica: nothing moves, nothing restarts
+
+
+class HungReplica(Replicas):
+    """Replica 0's requests are never answered until it is first killed (its restart answers); its
+    kill (in the rollout's thread) returns once `release` is set, as Ray's kill returns once it sees
+    the process dead."""
+
+    def __init__(self, world_size: int):
+        super().__init__(world_size, deaths=set())
+        self.killing, self.release = threading.Event(), threading.Event()
+        self.kills: list[tuple[int, bool]] = []  # (rank, whether released before the wait's deadline)
+
+    def call_rank_async(self, rank: int, method: str, ids, sampling, seed, max_new_tokens):
+        if rank == 0 and not self.kills:
+            self.calls.append((rank, list(ids), seed))
+            return Call(Future())  # hung
+        return super().call_rank_async(rank, method, ids, sampling, seed, max_new_tokens)
+
+    def kill_rank(self, rank: int) -> None:
+        self.killing.set()
+        self.kills.append((rank, self.release.wait(timeout=30)))
+        self.dead.add(rank)
+
+
+def with_short_deadline(replicas: Replicas, tmp_path) -> RoutedAgentRollout:
+    deadline = CallDeadline(0.01, "trainer.worker_call_timeout_s")  # a hung request's only
+    return RoutedAgentRollout(Pool(replicas), lambda request: None, str(tmp_path), deadline)
+
+
+async def when_killing(replicas: HungReplica) -> None:
+    await asyncio.to_thread(replicas.killing.wait, 30)
+
+
+def test_a_hung_replica_is_killed_while_the_other_sessions_turns_go_on(tmp_path):
+    replicas = HungReplica(2)
+    rollout = with_short_deadline(replicas, tmp_path)
+    hung, other = Session(rollout, "hung"), Session(rollout, "other")
+
+    async def answered_during_the_kill() -> list[Completion]:
+        await when_killing(replicas)
+        answers = await three_turns(other, [5])  # on replica 1, while replica 0's kill waits
+        replicas.release.set()
+        return answers
+
+    async def both():
+        return await asyncio.gather(hung.generate([2], SamplingConfig(), 1, 8), answered_during_the_kill())
+
+    moved, others = asyncio.run(both())
+    assert replicas.kills == [(0, True)]  # the event loop was not held up by the kill
+    assert moved.token_ids == [1] and [c.token_ids for c in others] == [[1], [3], [5]]
+    assert "rank 0" in str(rollout.lost_errors[0]) and "worker_call_timeout_s" in str(rollout.lost_errors[0])
+    rollout.restart_lost()
+    assert rollout.pool.restarted == [[0]]
+
+
+def test_with_every_replica_lost_the_restart_waits_for_the_kill_under_way(tmp_path):
+    replicas = HungReplica(1)
+    rollout = with_short_deadline(replicas, tmp_path)
+    hung, later = Session(rollout, "hung"), Session(rollout, "later")
+
+    async def routed_during_the_kill() -> Completion:
+        await when_killing(replicas)
+        turn = asyncio.ensure_future(later.generate([3, 4], SamplingConfig(), 2, 8))
+        await asyncio.sleep(0)  # the turn runs until it waits: no live replica, one being killed
+        replicas.release.set()
+        return await turn
+
+    async def both():
+        return await asyncio.gather(hung.generate([2], SamplingConfig(), 1, 8), routed_during_the_kill())
+
+    answers = asyncio.run(both())
+    assert [c.token_ids for c in answers] == [[1], [2]]
+    assert rollout.pool.restarted == [[0]]  # once, after the kill: the killed replica was dead then

@@ -54,6 +54,7 @@ class RoutedAgentRollout:
         self.routes_file = Path(output_dir) / ROUTES_FILE
         self.routes_begun = False  # a fresh start's router.jsonl moved aside
         self.lost_errors: list[BaseException] = []  # of the replicas lost in the call under way
+        self.kills: list[asyncio.Future] = []  # of the call's hung replicas, each in a thread
         self.moved = 0  # turns routed off a lost replica since the last step's metrics
 
     def sync_weights(self, policy: Policy) -> None:
@@ -66,7 +67,7 @@ class RoutedAgentRollout:
     def generate(self, rows: DataProto) -> DataProto:
         """Every row's trajectory, its turns routed over the pool's replicas."""
         seeded = self.pool.seeded(rows)
-        self.sessions = {}
+        self.sessions, self.kills = {}, []
         batch = self.agents.generate_sequences(seeded)
         self.restart_lost()
         self.record(self.router.take_routes())
@@ -101,9 +102,22 @@ class RoutedAgentRollout:
             raise worker_error(err, replica, "generate_request") from err
         except TimeoutError:
             hung = call_timeout("rollout replica", replica, "generate_request", self.request_deadline)
-            group.kill_rank(replica)
             self.lose(replica, hung)
+            await self.kill(replica)
         return None
+
+    async def kill(self, replica: int) -> None:
+        """The hung replica's process killed in a thread: the kill waits for Ray to report the
+        process dead, and the other sessions' turns go on meanwhile."""
+        kill = asyncio.ensure_future(asyncio.to_thread(self.pool.group.kill_rank, replica))
+        self.kills.append(kill)
+        await kill
+
+    async def restart_every_lost(self) -> None:
+        """With no live replica left: once the kills under way are done (a replica still being killed
+        would count as alive), the lost replicas restarted."""
+        await asyncio.gather(*self.kills)
+        self.restart_lost()
 
     def lose(self, replica: int, err: BaseException) -> None:
         """The replica serves no more requests; its sessions move to the live ones."""
@@ -158,7 +172,7 @@ class Session:
         router, tokens = self.owner.router, len(ids) + max_new
         while True:
             if not router.live:  # every replica lost: restarted now, the loops waiting
-                self.owner.restart_lost()
+                await self.owner.restart_every_lost()
             replica = router.route(self.name, turn, tokens)
             try:
                 completion = await self.owner.request(replica, ids, sampling, seed, max_new)
