@@ -627,6 +627,13 @@ def pad_dataproto_to_divisor(data: DataProto, size_divisor: int) -> tuple[DataPr
     return data._take(indices), pad_size
 
 
+def answer_meta(meta_info: Mapping[str, Any]) -> dict[str, Any]:
+    """A call's meta_info as its answer carries it on: without the call's auto-padding request, so
+    that a later call on the answer (e.g. a training step on the generated batch) pads only where
+    its own caller asks."""
+    return {key: value for key, value in meta_info.items() if key != DataProtoConfig.auto_padding_key}
+
+
 def unpad_dataproto(data: DataProto, pad_size: int) -> DataProto:
     """Drop the last `pad_size` rows added by `pad_dataproto_to_divisor`.
 

@@ -48,7 +48,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from engines.rollout.config import RolloutConfig, SamplingConfig
-from hybridflow.protocol import DataProto
+from hybridflow.protocol import DataProto, answer_meta
 
 PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
 # Memory an engine can release and resume separately (SGLang's tags, sglang/srt/constants.py).
@@ -385,7 +385,7 @@ def assemble_rollout_output(
     if top_k is not None:
         tensors.update(_padded_top_k(top_k, mask))
     return DataProto.from_dict(
-        tensors=tensors, non_tensors=prompts.non_tensor_batch, meta_info=prompts.meta_info
+        tensors=tensors, non_tensors=prompts.non_tensor_batch, meta_info=answer_meta(prompts.meta_info)
     )
 
 

@@ -21,7 +21,7 @@ import torch
 
 from engines.rollout.base import unpadded_prompts, with_prefill_counts
 from hybridflow.agents.loop import TOOL_VERSION, Trajectory
-from hybridflow.protocol import DataProto
+from hybridflow.protocol import DataProto, answer_meta
 
 TRAJECTORY_METRICS = ("turns", "tool_calls", "tool_errors", "tool_tokens", "tool_responses_truncated")
 
@@ -65,7 +65,9 @@ def trajectories_to_batch(
         for name in TRAJECTORY_METRICS
     }
     batch = DataProto.from_dict(
-        tensors=tensors, non_tensors={**prompts.non_tensor_batch, **metrics}, meta_info=prompts.meta_info
+        tensors=tensors,
+        non_tensors={**prompts.non_tensor_batch, **metrics},
+        meta_info=answer_meta(prompts.meta_info),
     )
     return with_prefill_counts(
         batch, [t.prefill_tokens for t in trajectories], [t.cached_tokens for t in trajectories]

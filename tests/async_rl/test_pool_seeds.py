@@ -17,7 +17,7 @@ import torch
 
 from engines.rollout.base import ROW_KEY, SamplingPosition, SeededGenerationMixin, chunk_seed, row_seed
 from engines.rollout.config import RolloutConfig
-from hybridflow.protocol import DataProto, pad_dataproto_to_divisor
+from hybridflow.protocol import DataProto, DataProtoConfig, pad_dataproto_to_divisor
 from hybridflow.trainer.policy import Policy
 from hybridflow.trainer.rollout.pool import PoolRollout
 
@@ -199,3 +199,14 @@ def test_a_call_samples_the_same_on_one_process_as_split_over_two(two_process_po
     alone = ray.get(two_process_pool.group.actors[0].generate_sequences.remote(whole)).batch["responses"]
     assert torch.equal(split, alone), (split, alone)
     assert len({tuple(row.tolist()) for row in alone}) == 4, alone
+
+
+@pytest.mark.slow
+def test_a_call_the_processes_do_not_divide_answers_each_row_once(two_process_pool):
+    """5 rows on 2 processes: the call is padded with a copy of its first row for the split, and the
+    copy's answer dropped; the answer asks no later call to pad (a training step pads nothing)."""
+    rows = one_group(5)
+    answer = two_process_pool.generate(rows)
+    assert torch.equal(answer.batch["prompts"], rows.batch["input_ids"])  # (5, P): each row once, in order
+    assert len({tuple(row.tolist()) for row in answer.batch["responses"]}) == 5, answer.batch["responses"]
+    assert DataProtoConfig.auto_padding_key not in answer.meta_info

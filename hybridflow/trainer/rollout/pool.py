@@ -66,7 +66,7 @@ from engines.rollout.base import ROW_KEY, SamplingPosition, is_validation
 from engines.rollout.config import RolloutConfig
 from engines.weight_sync.common import WeightSyncError
 from engines.weight_sync.delta import DeltaStats
-from hybridflow.protocol import DataProto, DataProtoFuture
+from hybridflow.protocol import DataProto, DataProtoConfig, DataProtoFuture
 from hybridflow.single_controller.errors import CallDeadline, CallTimeout, WorkerError, call_timeout
 from hybridflow.trainer.policy import Policy
 from hybridflow.trainer.prompts import PromptBatches, StepPrompts
@@ -324,6 +324,9 @@ class PoolRollout:
         seed = self.position.next_seed(self.seed, is_validation(seeded.meta_info))
         seeded.meta_info.setdefault("seed", seed)
         seeded.non_tensor_batch[ROW_KEY] = np.arange(len(seeded))
+        # a call the processes do not divide (8 rows on 3) is padded with copies of its first rows,
+        # their answers dropped
+        seeded.meta_info[DataProtoConfig.auto_padding_key] = True
         return seeded
 
     def _retrying(self, call: Callable, again: Callable | None = None):
