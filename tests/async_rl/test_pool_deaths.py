@@ -1,4 +1,4 @@
-"""A rollout pool of vLLM CPU processes (2 or 4; trainer.placement=disaggregated, actor 1 process,
+"""A rollout pool of vLLM CPU processes (2 or 3; trainer.placement=disaggregated, actor 1 process,
 through scripts/run_recipe.sh) whose processes are SIGKILLed inside a generation, a checkpoint save
 and a weight transfer, in each async mode (sync, one_step, async with partial rollouts, stream), and
 a run that goes on. The condition, not a timing: the run's processes load held_calls/sitecustomize.py,
@@ -126,7 +126,7 @@ MODES = {
     "stream": (f"{KEY}.mode=stream", f"{KEY}.max_staleness=1", *OFF_POLICY),
 }
 BOUND = {"sync": 0, "one_step": 1, "async_partial": 2, "stream": 1}
-CASES = [(mode, processes) for processes in (2, 4) for mode in MODES]  # (mode, rollout processes)
+CASES = [(mode, processes) for processes in (2, 3) for mode in MODES]  # (mode, rollout processes)
 # where the samples do not depend on timing, the killed run must train what an unkilled one does
 DETERMINISTIC = ("sync", "one_step")
 # where each step's prompts do not depend on timing (a batch a step), only the responses may
