@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from hybridflow.utils.plotting import PLOTS, matching_keys
-from hybridflow.utils.tracking import Tracking, plot_metrics_file, read_metrics
+from hybridflow.utils.tracking import Tracking, plot_metrics_file, plots_due, read_metrics
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -146,6 +146,24 @@ def test_plots_are_refreshed_every_few_steps_and_hold_matching_metrics(tmp_path)
     for png in (tmp_path / "plots").glob("*.png"):
         assert png.read_bytes()[:8] == PNG_MAGIC
     assert not list((tmp_path / "plots").glob(".*tmp"))
+
+
+@pytest.mark.parametrize(
+    ("steps_since", "plot_every", "last_render_s", "since_render_s", "due"),
+    [
+        (5, 0, 0.0, 100.0, False),  # plot_every 0: only at close
+        (4, 5, 0.0, 100.0, False),  # too few steps since the last render
+        (5, 5, 0.0, 0.0, True),  # the first render: none to budget
+        (5, 5, 1.0, 5.0, False),  # 1 s of 6 s would be plots: more than a tenth
+        (30, 5, 1.0, 5.0, False),  # more steps do not lift the budget
+        (5, 5, 1.0, 9.0, True),  # 1 s of 10 s: a tenth
+        (7, 5, 0.5, 60.0, True),
+    ],
+)
+def test_plots_are_due_after_plot_every_steps_within_a_tenth_of_the_time(
+    steps_since, plot_every, last_render_s, since_render_s, due
+):
+    assert plots_due(steps_since, plot_every, last_render_s, since_render_s) is due
 
 
 def test_without_the_plots_backend_no_plot_is_drawn(tmp_path):

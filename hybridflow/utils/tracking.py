@@ -1,5 +1,6 @@
 """Where each step's metrics go: metrics.jsonl (always), the console, a progress bar, TensorBoard,
-Weights & Biases, and PNG plots refreshed every few steps.
+Weights & Biases, and PNG plots refreshed every few steps (and never for more than a tenth of the
+run's time).
 
     tracker = Tracking(output_dir, backends=["console", "progress", "plots"], total_steps=100)
     tracker.log({"reward/mean": 0.4, "val/accuracy": 0.5}, step=1)
@@ -17,12 +18,15 @@ import json
 import math
 import numbers
 import os
+import time
 from pathlib import Path
 
 from hybridflow.utils import plotting
 
 BACKENDS = ("console", "progress", "tensorboard", "wandb", "plots")
 METRICS_FILE = "metrics.jsonl"
+# the share of a run's wall time the periodic plot refreshes may take at most
+PLOT_TIME_SHARE = 0.1
 
 # Shown on the console line and progress bar when present, under these short names.
 HIGHLIGHTS = {
@@ -32,6 +36,18 @@ HIGHLIGHTS = {
     "response_length/mean": "resp_len",
     "timing/step": "step_s",
 }
+
+
+def plots_due(steps_since: int, plot_every: int, last_render_s: float, since_render_s: float) -> bool:
+    """Whether the periodic plots are due: `plot_every` steps logged since the last render (0:
+    never), and as long since it as PLOT_TIME_SHARE allows for its rendering time. With steps of a
+    fraction of a second (a tiny model on CPU) a render every 5 steps would cost as much as the
+    steps themselves; with steps of minutes `plot_every` decides alone."""
+    return (
+        bool(plot_every)
+        and steps_since >= plot_every
+        and last_render_s <= PLOT_TIME_SHARE * (last_render_s + since_render_s)
+    )
 
 
 def to_float(value) -> float:
@@ -110,7 +126,8 @@ class Tracking:
     backends: any of "console" (one line per step), "progress" (a tqdm bar showing step, reward,
     accuracy), "tensorboard" (<output_dir>/tensorboard), "wandb" (<output_dir>/wandb; WANDB_MODE,
     WANDB_API_KEY etc. as wandb reads them), "plots" (<output_dir>/plots/*.png, rendered at close
-    and every `plot_every` logged steps; 0: only at close).
+    and every `plot_every` logged steps, or less often where rendering would take more than
+    PLOT_TIME_SHARE of the time: `plots_due`; 0: only at close).
     """
 
     def __init__(
@@ -139,6 +156,7 @@ class Tracking:
         self.backends = list(backends)
         self.history = self._resume_history(resume_step)
         self._steps_since_plot = 0
+        self._last_render = (0.0, 0.0)  # (seconds it took, time.monotonic() when it ended)
         self._latest = {}  # last value of each highlighted metric, for the progress bar
         self._jsonl = open(self.metrics_path, "a")  # noqa: SIM115 (kept open for the run)
         self._tensorboard = self._open_tensorboard(resume_step) if "tensorboard" in backends else None
@@ -197,7 +215,10 @@ class Tracking:
             self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=step)
         self._show(record)
         self._steps_since_plot += 1
-        if self.plots and self.plot_every and self._steps_since_plot >= self.plot_every:
+        render_s, ended = self._last_render
+        if self.plots and plots_due(
+            self._steps_since_plot, self.plot_every, render_s, time.monotonic() - ended
+        ):
             self.refresh_plots()
 
     def _show(self, record: dict) -> None:
@@ -217,7 +238,11 @@ class Tracking:
     def refresh_plots(self) -> list[Path]:
         """Re-render the PNG plots from every record so far; returns the files written."""
         self._steps_since_plot = 0
-        return plotting.plot_metrics(self.history, self.plots_dir)
+        start = time.monotonic()
+        files = plotting.plot_metrics(self.history, self.plots_dir)
+        end = time.monotonic()
+        self._last_render = (end - start, end)
+        return files
 
     def close(self) -> None:
         """Final plots (with the "plots" backend), then flush and close every backend."""
