@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from filelock import FileLock
-from gsm8k_tiny import gsm8k_inputs
+from gsm8k_tiny import gsm8k_inputs, make_gsm8k_inputs
 from learning_runs import RUN_TIMEOUT_S, run_sft_warm_start, warm_start_overrides
 from process_group import run_recipe_script
 from recipe_runs import workers_import_from
@@ -61,11 +61,14 @@ def ray_cluster(worker_modules):
     ray.shutdown()
 
 
-@pytest.fixture(scope="module")
-def gsm8k_local(tmp_path_factory, ray_cluster) -> dict:
-    """A test module's tiny GSM8K inputs (tests/gsm8k_tiny.py); its recipe runs go in process on this
-    worker's Ray cluster (tests/recipe_runs.py)."""
-    return gsm8k_inputs(tmp_path_factory.mktemp("gsm8k_local"))
+@pytest.fixture(scope="session")
+def gsm8k_local(tmp_path_factory, worker_id, ray_cluster) -> dict:
+    """The tiny GSM8K inputs (tests/gsm8k_tiny.py), made once per pytest run (made_once); the recipe
+    runs of the tests that use them go in process on this worker's Ray cluster (tests/recipe_runs.py).
+    Tests may add their own reward modules to its `root`, each under a name of its own."""
+    root = run_shared_dir(tmp_path_factory, worker_id) / "gsm8k_local"
+    made_once(root, make_gsm8k_inputs)
+    return gsm8k_inputs(root)
 
 
 @pytest.fixture(scope="session")

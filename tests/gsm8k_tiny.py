@@ -4,7 +4,7 @@ scripts/prepare_gsm8k.py, and a reward module that gives a random model a signal
 A random tiny model never answers GSM8K, so every rule reward would be 0 and no update would move
 the policy; the runs use a custom reward (the share of digits in the response, loaded by dotted
 path) so that advantages, gradients and the policy-reference KL after the first update are nonzero.
-tests/conftest.py's `gsm8k_local` fixture builds the inputs once per test module."""
+tests/conftest.py's `gsm8k_local` fixture builds the inputs once per pytest run."""
 
 import os
 import subprocess
@@ -27,13 +27,18 @@ def seven(data_source, solution_str, ground_truth, extra_info):
 """
 
 
-def gsm8k_inputs(root: Path) -> dict:
-    """Under `root`: GSM8K parquet files (`data`), the tiny model (`model`) and digit_reward.py
-    (`root`, the runs' pythonpath)."""
+def make_gsm8k_inputs(root: Path) -> None:
+    """Writes under `root` what gsm8k_inputs names."""
     prepare = [ROOT / "scripts/prepare_gsm8k.py", "--local_dir", gsm8k_dir(), "--out", root / "gsm8k"]
     subprocess.run([sys.executable, *prepare], check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     (root / "digit_reward.py").write_text(DIGIT_REWARD)
-    return {"model": str(make_tiny_model(root / "tiny")), "data": root / "gsm8k", "root": root}
+    make_tiny_model(root / "tiny")
+
+
+def gsm8k_inputs(root: Path) -> dict:
+    """Under `root`: GSM8K parquet files (`data`), the tiny model (`model`) and digit_reward.py
+    (`root`, the runs' pythonpath)."""
+    return {"model": str(root / "tiny"), "data": root / "gsm8k", "root": root}
 
 
 # the actor on one process and a rollout pool of one process beside it (trainer.placement)
