@@ -2,14 +2,12 @@
 quickstart's SFT warm start."""
 
 import os
-import shutil
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from filelock import FileLock
 from gsm8k_tiny import gsm8k_inputs, make_gsm8k_inputs
 from learning_runs import RUN_TIMEOUT_S, run_sft_warm_start, warm_start_overrides
+from made_once import made_once, run_shared_dir
 from process_group import run_recipe_script
 from recipe_runs import workers_import_from
 from working_tree import build_quickstart_working_tree
@@ -94,14 +92,6 @@ def module_in_quickstart_working_tree(quickstart_working_tree):
         yield quickstart_working_tree
 
 
-def run_shared_dir(tmp_path_factory, worker_id: str) -> Path:
-    """A directory shared by this run's pytest-xdist workers (their base temporary directories'
-    parent is the run's own), or this process's base directory when xdist is off: never one an
-    earlier run left."""
-    base = tmp_path_factory.getbasetemp()
-    return base if worker_id == "master" else base.parent
-
-
 @pytest.fixture(scope="session")
 def quickstart_warm_start(tmp_path_factory, worker_id):
     """The quickstart's stage 1, run once per pytest run whichever worker asks first (the others
@@ -132,16 +122,6 @@ def quickstart_teacher(quickstart_warm_start, tmp_path_factory, worker_id):
     made_once(root, lambda out: make_teacher(quickstart_warm_start, out))
     accuracy = [r["val/accuracy"] for r in read_metrics(root / "metrics.jsonl") if "val/accuracy" in r]
     return {"hf": root / "hf", "accuracy": accuracy[-1]}
-
-
-def made_once(root: Path, make: Callable[[Path], None]) -> None:
-    """`make(root)` once for the whole run, whichever pytest-xdist worker asks first: the others
-    wait on a file lock and find it done; a worker's failed attempt is removed and made again."""
-    with FileLock(f"{root}.lock"):
-        if not (root / "done").exists():
-            shutil.rmtree(root, ignore_errors=True)
-            make(root)
-            (root / "done").touch()
 
 
 def make_teacher(warm_start: dict, root: Path) -> None:

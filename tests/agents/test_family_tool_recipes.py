@@ -9,13 +9,13 @@ batch the trainer scores holds the sampled ids, then the tool response as the te
 that conversation."""
 
 import json
-import os
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from family_models import ANSWERS, CALL_TURN, QUESTION, RUN_FAMILIES, SCHEMAS, episode, make_family_models
-from filelock import FileLock
+from made_once import made_once, run_shared_dir
 from recipe_runs import run_recipe_in_process
 from transformers import AutoTokenizer
 
@@ -29,17 +29,17 @@ def write_rows(path) -> str:
 
 
 @pytest.fixture(scope="session")
-def family_models(tmp_path_factory):
-    """Fitted once per test run; under pytest-xdist the first worker to get the lock fits them."""
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # pytest-N/, above each worker's popen-gwK/
-    done = root / "family_models" / "fitted.json"
-    with FileLock(root / "family_models.lock"):
-        if not done.exists():
-            dirs = make_family_models(root / "family_models")
-            done.write_text(json.dumps({name: str(path) for name, path in dirs.items()}))
-    return json.loads(done.read_text())
+def family_models(tmp_path_factory, worker_id):
+    """Fitted once per pytest run (made_once): under pytest-xdist the first worker to ask fits them."""
+    root = run_shared_dir(tmp_path_factory, worker_id) / "family_models"
+    made_once(root, write_family_models)
+    return json.loads((root / "fitted.json").read_text())
+
+
+def write_family_models(root: Path) -> None:
+    """The family models under `root`, and fitted.json: {family name: model directory}."""
+    dirs = make_family_models(root)
+    (root / "fitted.json").write_text(json.dumps({name: str(path) for name, path in dirs.items()}))
 
 
 @pytest.fixture
