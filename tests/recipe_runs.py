@@ -9,8 +9,8 @@ a test of the run's outcome (metrics, checkpoints, exports, the `error:` line of
 runs here; a test of the process (signals, SIGKILL, disk full, Slurm, the shell's exit code)
 starts one with `run_recipe_script`.
 
-The cluster is tests/conftest.py's session-scoped `ray_cluster` (request it through the
-`recipe_in_process` fixture). `main` leaves a connection its caller made to the caller. What a
+The cluster is tests/conftest.py's session-scoped `ray_cluster`: a test requests it, itself or
+through a fixture of its own. `main` leaves a connection its caller made to the caller. What a
 run changes in this process is put back after it: the signal handlers main installs, the working
 directory, `sys.path` and the modules imported from `pythonpath` (two test files may each write a
 reward module of the same name). `pythonpath` reaches the driver only: worker processes see none of

@@ -29,6 +29,7 @@ import pytest
 import torch
 from hf_weights import load_hf_tensors
 from process_group import run_and_kill_at_step, run_in_own_session
+from recipe_runs import run_recipe_in_process
 from run_outputs import without_uids
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -38,6 +39,7 @@ from hybridflow.utils.tiny_model import make_tiny_model
 from hybridflow.utils.tracking import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
+RECIPE = "recipes/quickstart.yaml"
 TOTAL_STEPS = 6
 KILL_AFTER_STEP = 3  # > the first checkpoint (save_freq 2)
 WALL_CLOCK_PREFIXES = ("timing/", "throughput/")
@@ -49,7 +51,7 @@ def digit_share(data_source, solution_str, ground_truth, extra_info):
 
 
 @pytest.fixture(scope="module")
-def local(tmp_path_factory) -> dict:
+def local(tmp_path_factory, ray_cluster) -> dict:
     root = tmp_path_factory.mktemp("resume")
     (root / "resume_reward.py").write_text(DIGIT_REWARD)
     data = write_arith_parquet(root / "data", ArithConfig(num_train=64, num_test=8, seed=5))
@@ -111,12 +113,19 @@ ALGORITHMS = {
 
 
 def command(local: dict, output_dir: Path, algorithm: str) -> list[str]:
-    """The quickstart recipe made tiny: TP 2 over 2 processes, 4 prompts x 4 samples, 6 steps,
-    a checkpoint every 2 steps, validation every 3, HF export at the end."""
+    """`scripts/run_recipe.sh` with the recipe and its overrides."""
     return [
         "bash",
         str(ROOT / "scripts/run_recipe.sh"),
-        str(ROOT / "recipes/quickstart.yaml"),
+        str(ROOT / RECIPE),
+        *overrides(local, output_dir, algorithm),
+    ]
+
+
+def overrides(local: dict, output_dir: Path, algorithm: str) -> list[str]:
+    """The quickstart recipe made tiny: TP 2 over 2 processes, 4 prompts x 4 samples, 6 steps,
+    a checkpoint every 2 steps, validation every 3, HF export at the end."""
+    return [
         f"model.path={local['model']}",
         f"data.train_files=[{local['data']['train']}]",
         f"data.val_files=[{local['data']['test']}]",
@@ -151,10 +160,17 @@ def environment(local: dict) -> dict:
 
 
 def run_to_end(local: dict, output_dir: Path, algorithm: str) -> str:
-    """Runs to the end; returns stdout."""
+    """Runs to the end with `scripts/run_recipe.sh`; returns stdout."""
     result = run_in_own_session(command(local, output_dir, algorithm), env=environment(local), timeout=1200)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout
+
+
+def run_uninterrupted(local: dict, output_dir: Path, algorithm: str) -> None:
+    """The reference: the same run, never killed, in this process on the pytest worker's Ray cluster
+    (what it is compared on does not depend on the process it ran in)."""
+    result = run_recipe_in_process(RECIPE, overrides(local, output_dir, algorithm), pythonpath=local["root"])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
 def run_and_kill_after(local: dict, output_dir: Path, step: int, algorithm: str) -> None:
@@ -185,7 +201,7 @@ def test_killed_run_resumes_to_the_same_metrics_and_weights(local, tmp_path, alg
     killed_samples = read_samples(resumed_dir)[:resume_step]
 
     out = run_to_end(local, resumed_dir, algorithm)  # the same command again: resume_mode auto
-    run_to_end(local, reference_dir, algorithm)
+    run_uninterrupted(local, reference_dir, algorithm)
 
     checkpoint = resumed_dir / "checkpoints" / killed_latest
     assert f"resumed from {checkpoint} at step {resume_step}" in out

@@ -7,7 +7,8 @@ holds the call there until the test releases it, so the kill lands with the call
 - Killed once, at step 2 (policy version 1): the pool restarts the process, checks the fresh
   engine's log-probs of fixed tokens against the actor's (within 1e-4), generates the lost call
   again with its seed, and the run finishes its 3 steps having trained exactly what an unkilled
-  run trains (the same samples, step by step: the same metrics and sample versions).
+  run trains (the same samples, step by step: the same metrics and sample versions). The unkilled
+  run is the reference only, so it runs in the test's own process (tests/recipe_runs.py).
 - The same in trainer.async_training.mode=stream (one generation call per group, several in flight
   on the process): killed while its first call holds its tokens, the lost groups are generated
   again on the restarted process, and the run trains its 3 steps of whole groups within the
@@ -25,9 +26,10 @@ from pathlib import Path
 import pytest
 from held_calls.control import held_environment, held_generation, kill, release
 from multinode_helpers import processes_with_env
+from recipe_runs import run_recipe_in_process
 from run_outputs import step_records, trained_steps, without_restarts
 from run_processes import cleanup
-from tiny_run import command, environment, tiny_run_inputs
+from tiny_run import RECIPE, command, environment, overrides, tiny_run_inputs
 
 pytestmark = pytest.mark.slow
 
@@ -79,7 +81,9 @@ def output_of(out: Path) -> str:
     return (out.parent / f"{out.name}.log").read_text()
 
 
-def test_a_rollout_process_killed_mid_generation_is_restarted_and_the_run_trains_the_same(local, tmp_path):
+def test_a_rollout_process_killed_mid_generation_is_restarted_and_the_run_trains_the_same(
+    local, ray_cluster, tmp_path
+):
     killed, hold, marker = tmp_path / "killed", tmp_path / "hold", uuid.uuid4().hex
     with running(local, killed, hold, "1,2", marker) as proc:
         pid, _ = held_generation(hold, proc, "1")  # step 1's generation: let it go
@@ -90,9 +94,9 @@ def test_a_rollout_process_killed_mid_generation_is_restarted_and_the_run_trains
     records = step_records(killed)
     assert [r["rollout/engine_restarts"] for r in records] == [0, 1, 1]
     assert records[1]["rollout/restart_log_prob_diff"] <= 1e-4  # the fresh engine serves version 1
-    plain, marker = tmp_path / "plain", uuid.uuid4().hex
-    with running(local, plain, tmp_path / "plain_hold", "", marker) as proc:
-        finishes(proc, tmp_path / "plain_hold", plain)
+    plain = tmp_path / "plain"  # the unkilled run, in this process: its subject is not a process
+    done = run_recipe_in_process(RECIPE, overrides(local, plain, *OVERRIDES), pythonpath=local["root"])
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     seconds = [json.loads(line)["timing/step"] for line in (plain / "metrics.jsonl").read_text().splitlines()]
     restart = records[1]
     print(

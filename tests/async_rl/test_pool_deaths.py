@@ -26,8 +26,9 @@ on timing (sync, one_step, async: a batch a step) the prompts an unkilled run in
 trains, step by step. Where the samples do not depend on timing either (sync, one_step) the killed
 run trained exactly what the unkilled run trains: the same samples, metrics and sample versions.
 The unkilled run is made once per mode, on a pool of 2: a seeded call's samples do not depend on
-the number of processes (each row is seeded by its index in the call), so it is the reference. A
-pool of 3 splits a step's 8 rows unevenly, and each kill leaves 2 survivors.
+the number of processes (each row is seeded by its index in the call), so it is the reference (run
+in the test's own process). A pool of 3 splits a step's 8 rows unevenly, and each kill leaves 2
+survivors.
 """
 
 import json
@@ -41,9 +42,10 @@ from pathlib import Path
 import pytest
 from held_calls.control import held_environment, held_generation, holders, kill, release
 from multinode_helpers import processes_with_env
+from recipe_runs import run_recipe_in_process
 from run_outputs import step_records, trained_steps, without_restarts, without_uids
 from run_processes import cleanup, wait_for
-from tiny_run import command, environment, tiny_run_inputs
+from tiny_run import RECIPE, command, environment, overrides, tiny_run_inputs
 from transformers import AutoTokenizer
 
 from hybridflow.trainer.samples import read_samples
@@ -76,17 +78,19 @@ def tokenizer(local):
 
 
 @pytest.fixture(scope="module")
-def unkilled(local, tmp_path_factory) -> Callable[[str], Path]:
-    """The output of an unkilled run in a mode on a pool of 2, run once per mode for the module."""
+def unkilled(local, ray_cluster, tmp_path_factory) -> Callable[[str], Path]:
+    """The output of an unkilled run in a mode on a pool of 2, run once per mode for the module. It
+    is the reference only, so it runs in the test's own process (tests/recipe_runs.py)."""
     outputs: dict[str, Path] = {}
 
     def output(mode: str) -> Path:
         if mode not in outputs:
             out = tmp_path_factory.mktemp(f"unkilled_{mode}") / "run"
-            with running(
-                local, out, out.parent / "hold", "", "trainer.rollout_pool.n_gpus_per_node=2", *MODES[mode]
-            ):
-                pass
+            pool = ("trainer.rollout_pool.n_gpus_per_node=2", *MODES[mode])
+            done = run_recipe_in_process(
+                RECIPE, overrides(local, out, *OVERRIDES, *pool), pythonpath=local["root"]
+            )
+            assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
             outputs[mode] = out
         return outputs[mode]
 
